@@ -1,0 +1,27 @@
+# Two commands for a fresh clone on a CPU machine (each sets up .venv itself):
+#   make demo   dispersion profile of SmolLM2-135M over Python's own documentation
+#   make test   the test suite, offline
+VENV ?= .venv
+PYTEST_ARGS ?=
+export HF_HUB_OFFLINE = 1
+export HF_DATASETS_OFFLINE = 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS = 1
+
+.PHONY: test demo venv bench clean
+
+venv:
+	bash scripts/bootstrap.sh dev
+
+test: venv
+	$(VENV)/bin/python -m pytest -n 2 $(PYTEST_ARGS)
+
+demo:
+	bash scripts/bootstrap.sh demo
+	$(VENV)/bin/repgeom demo
+
+bench: venv
+	$(VENV)/bin/python benchmarks/bench_dispersion.py
+	$(VENV)/bin/python benchmarks/bench_capture.py
+
+clean:
+	rm -rf $(VENV) repgeom-demo .pytest_cache

@@ -1,0 +1,37 @@
+"""``repgeom plugins``: everything registered, where it came from, and which plugins failed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable list of objects")
+    p.add_argument("--kind", default=None, help="only this kind (metric, architecture, layer_selector, aux_loss, "
+                                               "token_set, command, plugin)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from repgeom_eval.plugin_host import get_host
+
+    host = get_host()
+    rows = [r for r in host.listing() if args.kind in (None, r["kind"])]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title="repgeom-eval plugins")
+    for col in ("name", "kind", "plugin", "distribution", "description"):
+        table.add_column(col)
+    for r in rows:
+        style = "red" if "error" in r else None
+        desc = r.get("error") or r["description"]
+        table.add_row(r["name"], r["kind"], r["plugin"], r["distribution"] or "—", desc, style=style)
+    Console().print(table)
+    if host.failures:
+        Console(stderr=True).print(f"[red]{len(host.failures)} plugin(s) failed to load[/red] "
+                                   "(set REPGEOM_STRICT_PLUGINS=1 to make this fatal)")
+    return 0

@@ -1,0 +1,32 @@
+"""Built-in ``repgeom`` sub-commands. The glue lives in ``repgeom_eval.entrypoints``; it is imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from repgeom_eval import Command, hookimpl
+
+
+def _lazy(module: str) -> tuple:
+    def configure(parser):
+        importlib.import_module(f"repgeom_eval.entrypoints.{module}").configure(parser)
+
+    def run(args):
+        return importlib.import_module(f"repgeom_eval.entrypoints.{module}").run(args)
+
+    return configure, run
+
+
+COMMANDS = {
+    "measure": ("measure_cmd", "Measure geometry metrics at layer addresses over a text file."),
+    "plugins": ("plugins_cmd", "List registered metrics, architectures, selectors, commands and failed plugins."),
+    "addresses": ("addresses_cmd", "Show the layer addresses a model supports and the module each one hooks."),
+    "demo": ("demo_cmd", "Dispersion profile of SmolLM2-135M over text that ships with Python (no arguments)."),
+}
+
+
+@hookimpl
+def repgeom_register_commands(registry):
+    for name, (module, help_text) in COMMANDS.items():
+        configure, run = _lazy(module)
+        registry.add(Command(name, help_text, configure, run), name=name, description=help_text)

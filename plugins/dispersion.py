@@ -1,0 +1,121 @@
+"""Dispersion metrics (paper A): across texts (``dispersion``) and within each text (``token_dispersion``)."""
+
+from __future__ import annotations
+
+import torch
+
+from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
+from repgeom_eval.functional import dispersion_from_sums, token_dispersion, unit
+
+
+class Dispersion(Metric):
+    """Mean pairwise cosine distance across texts, one pooled vector per text (paper A Eq. 1).
+
+    Streaming through the O(N·d) identity: the state is S = Σu (d floats), Q = Σ‖u‖² and the count, so memory does
+    not grow with the number of texts. With ``per_text=True`` the unit vectors are kept as well, to give each text
+    its score c_i = mean distance to the others (spec §1.4); with ``tokens`` pooling c_i is averaged over the text's
+    tokens.
+    """
+
+    name = "dispersion"
+    consumes = Consumes.POOLED
+
+    def __init__(self, per_text: bool = False):
+        super().__init__()
+        self.per_text = per_text
+        self.add_state("sum_u", torch.zeros(0, dtype=torch.float64), "sum")
+        self.add_state("sum_sq", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum")
+        if per_text:
+            self.add_state("units", [], "cat")
+            self.add_state("index", [], "cat")
+
+    def update(self, batch: LayerBatch) -> None:
+        assert batch.pooled is not None
+        u = unit(batch.pooled.double())
+        s = u.sum(0)
+        self.sum_u = s if self.sum_u.numel() == 0 else self.sum_u + s
+        sq = (u * u).sum(-1)
+        self.sum_sq = self.sum_sq + sq.sum()
+        self.n = self.n + u.shape[0]
+        self.n_zero = self.n_zero + (sq == 0).sum()
+        if self.per_text:
+            self.units.append(u)
+            self.index.append(batch.index.to(torch.float64))
+
+    def compute(self) -> float:
+        if self.sum_u.numel() == 0:
+            return float("nan")
+        return float(dispersion_from_sums(self.sum_u, self.sum_sq, self.n))
+
+    def per_text_results(self):
+        if not self.per_text or not self.units:
+            return None
+        u = torch.cat(self.units)
+        idx = torch.cat(self.index).long()
+        n = u.shape[0]
+        if n < 2:
+            c = torch.full((n,), float("nan"), dtype=torch.float64)
+        else:
+            c = 1.0 - (u @ self.sum_u - (u * u).sum(-1)) / (n - 1)
+        texts, owner = torch.unique(idx, return_inverse=True)
+        if texts.numel() != n:  # several vectors per text (tokens pooling): average c over each text's tokens
+            total = torch.zeros(texts.numel(), dtype=torch.float64).index_add_(0, owner, c)
+            count = torch.zeros(texts.numel(), dtype=torch.float64).index_add_(0, owner, torch.ones_like(c))
+            c = total / count
+            idx = texts
+        return {"dispersion": (idx, c)}
+
+    def diagnostics(self):
+        return {"n_vectors": int(self.n), "n_zero_vectors": int(self.n_zero)}
+
+
+class TokenDispersion(Metric):
+    """Dispersion of the token vectors within each text, averaged over texts (paper A's public code, spec §2.1).
+
+    Pad positions are excluded; texts with fewer than 2 tokens are skipped and counted. State: the sum of the
+    per-text values and the count.
+    """
+
+    name = "token_dispersion"
+    consumes = Consumes.TOKENS
+
+    def __init__(self, per_text: bool = False):
+        super().__init__()
+        self.per_text = per_text
+        self.add_state("total", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum")
+        if per_text:
+            self.add_state("values", [], "cat")
+            self.add_state("index", [], "cat")
+
+    def update(self, batch: LayerBatch) -> None:
+        assert batch.hidden is not None and batch.mask is not None
+        values, _ = token_dispersion(batch.hidden, batch.mask)
+        values = values.cpu()
+        ok = ~torch.isnan(values)
+        self.total = self.total + values[ok].sum()
+        self.count = self.count + ok.sum()
+        self.skipped = self.skipped + (~ok).sum()
+        if self.per_text:
+            self.values.append(values)
+            self.index.append(batch.index.to(torch.float64))
+
+    def compute(self) -> float:
+        return float(self.total / self.count) if self.count > 0 else float("nan")
+
+    def per_text_results(self):
+        if not self.per_text or not self.values:
+            return None
+        return {"token_dispersion": (torch.cat(self.index).long(), torch.cat(self.values))}
+
+    def diagnostics(self):
+        return {"n_texts": int(self.count), "n_skipped_short": int(self.skipped)}
+
+
+@hookimpl
+def repgeom_register_metrics(registry):
+    registry.add(Dispersion)
+    registry.add(TokenDispersion)

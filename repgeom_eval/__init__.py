@@ -1,0 +1,41 @@
+"""repgeom-eval: representation-geometry metrics for language models, as a plugin harness.
+
+Quick start::
+
+    import repgeom_eval as rg
+    result = rg.measure("path/to/model", ["first text", "second text", "third"], layers="all",
+                        metrics=["dispersion", "token_dispersion"])
+    result.results["final"]["dispersion"]
+"""
+
+__version__ = "0.1.0"
+
+from .hookspecs import hookimpl  # noqa: E402  (plugins need this before anything heavy)
+from .architectures import ArchitectureSpec, SiteHook, post_ln_encoder, pre_ln_decoder  # noqa: E402
+from .errors import RepgeomError, UnknownNameError  # noqa: E402
+from .metric import Consumes, LayerBatch, Metric  # noqa: E402
+from .registry import Command  # noqa: E402
+
+
+def __getattr__(name: str):
+    # Heavy pieces (transformers) load lazily so `import repgeom_eval` in a plugin stays cheap.
+    if name in {"measure", "MeasureResult"}:
+        from . import pipeline as _m
+
+        return getattr(_m, name)
+    if name in {"load_model", "LoadedModel", "ModelInfo"}:
+        from . import models as _models
+
+        return getattr(_models, name)
+    if name in {"get_host", "PluginHost"}:
+        from . import plugin_host
+
+        return getattr(plugin_host, name)
+    raise AttributeError(f"module 'repgeom_eval' has no attribute {name!r}")
+
+
+__all__ = [
+    "ArchitectureSpec", "Command", "Consumes", "LayerBatch", "Metric", "RepgeomError", "SiteHook",
+    "UnknownNameError", "hookimpl", "measure", "MeasureResult", "load_model", "LoadedModel", "ModelInfo",
+    "get_host", "PluginHost", "post_ln_encoder", "pre_ln_decoder", "__version__",
+]

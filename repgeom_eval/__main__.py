@@ -1,0 +1,5 @@
+import sys
+
+from repgeom_eval.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,216 @@
+"""Layer addresses: parsing the grammar of spec §9.8 and resolving it to hook points on a model.
+
+Grammar (items separated by commas or given as a list)::
+
+    site:layer     site ∈ resid_pre, attn_out, resid_mid, mlp_in, mlp_out, resid_post
+                   layer = 3 | -1 | * | [0,4,-1]     (0-based block index, negative counts from the end)
+    embed          hidden_states[0]
+    final          last_hidden_state (after the final norm where the model has one)
+    k              a bare integer: exactly hidden_states[k] (k = 0 → embed, k = L or -1 → final,
+                   otherwise resid_post:k-1)
+    NAME           a registered layer selector, e.g. ``all`` (every hidden state) or ``blocks``
+
+Results store only the canonical form (``resid_post:11``, ``final``, ``embed``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .architectures import SITES, SiteHook
+from .errors import RepgeomError, UnknownNameError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .models import LoadedModel, ModelInfo
+
+ALIASES = ("embed", "final")
+_SITE_ORDER = {s: i for i, s in enumerate(SITES)}
+
+
+@dataclass(frozen=True)
+class Address:
+    """A canonical layer address: ``site`` is one of SITES, ``"embed"`` or ``"final"``."""
+
+    site: str
+    layer: int | None = None
+
+    def __str__(self) -> str:
+        return self.site if self.layer is None else f"{self.site}:{self.layer}"
+
+    def depth_key(self, n_layers: int) -> tuple[int, int]:
+        """Execution order, for sorting tables and plots by depth."""
+        if self.site == "embed":
+            return (-1, 0)
+        if self.site == "final":
+            return (n_layers, 0)
+        return (self.layer or 0, _SITE_ORDER[self.site])
+
+
+def _split_items(spec: str | Sequence[str]) -> list[str]:
+    """Split on commas that are not inside brackets; accept a string or a list of strings."""
+    parts = [spec] if isinstance(spec, str) else list(spec)
+    items: list[str] = []
+    for part in parts:
+        depth, cur = 0, ""
+        for ch in str(part):
+            depth += ch == "["
+            depth -= ch == "]"
+            if ch == "," and depth == 0:
+                items.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        items.append(cur)
+    return [i.strip() for i in items if i.strip()]
+
+
+def _parse_int(text: str, what: str) -> int:
+    if not re.fullmatch(r"[+-]?\d+", text.strip()):
+        raise RepgeomError(f"bad layer address {what!r}: {text.strip()!r} is not an integer, '*' or a list like [0,3,-1]")
+    return int(text)
+
+
+def parse_layers(
+    spec: str | Sequence[str],
+    n_layers: int,
+    selectors: Callable[[str], Callable[..., Iterable[str]] | None] | None = None,
+    model_info: "ModelInfo | None" = None,
+    _depth: int = 0,
+) -> list[Address]:
+    """Parse a layer specification into canonical addresses (deduplicated, order preserved).
+
+    Args:
+        spec: e.g. ``"resid_post:*"``, ``"final,3"``, ``["mlp_in:[0,-1]", "embed"]``.
+        n_layers: number of blocks L of the model.
+        selectors: looks up a named layer selector (returns ``None`` if unknown).
+        model_info: passed to selectors.
+    """
+    out: list[Address] = []
+    for item in _split_items(spec):
+        for addr in _parse_item(item, n_layers, selectors, model_info, _depth):
+            if addr not in out:
+                out.append(addr)
+    if not out:
+        raise RepgeomError("no layer address given; try --layers final, --layers all or --layers resid_post:*")
+    return out
+
+
+def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth: int) -> list[Address]:
+    if item in ALIASES:
+        return [Address(item)]
+    if re.fullmatch(r"[+-]?\d+", item):
+        return [hidden_state_address(int(item), n_layers)]
+    site, sep, layer_spec = item.partition(":")
+    site = site.strip()
+    if not sep:
+        selector = selectors(site) if selectors is not None else None
+        if selector is not None:
+            if depth > 5:
+                raise RepgeomError(f"layer selector {site!r} expands recursively")
+            return parse_layers(list(selector(model_info)), n_layers, selectors, model_info, depth + 1)
+        if site in SITES:
+            raise RepgeomError(f"layer address {site!r} needs a layer: {site}:3, {site}:-1, {site}:* or {site}:[0,-1]")
+        raise UnknownNameError(
+            "layer address", site, list(SITES) + list(ALIASES) + ["<integer>"],
+            "addresses look like resid_post:11, mlp_in:-1, resid_mid:*, embed, final or a bare hidden-state index",
+        )
+    if site not in SITES:
+        raise UnknownNameError("layer-address site", site, SITES, f"in {item!r}")
+    layer_spec = layer_spec.strip()
+    if layer_spec == "*":
+        layers = list(range(n_layers))
+    elif layer_spec.startswith("[") and layer_spec.endswith("]"):
+        layers = [_parse_int(x, item) for x in layer_spec[1:-1].split(",") if x.strip()]
+    else:
+        layers = [_parse_int(layer_spec, item)]
+    out = []
+    for layer in layers:
+        if not -n_layers <= layer < n_layers:
+            raise RepgeomError(
+                f"layer {layer} in {item!r} is out of range: the model has {n_layers} blocks "
+                f"(valid: 0..{n_layers - 1} or -{n_layers}..-1)"
+            )
+        out.append(Address(site, layer % n_layers))
+    return out
+
+
+def hidden_state_address(k: int, n_layers: int) -> Address:
+    """The canonical address of ``hidden_states[k]`` (negative k counts from the end, -1 = final)."""
+    if not -(n_layers + 1) <= k <= n_layers:
+        raise RepgeomError(
+            f"hidden-state index {k} is out of range: the model has {n_layers + 1} hidden states "
+            f"(valid: 0..{n_layers} or -{n_layers + 1}..-1)"
+        )
+    k %= n_layers + 1
+    if k == 0:
+        return Address("embed")
+    if k == n_layers:
+        return Address("final")
+    return Address("resid_post", k - 1)
+
+
+@dataclass(frozen=True)
+class HookPoint:
+    """A concrete place to read a tensor: a module's input or output."""
+
+    module_name: str  # qualified name inside the model
+    direction: str  # "input" or "output"
+
+
+def _get_submodule(root: nn.Module, path: str, what: str) -> nn.Module:
+    try:
+        return root.get_submodule(path) if path else root
+    except AttributeError:
+        raise RepgeomError(f"{what}: module {path!r} not found in {type(root).__name__}; "
+                           "the architecture table does not match this model") from None
+
+
+def resolve(addresses: Sequence[Address], loaded: "LoadedModel") -> dict[Address, HookPoint]:
+    """Map canonical addresses to hook points of ``loaded.model``; errors name the valid choices."""
+    spec, config = loaded.spec, loaded.model.config
+    base = loaded.model.base_model
+    prefix = "" if base is loaded.model else loaded.model.base_model_prefix + "."
+    blocks_path = spec.blocks
+    blocks = _get_submodule(base, blocks_path, f"architecture {spec.name!r}")
+    n_layers = len(blocks)  # type: ignore[arg-type]
+    missing = spec.missing_sites(config)
+    out: dict[Address, HookPoint] = {}
+    for addr in addresses:
+        if addr.site == "embed":
+            site_hook, layer = SiteHook("", "input"), 0
+        elif addr.site == "final":
+            if spec.final_norm is not None:
+                _get_submodule(base, spec.final_norm, f"architecture {spec.name!r}")
+                out[addr] = HookPoint(prefix + spec.final_norm, "output")
+                continue
+            site_hook, layer = spec.sites["resid_post"], n_layers - 1
+        else:
+            if addr.site in missing:
+                valid = [s for s in SITES if s not in missing]
+                raise RepgeomError(
+                    f"address {addr} is not available on this {spec.name} model: {missing[addr.site]} "
+                    f"(available sites: {', '.join(valid + list(ALIASES))})"
+                )
+            site_hook, layer = spec.sites[addr.site], addr.layer
+            assert layer is not None
+            if layer >= n_layers:
+                raise RepgeomError(f"address {addr} is out of range: the model has {n_layers} blocks")
+        rel = f"{blocks_path}.{layer}" + (f".{site_hook.module}" if site_hook.module else "")
+        _get_submodule(base, rel, f"address {addr}")
+        out[addr] = HookPoint(prefix + rel, site_hook.direction)
+    return out
+
+
+def available_addresses(loaded: "LoadedModel") -> list[Address]:
+    """Every canonical address this model supports, in depth order (``repgeom addresses``)."""
+    missing = loaded.spec.missing_sites(loaded.model.config)
+    out = [Address("embed")]
+    for layer in range(loaded.info.n_layers):
+        out += [Address(s, layer) for s in SITES if s not in missing]
+    out.append(Address("final"))
+    return out

@@ -1,0 +1,75 @@
+"""Writing outputs atomically: a reader never sees a half-written file, a failed run leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from .errors import RepgeomError
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail early (before hours of compute) if ``path`` cannot be written."""
+    p = Path(path)
+    if p.is_dir():
+        raise RepgeomError(f"output path {str(p)!r} is a directory; pass a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.exists():
+        raise RepgeomError(f"output directory {str(parent)!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise RepgeomError(f"output directory {str(parent)!r} is not writable")
+    return p
+
+
+@contextmanager
+def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Write to a temporary file next to ``path`` and rename it into place only on success."""
+    p = check_writable(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
+    try:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON types; NaN/inf become null (JSON has no NaN)."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if hasattr(value, "tolist"):
+        return jsonable(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    with atomic_open(path) as fh:
+        json.dump(jsonable(data), fh, indent=2)
+        fh.write("\n")
+
+
+def write_jsonl(path: str | Path, rows: Iterable[Any]) -> None:
+    with atomic_open(path) as fh:
+        for row in rows:
+            fh.write(json.dumps(jsonable(row)) + "\n")

@@ -1,0 +1,159 @@
+"""The metric API for plugin authors, modelled on torchmetrics' ``Metric``.
+
+A metric keeps *mergeable state*: tensors declared with :meth:`Metric.add_state` and a reduction (``"sum"``,
+``"cat"``, ``"max"``, ``"min"``). ``update`` folds one batch into the state, ``merge`` folds another shard's state
+into this one (so shards from several processes combine exactly), ``compute`` turns the state into results.
+States are float64 whatever the model's dtype. There are no ``"mean"`` states on purpose: a mean of means over
+uneven shards is wrong; keep a ``"sum"`` and a count.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+REDUCTIONS = ("sum", "cat", "max", "min")
+
+
+class Consumes(str, enum.Enum):
+    """What a metric reads from each batch; the pipeline prepares only what is asked for."""
+
+    POOLED = "pooled"  #: one vector per text (``batch.pooled``, shape [B, D])
+    TOKENS = "tokens"  #: every non-pad token vector of each text (``batch.hidden`` + ``batch.mask``)
+    VIEWS = "views"  #: several augmented views per text, pooled (``batch.views``, shape [B, V, D])
+
+
+@dataclass
+class LayerBatch:
+    """The vectors of one batch at one layer address, as handed to :meth:`Metric.update`.
+
+    ``index`` holds each text's position in the input data, so per-text results can be put back in order.
+    """
+
+    address: str
+    index: torch.Tensor  # [B] int64
+    pooled: torch.Tensor | None = None  # [B, D] float64
+    hidden: torch.Tensor | None = None  # [B, T, D] float64, pad positions are zero
+    mask: torch.Tensor | None = None  # [B, T] bool, True at real tokens
+    views: torch.Tensor | None = None  # [B, V, D] float64
+
+    def token_vectors(self) -> Iterator[torch.Tensor]:
+        """The [T_i, D] non-pad token vectors of each text, in batch order."""
+        assert self.hidden is not None and self.mask is not None, "metric must declare consumes = TOKENS"
+        for h, m in zip(self.hidden, self.mask):
+            yield h[m]
+
+
+class Metric:
+    """Base class of every metric. Subclass it, declare states in ``__init__``, implement ``update``/``compute``.
+
+    Class attributes:
+        name: registry name, e.g. ``"dispersion"``.
+        consumes: what ``update`` reads (:class:`Consumes`).
+        full_state_update: always ``False`` here: ``update`` only ever needs the batch and the running state.
+
+    Constructor keyword arguments are the metric's parameters; :meth:`config` reads them back (by attribute of
+    the same name) so every run records the values actually used.
+    """
+
+    name: ClassVar[str] = ""
+    consumes: ClassVar[Consumes] = Consumes.POOLED
+    full_state_update: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._defaults: dict[str, Any] = {}
+        self._reductions: dict[str, str] = {}
+
+    # -- state -------------------------------------------------------------------------------------------------
+    def add_state(self, name: str, default: torch.Tensor | list, reduce: str) -> None:
+        """Declare a state. ``"cat"`` states start as an empty list and are concatenated on merge."""
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+        if reduce == "cat":
+            if not (isinstance(default, list) and not default):
+                raise ValueError("a 'cat' state starts as an empty list")
+        elif not isinstance(default, torch.Tensor):
+            raise ValueError(f"state {name!r}: default must be a tensor")
+        self._defaults[name] = default
+        self._reductions[name] = reduce
+        setattr(self, name, copy.deepcopy(default))
+
+    def reset(self) -> None:
+        for name, default in self._defaults.items():
+            setattr(self, name, copy.deepcopy(default))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The state as tensors (``cat`` states concatenated along dim 0), e.g. for checkpoints or collectives."""
+        out = {}
+        for name, reduce in self._reductions.items():
+            value = getattr(self, name)
+            if reduce == "cat":
+                value = torch.cat(value) if value else torch.empty(0, dtype=torch.float64)
+            out[name] = value.detach().clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self._reductions) - set(state)
+        if missing:
+            raise ValueError(f"{self.name}: state is missing {sorted(missing)}")
+        for name, reduce in self._reductions.items():
+            value = state[name].clone()
+            setattr(self, name, [value] if reduce == "cat" and value.numel() else [] if reduce == "cat" else value)
+
+    def merge(self, other: "Metric") -> "Metric":
+        """Fold ``other``'s state (another shard of the same data) into this metric, in place; returns self."""
+        if type(other) is not type(self):
+            raise TypeError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
+        if other.config() != self.config():
+            raise ValueError(f"cannot merge {self.name} metrics with different parameters: "
+                             f"{self.config()} vs {other.config()}")
+        for name, reduce in self._reductions.items():
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if reduce == "sum":
+                # A state that was never updated may still be its empty default (sizes are known lazily).
+                setattr(self, name, theirs.clone() if mine.numel() == 0 else mine if theirs.numel() == 0
+                        else mine + theirs)
+            elif reduce == "cat":
+                setattr(self, name, list(mine) + list(theirs))
+            elif reduce == "max":
+                setattr(self, name, torch.maximum(mine, theirs))
+            else:
+                setattr(self, name, torch.minimum(mine, theirs))
+        return self
+
+    # -- interface -----------------------------------------------------------------------------------------------
+    def update(self, batch: LayerBatch) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement update()")
+
+    def compute(self) -> float | dict[str, Any]:  # pragma: no cover - abstract
+        """A float (written as a JSON number) or a dict of JSON-serialisable values."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute()")
+
+    def per_text_results(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Optional per-text scores: ``{score_name: (text_index [N], value [N])}``. ``None`` if not tracked."""
+        return None
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Optional counts and caveats written next to the results (e.g. how many texts were skipped)."""
+        return {}
+
+    # -- parameters ----------------------------------------------------------------------------------------------
+    @classmethod
+    def parameter_names(cls) -> list[str]:
+        sig = inspect.signature(cls.__init__)
+        return [p.name for p in list(sig.parameters.values())[1:]
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    def config(self) -> dict[str, Any]:
+        """The parameters this instance was built with (read back by attribute name)."""
+        return {n: getattr(self, n) for n in self.parameter_names() if hasattr(self, n)}
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({params})"

@@ -1,0 +1,151 @@
+"""Loading a model and its tokenizer from a hub id, a local directory or a ``.gguf`` file."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .architectures import ArchitectureSpec
+from .errors import RepgeomError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelInfo:
+    """What the results file records about the model."""
+
+    name: str
+    model_type: str
+    architecture: str
+    n_layers: int
+    hidden_size: int
+    dtype: str
+    n_parameters: int
+    vocab_size: int | None
+    max_positions: int | None
+    source: str  # "directory", "gguf" or "hub"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers.PreTrainedModel
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    spec: ArchitectureSpec
+    info: ModelInfo
+    device: torch.device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise RepgeomError(f"unknown dtype {dtype!r} (valid: auto, {', '.join(DTYPES)})") from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise RepgeomError(f"bad device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RepgeomError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    return dev
+
+
+def _locate(name: str) -> tuple[str, dict[str, Any], str]:
+    """(path or id for from_pretrained, extra kwargs, source kind)."""
+    path = Path(os.path.expanduser(name))
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise RepgeomError(f"model {name!r} is a file but not a .gguf file; pass a model directory, "
+                               "a .gguf file or a Hugging Face hub id")
+        return str(path.parent), {"gguf_file": path.name}, "gguf"
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return str(path), {"gguf_file": ggufs[0].name}, "gguf"
+            raise RepgeomError(f"model directory {name!r} has no config.json"
+                               + (f" and {len(ggufs)} .gguf files; pass one of them" if ggufs else ""))
+        return str(path), {}, "directory"
+    looks_like_path = name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1
+    if looks_like_path:
+        raise RepgeomError(f"model path {name!r} does not exist")
+    return name, {}, "hub"
+
+
+def load_model(
+    name: str,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = "cpu",
+    host: Any = None,
+) -> LoadedModel:
+    """Load model + tokenizer, look up the architecture table, put the model in eval mode on ``device``."""
+    import transformers
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from .plugin_host import get_host
+
+    host = host or get_host()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    target, extra, source = _locate(name)
+    try:
+        config = AutoConfig.from_pretrained(target, **extra)
+    except (OSError, ValueError) as exc:
+        if source == "hub":
+            raise RepgeomError(
+                f"model {name!r} is not a local directory or .gguf file, and it could not be fetched from the "
+                f"Hugging Face Hub or found in its cache ({_first_line(exc)}); pass a local model directory"
+            ) from None
+        raise RepgeomError(f"cannot read the model config of {name!r}: {_first_line(exc)}") from None
+    spec: ArchitectureSpec = host.architectures.get(config.model_type)
+    auto = AutoModelForCausalLM if spec.causal else AutoModel
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            transformers.logging.set_verbosity_error()
+            tokenizer = AutoTokenizer.from_pretrained(target, **extra)
+            model = auto.from_pretrained(target, dtype=torch_dtype, **extra)
+    except (OSError, ValueError, ImportError) as exc:
+        raise RepgeomError(f"cannot load model {name!r}: {_first_line(exc)}") from None
+    finally:
+        transformers.logging.set_verbosity_warning()
+    model.to(dev).eval().requires_grad_(False)
+    if tokenizer.pad_token is None:
+        # Only the attention mask matters for padded positions; any existing token will do.
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+    blocks = model.base_model.get_submodule(spec.blocks)
+    info = ModelInfo(
+        name=name,
+        model_type=config.model_type,
+        architecture=type(model).__name__,
+        n_layers=len(blocks),
+        hidden_size=int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0)),
+        dtype=str(torch_dtype).replace("torch.", ""),
+        n_parameters=sum(p.numel() for p in model.parameters()),
+        vocab_size=getattr(config, "vocab_size", None),
+        max_positions=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None),
+        source=source,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, info=info, device=dev)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

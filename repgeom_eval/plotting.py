@@ -1,0 +1,51 @@
+"""Plots (matplotlib, headless). Imported only when a plot is requested."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import RepgeomError
+from .io import atomic_open
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RepgeomError("plots need matplotlib: pip install 'repgeom-eval[plot]'") from None
+    return plt
+
+
+def plot_profile(result: dict[str, Any], path: str | Path, metrics: Sequence[str] | None = None,
+                 title: str | None = None) -> Path:
+    """Each scalar metric against depth (addresses in the result's order), one panel per metric."""
+    plt = _pyplot()
+    results = result["results"]
+    addresses = list(results)
+    if metrics is None:
+        metrics = [m for m, v in next(iter(results.values())).items() if isinstance(v, (int, float))]
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(max(6.0, 0.28 * len(addresses) + 2), 2.8 * len(metrics)),
+                             sharex=True, squeeze=False)
+    xs = list(range(len(addresses)))
+    for ax, metric in zip(axes[:, 0], metrics):
+        ys = [results[a].get(metric) for a in addresses]
+        ys = [float("nan") if y is None else y for y in ys]
+        ax.plot(xs, ys, marker="o", ms=3)
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xticks(xs)
+    axes[-1, 0].set_xticklabels(addresses, rotation=70, fontsize=7)
+    axes[-1, 0].set_xlabel("layer address (depth order)")
+    model = result.get("model", {}).get("name", "")
+    pooling = result.get("config", {}).get("pooling", "")
+    fig.suptitle(title or f"{Path(str(model)).name}: geometry by depth (pooling={pooling})")
+    fig.tight_layout()
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120)
+    plt.close(fig)
+    return Path(path)

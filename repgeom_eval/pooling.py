@@ -1,0 +1,40 @@
+"""Turning token vectors into one vector per text, honouring the attention mask (left or right padding)."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UnknownNameError
+
+POOLINGS = ("last", "mean", "first", "tokens")
+POOLING_ALIASES = {"cls": "first"}
+
+
+def check_pooling(name: str) -> str:
+    name = POOLING_ALIASES.get(name, name)
+    if name not in POOLINGS:
+        raise UnknownNameError("pooling", name, POOLINGS + tuple(POOLING_ALIASES))
+    return name
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool [B, T, D] token vectors with a [B, T] bool mask.
+
+    Returns ``(vectors, owner)``: for ``last``/``mean``/``first`` one vector per text and ``owner = arange(B)``;
+    for ``tokens`` every non-pad token vector, flattened, and the batch row each one came from.
+    """
+    method = check_pooling(method)
+    b, t, _ = hidden.shape
+    positions = torch.arange(t, device=hidden.device).expand(b, t)
+    rows = torch.arange(b, device=hidden.device)
+    if method == "last":
+        idx = torch.where(mask, positions, -1).max(1).values
+        return hidden[rows, idx.clamp(min=0)], rows
+    if method == "first":
+        idx = torch.where(mask, positions, t).min(1).values
+        return hidden[rows, idx.clamp(max=t - 1)], rows
+    if method == "mean":
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1), rows
+    owner = rows.unsqueeze(1).expand(b, t)[mask]
+    return hidden[mask], owner
