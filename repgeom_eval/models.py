@@ -120,12 +120,14 @@ def load_model(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             transformers.logging.set_verbosity_error()
+            transformers.utils.logging.disable_progress_bar()
             tokenizer = AutoTokenizer.from_pretrained(target, **extra)
             model = auto.from_pretrained(target, dtype=torch_dtype, **extra)
     except (OSError, ValueError, ImportError) as exc:
         raise RepgeomError(f"cannot load model {name!r}: {_first_line(exc)}") from None
     finally:
         transformers.logging.set_verbosity_warning()
+        transformers.utils.logging.enable_progress_bar()
     model.to(dev).eval().requires_grad_(False)
     if tokenizer.pad_token is None:
         # Only the attention mask matters for padded positions; any existing token will do.

@@ -1,0 +1,175 @@
+"""Helpers for testing repgeom-eval and third-party plugins: tiny offline models and a metric conformance check.
+
+``make_tiny_model("llama", path)`` writes a 2-block model of width 32 with a BPE tokenizer trained on text that
+ships with Python, loadable through the normal ``from_pretrained`` path (< 1 s, < 1 MB, no network).
+
+``check_metric(MyMetric)`` asserts the properties every metric must have: the same value whether the data arrives
+in one batch or many, two merged shards equal one pass, state survives ``state_dict``/``load_state_dict`` and
+pickling.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .metric import Consumes, LayerBatch, Metric
+
+TINY_KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt_neox_sequential", "bert", "roberta")
+_SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _training_text() -> list[str]:
+    try:
+        from pydoc_data.topics import topics
+
+        return [t for _, t in sorted(topics.items())][:80]
+    except ImportError:  # pragma: no cover - every CPython ships pydoc_data
+        words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+        return [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(200)]
+
+
+def make_tokenizer(encoder: bool = False, vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained in ~0.1 s; ``encoder=True`` adds [CLS] … [SEP] like BERT."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    if encoder:
+        cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                       cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]", model_max_length=128)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   model_max_length=128)
+
+
+def tiny_config(kind: str, vocab_size: int, n_layers: int = 2, width: int = 32):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size)
+    decoder = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=n_layers, num_attention_heads=2,
+                   num_key_value_heads=1, max_position_embeddings=128, pad_token_id=1, bos_token_id=2, eos_token_id=3,
+                   tie_word_embeddings=True, **common)
+    if kind == "gpt2":
+        return tf.GPT2Config(n_layer=n_layers, n_embd=width, n_head=2, n_positions=128, bos_token_id=2,
+                             eos_token_id=3, **common)
+    if kind == "llama":
+        return tf.LlamaConfig(**decoder)
+    if kind == "mistral":
+        return tf.MistralConfig(**decoder)
+    if kind == "qwen2":
+        return tf.Qwen2Config(**decoder)
+    if kind == "qwen3":
+        return tf.Qwen3Config(head_dim=width // 2, **decoder)
+    if kind in ("gpt_neox", "gpt_neox_sequential"):
+        return tf.GPTNeoXConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=n_layers,
+                                num_attention_heads=2, max_position_embeddings=128, rotary_pct=0.5,
+                                use_parallel_residual=(kind == "gpt_neox"), bos_token_id=2, eos_token_id=3, **common)
+    if kind == "bert":
+        return tf.BertConfig(hidden_size=width, num_hidden_layers=n_layers, num_attention_heads=2,
+                             intermediate_size=2 * width, max_position_embeddings=128, pad_token_id=1, **common)
+    if kind == "roberta":
+        return tf.RobertaConfig(hidden_size=width, num_hidden_layers=n_layers, num_attention_heads=2,
+                                intermediate_size=2 * width, max_position_embeddings=130, pad_token_id=1, **common)
+    raise ValueError(f"unknown tiny model kind {kind!r} (valid: {', '.join(TINY_KINDS)})")
+
+
+def make_tiny_model(kind: str, path: str | Path, n_layers: int = 2, width: int = 32, seed: int = 0) -> Path:
+    """Build, save and return the directory of a tiny randomly initialised model with its tokenizer."""
+    import transformers as tf
+
+    path = Path(path)
+    encoder = kind in ("bert", "roberta")
+    tokenizer = make_tokenizer(encoder=encoder)
+    # Some AutoTokenizer classes (Qwen2) add a special token on load: leave head-room in the vocabulary.
+    config = tiny_config(kind, len(tokenizer) + 16, n_layers=n_layers, width=width)
+    torch.manual_seed(seed)
+    model = (tf.AutoModel if encoder else tf.AutoModelForCausalLM).from_config(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# -- metric conformance ------------------------------------------------------------------------------------------
+
+def _random_batch(consumes: Consumes, n: int, dim: int, seed: int, views: int = 2) -> list[LayerBatch]:
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    lengths = torch.randint(1, 9, (n,), generator=g)
+    t = int(lengths.max())
+    hidden = torch.randn(n, t, dim, generator=g, dtype=torch.float64) + 0.5
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    hidden = hidden * mask.unsqueeze(-1)
+    pooled = torch.randn(n, dim, generator=g, dtype=torch.float64) + 0.5
+    vw = torch.randn(n, views, dim, generator=g, dtype=torch.float64) + 0.5
+    return [LayerBatch("test", torch.arange(n), pooled=pooled, hidden=hidden, mask=mask, views=vw)]
+
+
+def _slice(batch: LayerBatch, lo: int, hi: int) -> LayerBatch:
+    def s(x):
+        return None if x is None else x[lo:hi]
+
+    return LayerBatch(batch.address, batch.index[lo:hi], s(batch.pooled), s(batch.hidden), s(batch.mask), s(batch.views))
+
+
+def _close(a: Any, b: Any, rtol: float, path: str = "result") -> None:
+    if isinstance(a, Mapping):
+        assert isinstance(b, Mapping) and set(a) == set(b), f"{path}: keys differ: {a} vs {b}"
+        for k in a:
+            _close(a[k], b[k], rtol, f"{path}[{k!r}]")
+        return
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, rtol, f"{path}[{i}]")
+        return
+    if isinstance(a, float) or isinstance(b, float):
+        if math.isnan(a) and math.isnan(b):
+            return
+        assert math.isclose(a, b, rel_tol=rtol, abs_tol=rtol), f"{path}: {a!r} != {b!r}"
+        return
+    assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def check_metric(cls: type[Metric], kwargs: Mapping[str, Any] | None = None, n: int = 24, dim: int = 6,
+                 seed: int = 0, rtol: float = 1e-9) -> None:
+    """Assert batch-split invariance, exact shard merging, state round-trips and picklability of ``cls``."""
+    kwargs = dict(kwargs or {})
+    assert isinstance(cls.name, str) and cls.name, f"{cls.__name__} needs a non-empty `name`"
+    assert cls.full_state_update is False, f"{cls.__name__}: full_state_update must be False"
+    (whole,) = _random_batch(cls.consumes, n, dim, seed)
+
+    one = cls(**kwargs)
+    one.update(whole)
+    expected = one.compute()
+
+    pieces = cls(**kwargs)
+    for lo in range(0, n, 5):
+        pieces.update(_slice(whole, lo, lo + 5))
+    _close(pieces.compute(), expected, rtol, f"{cls.name} (batches of 5 vs one batch)")
+
+    a, b = cls(**kwargs), cls(**kwargs)
+    a.update(_slice(whole, 0, n // 3))
+    b.update(_slice(whole, n // 3, n))
+    _close(a.merge(b).compute(), expected, rtol, f"{cls.name} (two merged shards vs one pass)")
+
+    restored = cls(**kwargs)
+    restored.load_state_dict(one.state_dict())
+    _close(restored.compute(), expected, rtol, f"{cls.name} (after state_dict round trip)")
+
+    clone = pickle.loads(pickle.dumps(one))
+    _close(clone.compute(), expected, rtol, f"{cls.name} (after pickling)")
+    _close(copy.deepcopy(one).compute(), expected, rtol, f"{cls.name} (after deepcopy)")
