@@ -38,7 +38,15 @@ def build_parser(host) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    previous_format = warnings.formatwarning
     warnings.formatwarning = _format_warning  # one line per warning, no source echo
+    try:
+        return _main(argv)
+    finally:
+        warnings.formatwarning = previous_format
+
+
+def _main(argv: Sequence[str] | None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or bool(os.environ.get("REPGEOM_DEBUG"))
     try:
         from repgeom_eval.plugin_host import get_host

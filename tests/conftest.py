@@ -32,7 +32,7 @@ def texts():
     out = []
     for key in sorted(topics)[:40]:
         words = topics[key].split()
-        out.append(" ".join(words[: 5 + (len(out) * 7) % 60]))
+        out.append(" ".join(words[: 4 + (len(out) * 7) % 20]))
     return out
 
 
