@@ -13,7 +13,7 @@ venv:
 	bash scripts/bootstrap.sh dev
 
 test: venv
-	$(VENV)/bin/python -m pytest -n 2 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 demo:
 	bash scripts/bootstrap.sh demo

@@ -14,6 +14,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from repgeom_eval.plugin_host import get_host
@@ -24,13 +25,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title="repgeom-eval plugins")
-    for col in ("name", "kind", "plugin", "distribution", "description"):
-        table.add_column(col)
+    for col in ("name", "kind", "plugin", "distribution"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("description", ratio=1)
     for r in rows:
         style = "red" if "error" in r else None
         desc = r.get("error") or r["description"]
-        table.add_row(r["name"], r["kind"], r["plugin"], r["distribution"] or "—", desc, style=style)
-    Console().print(table)
+        cells = [r["name"], r["kind"], r["plugin"], r["distribution"] or "—", desc]
+        table.add_row(*[escape(str(c)) for c in cells], style=style)
+    Console(width=max(Console().width, 120)).print(table)
     if host.failures:
         Console(stderr=True).print(f"[red]{len(host.failures)} plugin(s) failed to load[/red] "
                                    "(set REPGEOM_STRICT_PLUGINS=1 to make this fatal)")

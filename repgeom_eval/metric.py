@@ -38,9 +38,9 @@ class LayerBatch:
 
     address: str
     index: torch.Tensor  # [B] int64
-    pooled: torch.Tensor | None = None  # [B, D] float64
-    hidden: torch.Tensor | None = None  # [B, T, D] float64, pad positions are zero
-    mask: torch.Tensor | None = None  # [B, T] bool, True at real tokens
+    pooled: torch.Tensor | None = None  # [B, D] float64, on the CPU
+    hidden: torch.Tensor | None = None  # [B, T, D] float64, pad positions zero, on the model's device
+    mask: torch.Tensor | None = None  # [B, T] bool, True at real tokens, on the model's device
     views: torch.Tensor | None = None  # [B, V, D] float64
 
     def token_vectors(self) -> Iterator[torch.Tensor]:

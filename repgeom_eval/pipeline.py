@@ -203,8 +203,9 @@ def measure(
                     h = h.float()
                 _check_finite(addr, h, mask, batch_ids)
                 vecs, owner = pool(h, mask, pooling)
+                hidden = h.double().masked_fill(~mask.unsqueeze(-1), 0.0) if need_tokens else None
                 lb = LayerBatch(address=str(addr), index=index[owner.cpu()], pooled=vecs.double().cpu(),
-                                hidden=h if need_tokens else None, mask=mask if need_tokens else None)
+                                hidden=hidden, mask=mask if need_tokens else None)
                 for _, metric in metric_list:
                     metric.update(lb)
             t_metrics += time.perf_counter() - t0

@@ -178,8 +178,6 @@ class PluginHost:
         for hook_name, registry in self._registries.items():
             caller = getattr(self.pm.hook, hook_name)
             for impl in caller.get_hookimpls():
-                if impl.plugin_name in {f.plugin for f in self.failures if f.stage == "import"}:
-                    continue
                 bound = registry.bound(impl.plugin_name, self._dists.get(impl.plugin_name))
                 try:
                     impl.function(*[bound for _ in impl.argnames])

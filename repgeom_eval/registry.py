@@ -49,6 +49,18 @@ class Command:
     run: Callable[[Any], int | None]
 
 
+def _first_doc_line(obj: Any) -> str:
+    """A one-line description: ``description``/``help`` attribute, else the object's own docstring."""
+    if isinstance(obj, str):  # a lazy target is not imported just to describe it
+        return ""
+    doc = getattr(obj, "description", None) or getattr(obj, "help", None)
+    if not doc:
+        doc = getattr(obj, "__doc__", None)
+        if not isinstance(obj, type) and doc is getattr(type(obj), "__doc__", None):
+            doc = None  # an instance's inherited class docstring says nothing about the instance
+    return doc.strip().splitlines()[0] if isinstance(doc, str) and doc.strip() else ""
+
+
 class Registry(Generic[T]):
     """Name → object table for one kind of plugin item.
 
@@ -123,8 +135,7 @@ class BoundRegistry(Generic[T]):
                     f"set a `name` attribute or pass name=..."
                 )
         if description is None:
-            doc = getattr(obj, "description", None) or getattr(obj, "__doc__", None) or ""
-            description = doc.strip().splitlines()[0] if isinstance(doc, str) and doc.strip() else ""
+            description = _first_doc_line(obj)
         entry = Entry(name, self.kind, obj, self.plugin, self.distribution, description)
         if not isinstance(obj, str):
             self.registry._validate(entry, obj)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -25,10 +26,10 @@ def results_table(results: dict[str, dict[str, Any]], title: str | None = None) 
         for name in per_metric:
             if name not in metrics:
                 metrics.append(name)
-    table = Table(title=title)
+    table = Table(title=escape(title) if title else None)
     table.add_column("address", style="bold")
     for m in metrics:
         table.add_column(m, justify="right")
     for addr, per_metric in results.items():
-        table.add_row(addr, *[_fmt(per_metric.get(m)) for m in metrics])
+        table.add_row(escape(addr), *[_fmt(per_metric.get(m)) for m in metrics])
     return table
