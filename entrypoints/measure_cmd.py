@@ -44,9 +44,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "Default: dispersion")
     p.add_argument("--metric-param", action="append", type=_metric_param, default=[], metavar="METRIC.PARAM=VALUE",
                    help="set a metric parameter, e.g. dispersion.per_text=true (repeatable)")
-    p.add_argument("--pooling", default="last", choices=list(POOLINGS) + list(POOLING_ALIASES),
-                   help="one vector per text: last non-pad token (default), mean, first (= cls), or tokens "
-                        "(every token vector)")
+    p.add_argument("--pooling", default=None, choices=list(POOLINGS) + list(POOLING_ALIASES),
+                   help="one vector per text for every metric: last non-pad token, mean, first (= cls), or tokens "
+                        "(every token vector). Default: each metric's own (last for dispersion, mean for the "
+                        "Layer-by-Layer metrics); METRIC.pooling=... sets one metric's")
+    p.add_argument("--seed", type=int, default=0, help="seed of the augmented views (multi-view metrics)")
     p.add_argument("--batch-size", "-b", type=int, default=16)
     p.add_argument("--max-length", type=int, default=None,
                    help="truncate texts to this many tokens (default: the model context)")
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     result = measure(
         args.model, args.data, layers=args.layers, metrics=metrics, pooling=args.pooling,
         batch_size=args.batch_size, max_length=args.max_length, padding_side=args.padding_side, dtype=args.dtype,
-        device=args.device, per_text=bool(args.per_text), metric_params=params, text_field=args.text_field,
+        device=args.device, per_text=bool(args.per_text), metric_params=params, text_field=args.text_field, seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     if args.output or args.per_text:
@@ -90,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     console = Console(stderr=False)
     t = result.timings
-    title = (f"{result.model['name']} · {result.data['n_texts']} texts · pooling={result.config['pooling']} · "
-             f"{t['total_s']:.1f}s")
+    title = f"{result.model['name']} · {result.data['n_texts']} texts · {t['total_s']:.1f}s"
     console.print(results_table(result.results, title=title))
     if args.output:
         console.print(f"results: {args.output}" + (f", per-text scores: {args.per_text}" if args.per_text else ""))

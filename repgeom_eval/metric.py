@@ -57,6 +57,10 @@ class Metric:
         name: registry name, e.g. ``"dispersion"``.
         consumes: what ``update`` reads (:class:`Consumes`).
         full_state_update: always ``False`` here: ``update`` only ever needs the batch and the running state.
+        default_pooling: how token vectors become one vector per text for this metric, unless overridden.
+
+    A ``VIEWS`` metric must have an ``n_views`` attribute (usually a constructor parameter): the pipeline makes
+    that many augmented views of every text and hands them over pooled, as ``batch.views`` [B, n_views, D].
 
     Constructor keyword arguments are the metric's parameters; :meth:`config` reads them back (by attribute of
     the same name) so every run records the values actually used.
@@ -65,6 +69,8 @@ class Metric:
     name: ClassVar[str] = ""
     consumes: ClassVar[Consumes] = Consumes.POOLED
     full_state_update: ClassVar[bool] = False
+    #: pooling used for POOLED/VIEWS metrics unless the user sets one (``--pooling`` or ``METRIC.pooling``).
+    default_pooling: ClassVar[str] = "last"
 
     def __init__(self) -> None:
         self._defaults: dict[str, Any] = {}
@@ -142,6 +148,17 @@ class Metric:
     def diagnostics(self) -> dict[str, Any]:
         """Optional counts and caveats written next to the results (e.g. how many texts were skipped)."""
         return {}
+
+    @classmethod
+    def across_layers(cls, values: dict[str, Any], depth: list[int]) -> dict[str, Any] | None:
+        """Optional summary over every requested address (e.g. a trend against depth).
+
+        Args:
+            values: address → this metric's ``compute()`` result, in depth order.
+            depth: the depth index of each address (embed = 0, then execution order), same order as ``values``.
+        Returns a JSON-serialisable dict written to ``result.summary[metric]``, or ``None``.
+        """
+        return None
 
     # -- parameters ----------------------------------------------------------------------------------------------
     @classmethod

@@ -40,10 +40,11 @@ class MeasureResult:
     diagnostics: dict[str, dict[str, Any]]
     timings: dict[str, float]
     per_text: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)  # metric → result of Metric.across_layers
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "data": self.data, "config": self.config, "results": self.results,
-                "diagnostics": self.diagnostics, "timings": self.timings}
+                "summary": self.summary, "diagnostics": self.diagnostics, "timings": self.timings}
 
     def write(self, path: str | Path, per_text_path: str | Path | None = None) -> None:
         write_json(path, self.to_dict())
@@ -51,10 +52,35 @@ class MeasureResult:
             write_jsonl(per_text_path, self.per_text)
 
 
+@dataclass
+class MetricSpec:
+    """A requested metric: its class, constructor arguments and the pooling it reads (None for token metrics)."""
+
+    name: str
+    cls: type[Metric]
+    kwargs: dict[str, Any]
+    pooling: str | None
+
+    def config(self, metric: Metric) -> dict[str, Any]:
+        out = metric.config()
+        if self.pooling is not None:
+            out["pooling"] = self.pooling
+        if self.cls.consumes == Consumes.VIEWS:
+            out["n_views"] = int(metric.n_views)  # type: ignore[attr-defined]
+        return out
+
+
 def instantiate_metrics(
-    names: Sequence[str], host: PluginHost, params: Mapping[str, Mapping[str, Any]] | None, per_text: bool
-) -> list[tuple[str, type[Metric], dict[str, Any]]]:
-    """Look every metric up (unknown names fail before the model is loaded) and check its parameters."""
+    names: Sequence[str],
+    host: PluginHost,
+    params: Mapping[str, Mapping[str, Any]] | None,
+    per_text: bool,
+    pooling: str | None = None,
+) -> list[MetricSpec]:
+    """Look every metric up (unknown names fail before the model is loaded) and check its parameters.
+
+    Pooling: ``METRIC.pooling`` if given, else the run's ``pooling``, else the metric's ``default_pooling``.
+    """
     params = dict(params or {})
     unknown_params = set(params) - set(names)
     if unknown_params:
@@ -64,16 +90,51 @@ def instantiate_metrics(
         cls = host.metrics.get(name)
         accepted = cls.parameter_names()
         kwargs = dict(params.get(name, {}))
+        metric_pooling = kwargs.pop("pooling", None) if "pooling" not in accepted else None
         bad = set(kwargs) - set(accepted)
         if bad:
             raise RepgeomError(f"metric {name!r} has no parameter(s) {sorted(bad)} "
-                               f"(parameters: {', '.join(accepted) or 'none'})")
+                               f"(parameters: {', '.join(accepted + ['pooling'])})")
         if per_text and "per_text" in accepted:
             kwargs.setdefault("per_text", True)
-        if cls.consumes == Consumes.VIEWS:
-            raise RepgeomError(f"metric {name!r} needs augmented views, which `measure` does not produce yet")
-        out.append((name, cls, kwargs))
+        if cls.consumes == Consumes.TOKENS:
+            chosen = None
+        else:
+            chosen = check_pooling(metric_pooling or pooling or cls.default_pooling)
+            if cls.consumes == Consumes.VIEWS and chosen == "tokens":
+                raise RepgeomError(f"metric {name!r} compares pooled views of each text; pooling 'tokens' does not "
+                                   "apply (use mean, last or first)")
+        out.append(MetricSpec(name, cls, kwargs, chosen))
     return out
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One sequence to run through the model: an original text (view = -1) or one of its augmented views."""
+
+    text: int
+    view: int
+
+
+class _ViewBuffer:
+    """Collects the pooled views of each text (they may arrive in different batches) until all are there."""
+
+    def __init__(self, n_views: int):
+        self.n_views = n_views
+        self._slots: dict[int, list[torch.Tensor | None]] = {}
+
+    def add(self, text: int, view: int, vector: torch.Tensor) -> None:
+        self._slots.setdefault(text, [None] * self.n_views)[view] = vector
+
+    def pop_complete(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        done = [t for t, slots in self._slots.items() if all(v is not None for v in slots)]
+        if not done:
+            return None
+        views = torch.stack([torch.stack(self._slots.pop(t)) for t in done])  # type: ignore[arg-type]
+        return torch.tensor(done, dtype=torch.long), views
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
 
 def _context_length(loaded: LoadedModel, max_length: int | None) -> int:
@@ -108,7 +169,7 @@ def measure(
     *,
     layers: str | Sequence[str] = "final",
     metrics: Sequence[str] = ("dispersion",),
-    pooling: str = "last",
+    pooling: str | None = None,
     batch_size: int = 16,
     max_length: int | None = None,
     padding_side: str = "right",
@@ -117,17 +178,21 @@ def measure(
     per_text: bool = False,
     metric_params: Mapping[str, Mapping[str, Any]] | None = None,
     text_field: str = "text",
+    seed: int = 0,
     progress: bool = True,
     host: PluginHost | None = None,
 ) -> MeasureResult:
     """Measure ``metrics`` at every address in ``layers`` over ``data`` with one forward pass per batch.
 
     ``model`` is a hub id, a local directory, a ``.gguf`` file or an already loaded :class:`LoadedModel`;
-    ``data`` is a ``.jsonl``/``.txt`` path, a list of strings or a :class:`TextSet`.
+    ``data`` is a ``.jsonl``/``.txt`` path, a list of strings or a :class:`TextSet`. ``pooling`` overrides every
+    metric's default pooling (``None``: each metric's own, e.g. ``last`` for dispersion). ``seed`` drives the
+    augmented views of the multi-view metrics, which run in the same forward passes as the originals.
     """
     t_start = time.perf_counter()
     host = host or get_host()
-    pooling = check_pooling(pooling)
+    if pooling is not None:
+        pooling = check_pooling(pooling)
     if padding_side not in ("left", "right"):
         raise RepgeomError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if batch_size < 1:
@@ -136,7 +201,7 @@ def measure(
         metrics = [m.strip() for m in metrics.split(",") if m.strip()]
     if not metrics:
         raise RepgeomError("no metric requested")
-    specs = instantiate_metrics(metrics, host, metric_params, per_text)
+    specs = instantiate_metrics(metrics, host, metric_params, per_text, pooling)
 
     # -- data ----------------------------------------------------------------------------------------------------
     if isinstance(data, TextSet):
@@ -158,34 +223,58 @@ def measure(
     addresses = parse_layers(layers, n_layers, selector, loaded.info)
     addresses.sort(key=lambda a: a.depth_key(n_layers))
     points = resolve(addresses, loaded)
-    states: dict[Address, list[tuple[str, Metric]]] = {
-        addr: [(name, cls(**kwargs)) for name, cls, kwargs in specs] for addr in addresses
+    states: dict[Address, list[tuple[MetricSpec, Metric]]] = {
+        addr: [(spec, spec.cls(**spec.kwargs)) for spec in specs] for addr in addresses
     }
-    need_tokens = any(cls.consumes == Consumes.TOKENS for _, cls, _ in specs)
+    first_metrics = next(iter(states.values()))
+
+    # -- what to run: the originals, and augmented views for multi-view metrics -----------------------------------
+    n_views = max([int(m.n_views) for spec, m in first_metrics  # type: ignore[attr-defined]
+                   if spec.cls.consumes == Consumes.VIEWS] or [0])
+    need_originals = any(spec.cls.consumes != Consumes.VIEWS for spec in specs)
+    items: list[_Item] = []
+    strings: list[str] = []
+    if need_originals:
+        items += [_Item(i, -1) for i in range(len(texts.texts))]
+        strings += texts.texts
+    t0 = time.perf_counter()
+    augmenter = None
+    if n_views:
+        from .augment import Augmenter
+
+        augmenter = Augmenter(seed=seed)
+        for i, text in enumerate(tqdm(texts.texts, desc="augment", unit="text", disable=not progress, leave=False)):
+            for v in range(n_views):
+                items.append(_Item(i, v))
+                strings.append(augmenter.view(text, i, v))
+    t_augment = time.perf_counter() - t0
 
     # -- tokenize once for lengths: sort by length (less padding), count truncation -------------------------------
     tok = loaded.tokenizer
     tok.padding_side = padding_side
     context = _context_length(loaded, max_length)
     t0 = time.perf_counter()
-    lengths = [len(x) for x in tok(texts.texts, add_special_tokens=True, verbose=False)["input_ids"]]
-    n_truncated = sum(n > context for n in lengths)
+    lengths = [len(x) for x in tok(strings, add_special_tokens=True, verbose=False)["input_ids"]]
+    text_lengths = {it.text: n for it, n in zip(items, lengths) if it.view < 0}
+    n_truncated = sum(n > context for it, n in zip(items, lengths) if it.view < 0)
     if n_truncated:
-        warnings.warn(f"{n_truncated} of {len(lengths)} texts are longer than {context} tokens and were truncated "
-                      "(set --max-length to change the limit)", stacklevel=2)
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        warnings.warn(f"{n_truncated} of {len(texts.texts)} texts are longer than {context} tokens and were "
+                      "truncated (set --max-length to change the limit)", stacklevel=2)
+    order = sorted(range(len(items)), key=lambda i: -lengths[i])
     t_tok = time.perf_counter() - t0
 
     # -- one forward per batch, every address and metric fed from it ----------------------------------------------
+    view_poolings = sorted({spec.pooling for spec in specs if spec.cls.consumes == Consumes.VIEWS})
+    buffers = {(addr, p): _ViewBuffer(n_views) for addr in addresses for p in view_poolings}
     t_forward = t_metrics = 0.0
     dev = loaded.device
     with Capture(loaded.model, points, stop_early=True) as cap, tqdm(
-        total=len(order), unit="text", desc="measure", disable=not progress, leave=False
+        total=len(order), unit="seq", desc="measure", disable=not progress, leave=False
     ) as bar:
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
             t0 = time.perf_counter()
-            enc = tok([texts.texts[i] for i in rows], padding=True, truncation=True, max_length=context,
+            enc = tok([strings[i] for i in rows], padding=True, truncation=True, max_length=context,
                       return_tensors="pt", verbose=False)
             enc = {k: v.to(dev) for k, v in enc.items()}
             mask = enc["attention_mask"].bool()
@@ -195,21 +284,17 @@ def measure(
             t_forward += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            index = torch.tensor(rows, dtype=torch.long)
-            batch_ids = [texts.ids[i] for i in rows]
+            batch_items = [items[i] for i in rows]
+            batch_ids = [texts.ids[it.text] for it in batch_items]
             for addr, metric_list in states.items():
                 h = captured[addr]
                 if h.dtype in (torch.float16, torch.bfloat16):
                     h = h.float()
                 _check_finite(addr, h, mask, batch_ids)
-                vecs, owner = pool(h, mask, pooling)
-                hidden = h.double().masked_fill(~mask.unsqueeze(-1), 0.0) if need_tokens else None
-                lb = LayerBatch(address=str(addr), index=index[owner.cpu()], pooled=vecs.double().cpu(),
-                                hidden=hidden, mask=mask if need_tokens else None)
-                for _, metric in metric_list:
-                    metric.update(lb)
+                _feed(addr, h, mask, batch_items, metric_list, buffers)
             t_metrics += time.perf_counter() - t0
             bar.update(len(rows))
+    assert all(len(b) == 0 for b in buffers.values()), "some augmented views never arrived"
 
     # -- compute and report ---------------------------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -219,27 +304,35 @@ def measure(
     for addr, metric_list in states.items():
         key = str(addr)
         results[key] = {}
-        for name, metric in metric_list:
-            results[key][name] = metric.compute()
+        for spec, metric in metric_list:
+            results[key][spec.name] = metric.compute()
             diag = metric.diagnostics()
             if diag:
-                diagnostics.setdefault(key, {})[name] = diag
+                diagnostics.setdefault(key, {})[spec.name] = diag
             pt = metric.per_text_results() if per_text else None
             for score_name, (idx, values) in (pt or {}).items():
                 for i, v in zip(idx.tolist(), values.tolist()):
                     per_text_cols.setdefault(i, {}).setdefault(key, {})[score_name] = v
+    summary: dict[str, Any] = {}
+    for spec in specs:
+        across = spec.cls.across_layers({k: results[k][spec.name] for k in results}, list(range(len(results))))
+        if across is not None:
+            summary[spec.name] = across
     t_metrics += time.perf_counter() - t0
 
     per_text_rows = []
     if per_text:
         for i in range(len(texts.texts)):
-            per_text_rows.append({"index": i, "id": texts.ids[i], "n_tokens": min(lengths[i], context),
-                                  "truncated": lengths[i] > context, "scores": per_text_cols.get(i, {})})
+            n_tok = text_lengths.get(i)
+            per_text_rows.append({"index": i, "id": texts.ids[i],
+                                  "n_tokens": None if n_tok is None else min(n_tok, context),
+                                  "truncated": None if n_tok is None else n_tok > context,
+                                  "scores": per_text_cols.get(i, {})})
     total = time.perf_counter() - t_start
     config = {
         "layers": [str(a) for a in addresses],
         "layer_spec": layers if isinstance(layers, str) else list(layers),
-        "metrics": {name: metric.config() for name, metric in next(iter(states.values()))},
+        "metrics": {spec.name: spec.config(metric) for spec, metric in first_metrics},
         "pooling": pooling,
         "batch_size": batch_size,
         "max_length": context,
@@ -248,14 +341,66 @@ def measure(
         "device": str(loaded.device),
         "per_text": per_text,
         "text_field": text_field,
+        "augmentation": augmenter.config() | {"n_views": n_views} if augmenter else None,
         "versions": {"repgeom_eval": __version__, "torch": torch.__version__,
                      "transformers": _version("transformers"), "python": platform.python_version()},
     }
-    data_summary = texts.summary() | {"n_tokens": int(sum(min(n, context) for n in lengths)),
-                                      "n_truncated": int(n_truncated)}
-    timings = {"load_model_s": t_load, "tokenize_s": t_tok, "forward_s": t_forward, "metrics_s": t_metrics,
-               "total_s": total, "texts_per_s": len(order) / max(t_forward + t_metrics, 1e-9)}
-    return MeasureResult(loaded.info.to_dict(), data_summary, config, results, diagnostics, timings, per_text_rows)
+    original_lengths = list(text_lengths.values())
+    data_summary = texts.summary() | {"n_tokens": int(sum(min(n, context) for n in original_lengths)),
+                                      "n_truncated": int(n_truncated), "n_views_per_text": n_views}
+    timings = {"load_model_s": t_load, "augment_s": t_augment, "tokenize_s": t_tok, "forward_s": t_forward,
+               "metrics_s": t_metrics, "total_s": total,
+               "sequences_per_s": len(order) / max(t_forward + t_metrics, 1e-9)}
+    return MeasureResult(loaded.info.to_dict(), data_summary, config, results, diagnostics, timings, per_text_rows,
+                         summary)
+
+
+def _feed(
+    addr: Address,
+    h: torch.Tensor,
+    mask: torch.Tensor,
+    batch_items: list[_Item],
+    metric_list: list[tuple[MetricSpec, Metric]],
+    buffers: dict[tuple[Address, str], _ViewBuffer],
+) -> None:
+    """Pool one address's batch for each metric (each pooling computed once) and update the metric states."""
+    orig = torch.tensor([r for r, it in enumerate(batch_items) if it.view < 0], dtype=torch.long)
+    views = torch.tensor([r for r, it in enumerate(batch_items) if it.view >= 0], dtype=torch.long)
+    text_index = torch.tensor([it.text for it in batch_items], dtype=torch.long)
+    h_dev = orig.to(h.device)
+    pooled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hidden = None
+    for spec, metric in metric_list:
+        consumes = spec.cls.consumes
+        if consumes == Consumes.VIEWS or not len(orig):
+            continue
+        if consumes == Consumes.TOKENS:
+            if hidden is None:
+                m = mask[h_dev]
+                hidden = h[h_dev].double().masked_fill(~m.unsqueeze(-1), 0.0), m
+            metric.update(LayerBatch(str(addr), text_index[orig], hidden=hidden[0], mask=hidden[1]))
+            continue
+        if spec.pooling not in pooled:
+            vecs, owner = pool(h[h_dev], mask[h_dev], spec.pooling)
+            pooled[spec.pooling] = vecs.double().cpu(), text_index[orig][owner.cpu()]
+        vecs, index = pooled[spec.pooling]
+        metric.update(LayerBatch(str(addr), index, pooled=vecs))
+    if not len(views):
+        return
+    v_dev = views.to(h.device)
+    for (buf_addr, method), buffer in buffers.items():
+        if buf_addr != addr:
+            continue
+        vecs, _ = pool(h[v_dev], mask[v_dev], method)
+        for row, vec in zip(views.tolist(), vecs.double().cpu()):
+            buffer.add(batch_items[row].text, batch_items[row].view, vec)
+        done = buffer.pop_complete()
+        if done is None:
+            continue
+        index, stacked = done
+        for spec, metric in metric_list:
+            if spec.cls.consumes == Consumes.VIEWS and spec.pooling == method:
+                metric.update(LayerBatch(str(addr), index, views=stacked[:, : int(metric.n_views)]))
 
 
 def _version(dist: str) -> str | None:

@@ -42,8 +42,9 @@ def plot_profile(result: dict[str, Any], path: str | Path, metrics: Sequence[str
     axes[-1, 0].set_xticklabels(addresses, rotation=70, fontsize=7)
     axes[-1, 0].set_xlabel("layer address (depth order)")
     model = result.get("model", {}).get("name", "")
-    pooling = result.get("config", {}).get("pooling", "")
-    fig.suptitle(title or f"{Path(str(model)).name}: geometry by depth (pooling={pooling})")
+    pooling = {m: c.get("pooling") for m, c in result.get("config", {}).get("metrics", {}).items() if c.get("pooling")}
+    shown = ", ".join(f"{m}: {p}" for m, p in pooling.items())
+    fig.suptitle(title or f"{Path(str(model)).name}: geometry by depth" + (f" (pooling {shown})" if shown else ""))
     fig.tight_layout()
     with atomic_open(path, "wb") as fh:
         fig.savefig(fh, format="png", dpi=120)

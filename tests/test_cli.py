@@ -30,7 +30,7 @@ def test_measure_writes_the_documented_schema(tmp_path, data_file, tiny_model_di
              "--metrics", "dispersion,token_dispersion", "--output", out, "--per-text", per_text)
     assert rc == 0
     result = json.loads(out.read_text())
-    assert set(result) == {"model", "data", "config", "results", "diagnostics", "timings"}
+    assert set(result) == {"model", "data", "config", "results", "summary", "diagnostics", "timings"}
     assert result["model"]["n_layers"] == 2 and result["model"]["hidden_size"] == 32
     assert result["model"]["dtype"] == "float32" and result["model"]["model_type"] == "gpt2"
     assert result["data"]["n_texts"] == 12 and result["data"]["n_tokens"] > 12 and result["data"]["n_truncated"] == 0
@@ -38,9 +38,10 @@ def test_measure_writes_the_documented_schema(tmp_path, data_file, tiny_model_di
     assert isinstance(result["results"]["final"]["dispersion"], float)
     assert 0 < result["results"]["final"]["token_dispersion"] < 2
     config = result["config"]
-    assert config["pooling"] == "last" and config["batch_size"] == 16 and config["max_length"] == 128
+    assert config["pooling"] is None and config["batch_size"] == 16 and config["max_length"] == 128
     assert config["layers"] == list(result["results"]) and config["padding_side"] == "right"
-    assert config["metrics"] == {"dispersion": {"per_text": True}, "token_dispersion": {"per_text": True}}
+    assert config["metrics"] == {"dispersion": {"per_text": True, "pooling": "last"},
+                                 "token_dispersion": {"per_text": True}}
     assert {"forward_s", "total_s", "load_model_s"} <= set(result["timings"])
     rows = [json.loads(line) for line in per_text.read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"doc{i}" for i in range(12)]
