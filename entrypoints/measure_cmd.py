@@ -49,6 +49,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "(every token vector). Default: each metric's own (last for dispersion, mean for the "
                         "Layer-by-Layer metrics); METRIC.pooling=... sets one metric's")
     p.add_argument("--seed", type=int, default=0, help="seed of the augmented views (multi-view metrics)")
+    p.add_argument("--preprocess", default="none", choices=["none", "center", "standardize", "whiten"],
+                   help="transform the vectors before every metric (default none, as in the papers); statistics "
+                        "from the same data (one extra forward pass) unless --preprocess-stats is given")
+    p.add_argument("--preprocess-stats", default=None, metavar="FILE",
+                   help="reference statistics written earlier with --save-preprocess-stats")
+    p.add_argument("--save-preprocess-stats", default=None, metavar="FILE",
+                   help="write the preprocessing statistics of this run (safetensors) for reuse")
     p.add_argument("--batch-size", "-b", type=int, default=16)
     p.add_argument("--max-length", type=int, default=None,
                    help="truncate texts to this many tokens (default: the model context)")
@@ -67,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.pipeline import measure
     from repgeom_eval.report import results_table
 
-    for path in (args.output, args.per_text):
+    for path in (args.output, args.per_text, args.save_preprocess_stats):
         if path:
             check_writable(path)  # fail before the forward passes, not after
     metrics = [m.strip() for item in args.metrics for m in item.split(",") if m.strip()]
@@ -78,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.data, layers=args.layers, metrics=metrics, pooling=args.pooling,
         batch_size=args.batch_size, max_length=args.max_length, padding_side=args.padding_side, dtype=args.dtype,
         device=args.device, per_text=bool(args.per_text), metric_params=params, text_field=args.text_field, seed=args.seed,
+        preprocess=args.preprocess, preprocess_stats=args.preprocess_stats,
+        save_preprocess_stats=args.save_preprocess_stats,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     if args.output or args.per_text:

@@ -27,6 +27,8 @@ from .metric import Consumes, LayerBatch, Metric
 from .models import LoadedModel, load_model
 from .plugin_host import PluginHost, get_host
 from .pooling import check_pooling, pool
+from .preprocess import METHODS as PREPROCESS_METHODS
+from .preprocess import Preprocessor, VectorStats
 
 
 @dataclass
@@ -179,6 +181,10 @@ def measure(
     metric_params: Mapping[str, Mapping[str, Any]] | None = None,
     text_field: str = "text",
     seed: int = 0,
+    preprocess: str = "none",
+    preprocess_stats: str | Path | None = None,
+    save_preprocess_stats: str | Path | None = None,
+    massive_share_warning: float = 0.5,
     progress: bool = True,
     host: PluginHost | None = None,
 ) -> MeasureResult:
@@ -188,6 +194,11 @@ def measure(
     ``data`` is a ``.jsonl``/``.txt`` path, a list of strings or a :class:`TextSet`. ``pooling`` overrides every
     metric's default pooling (``None``: each metric's own, e.g. ``last`` for dispersion). ``seed`` drives the
     augmented views of the multi-view metrics, which run in the same forward passes as the originals.
+
+    ``preprocess`` (``none``, ``center``, ``standardize``, ``whiten``) transforms every vector a metric sees, with
+    statistics from ``preprocess_stats`` (a file written through ``save_preprocess_stats``) or, if none is given,
+    from the same data in an extra forward pass. A warning names each address where one hidden dimension carries
+    at least ``massive_share_warning`` of the squared norm of the mean-pooled vectors.
     """
     t_start = time.perf_counter()
     host = host or get_host()
@@ -202,6 +213,10 @@ def measure(
     if not metrics:
         raise RepgeomError("no metric requested")
     specs = instantiate_metrics(metrics, host, metric_params, per_text, pooling)
+    if preprocess not in PREPROCESS_METHODS:
+        raise RepgeomError(f"unknown preprocess {preprocess!r} (valid: {', '.join(PREPROCESS_METHODS)})")
+    prep = Preprocessor.load(preprocess_stats, preprocess) if preprocess_stats and preprocess != "none" \
+        else Preprocessor()
 
     # -- data ----------------------------------------------------------------------------------------------------
     if isinstance(data, TextSet):
@@ -266,34 +281,59 @@ def measure(
     # -- one forward per batch, every address and metric fed from it ----------------------------------------------
     view_poolings = sorted({spec.pooling for spec in specs if spec.cls.consumes == Consumes.VIEWS})
     buffers = {(addr, p): _ViewBuffer(n_views) for addr in addresses for p in view_poolings}
-    t_forward = t_metrics = 0.0
+    energy = {addr: torch.zeros(0, dtype=torch.float64) for addr in addresses}  # Σx² per dim, mean-pooled
+    timer = {"forward": 0.0, "metrics": 0.0}
     dev = loaded.device
-    with Capture(loaded.model, points, stop_early=True) as cap, tqdm(
-        total=len(order), unit="seq", desc="measure", disable=not progress, leave=False
-    ) as bar:
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            t0 = time.perf_counter()
-            enc = tok([strings[i] for i in rows], padding=True, truncation=True, max_length=context,
-                      return_tensors="pt", verbose=False)
-            enc = {k: v.to(dev) for k, v in enc.items()}
-            mask = enc["attention_mask"].bool()
-            if loaded.spec.position_ids_from_mask:
-                enc["position_ids"] = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-            captured = cap.run(**enc, use_cache=False) if loaded.spec.causal else cap.run(**enc)
-            t_forward += time.perf_counter() - t0
 
-            t0 = time.perf_counter()
-            batch_items = [items[i] for i in rows]
-            batch_ids = [texts.ids[it.text] for it in batch_items]
-            for addr, metric_list in states.items():
-                h = captured[addr]
-                if h.dtype in (torch.float16, torch.bfloat16):
-                    h = h.float()
-                _check_finite(addr, h, mask, batch_ids)
-                _feed(addr, h, mask, batch_items, metric_list, buffers)
-            t_metrics += time.perf_counter() - t0
-            bar.update(len(rows))
+    def run_pass(desc: str, on_address) -> None:
+        """One forward per batch over every item; ``on_address(addr, h, mask, batch_items)`` per address."""
+        with Capture(loaded.model, points, stop_early=True) as cap, tqdm(
+            total=len(order), unit="seq", desc=desc, disable=not progress, leave=False
+        ) as bar:
+            for start in range(0, len(order), batch_size):
+                rows = order[start:start + batch_size]
+                t0 = time.perf_counter()
+                enc = tok([strings[i] for i in rows], padding=True, truncation=True, max_length=context,
+                          return_tensors="pt", verbose=False)
+                enc = {k: v.to(dev) for k, v in enc.items()}
+                mask = enc["attention_mask"].bool()
+                if loaded.spec.position_ids_from_mask:
+                    enc["position_ids"] = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+                captured = cap.run(**enc, use_cache=False) if loaded.spec.causal else cap.run(**enc)
+                timer["forward"] += time.perf_counter() - t0
+
+                t0 = time.perf_counter()
+                batch_items = [items[i] for i in rows]
+                batch_ids = [texts.ids[it.text] for it in batch_items]
+                for addr in addresses:
+                    h = captured[addr]
+                    if h.dtype in (torch.float16, torch.bfloat16):
+                        h = h.float()
+                    _check_finite(addr, h, mask, batch_ids)
+                    on_address(addr, h, mask, batch_items)
+                timer["metrics"] += time.perf_counter() - t0
+                bar.update(len(rows))
+
+    if preprocess != "none" and not preprocess_stats:
+        stats: dict[str, VectorStats] = {}
+        kinds = _preprocess_kinds(specs)
+        run_pass("preprocess statistics",
+                 lambda addr, h, mask, its: _collect_stats(addr, h, mask, its, kinds, stats, preprocess == "whiten"))
+        prep = Preprocessor.from_stats(preprocess, stats, "same data")
+    if save_preprocess_stats and prep.active:
+        prep.save(save_preprocess_stats)
+
+    def measure_address(addr, h, mask, batch_items) -> None:
+        orig = [r for r, it in enumerate(batch_items) if it.view < 0]
+        if orig:
+            sel = torch.tensor(orig, device=h.device)
+            mean_pooled = pool(h[sel], mask[sel], "mean")[0].double()
+            e = (mean_pooled * mean_pooled).sum(0).cpu()
+            energy[addr] = e if energy[addr].numel() == 0 else energy[addr] + e
+        _feed(addr, h, mask, batch_items, states[addr], buffers, prep)
+
+    run_pass("measure", measure_address)
+    t_forward, t_metrics = timer["forward"], timer["metrics"]
     assert all(len(b) == 0 for b in buffers.values()), "some augmented views never arrived"
 
     # -- compute and report ---------------------------------------------------------------------------------------
@@ -313,6 +353,18 @@ def measure(
             for score_name, (idx, values) in (pt or {}).items():
                 for i, v in zip(idx.tolist(), values.tolist()):
                     per_text_cols.setdefault(i, {}).setdefault(key, {})[score_name] = v
+    for addr, e in energy.items():
+        if e.numel() == 0 or float(e.sum()) == 0:
+            continue
+        shares = e / e.sum()
+        top = torch.argsort(shares, descending=True)[:3]
+        info = {"top_dimensions": top.tolist(), "top_shares": [round(float(shares[i]), 6) for i in top]}
+        diagnostics.setdefault(str(addr), {})["energy"] = info
+        if float(shares[top[0]]) >= massive_share_warning:
+            warnings.warn(
+                f"{addr}: hidden dimension {int(top[0])} carries {float(shares[top[0]]):.0%} of the squared norm of "
+                "the mean-pooled vectors, so cosine-based metrics there mostly measure that one dimension; "
+                "see the massive_activations metric, or try --preprocess standardize", stacklevel=2)
     summary: dict[str, Any] = {}
     for spec in specs:
         across = spec.cls.across_layers({k: results[k][spec.name] for k in results}, list(range(len(results))))
@@ -342,6 +394,7 @@ def measure(
         "per_text": per_text,
         "text_field": text_field,
         "augmentation": augmenter.config() | {"n_views": n_views} if augmenter else None,
+        "preprocess": prep.config(),
         "versions": {"repgeom_eval": __version__, "torch": torch.__version__,
                      "transformers": _version("transformers"), "python": platform.python_version()},
     }
@@ -362,6 +415,7 @@ def _feed(
     batch_items: list[_Item],
     metric_list: list[tuple[MetricSpec, Metric]],
     buffers: dict[tuple[Address, str], _ViewBuffer],
+    prep: Preprocessor,
 ) -> None:
     """Pool one address's batch for each metric (each pooling computed once) and update the metric states."""
     orig = torch.tensor([r for r, it in enumerate(batch_items) if it.view < 0], dtype=torch.long)
@@ -377,12 +431,16 @@ def _feed(
         if consumes == Consumes.TOKENS:
             if hidden is None:
                 m = mask[h_dev]
-                hidden = h[h_dev].double().masked_fill(~m.unsqueeze(-1), 0.0), m
+                tokens = h[h_dev].double()
+                if prep.active:
+                    tokens[m] = prep(str(addr), "tokens", tokens[m])
+                hidden = tokens.masked_fill(~m.unsqueeze(-1), 0.0), m
             metric.update(LayerBatch(str(addr), text_index[orig], hidden=hidden[0], mask=hidden[1]))
             continue
         if spec.pooling not in pooled:
             vecs, owner = pool(h[h_dev], mask[h_dev], spec.pooling)
-            pooled[spec.pooling] = vecs.double().cpu(), text_index[orig][owner.cpu()]
+            vecs = prep(str(addr), spec.pooling, vecs.double())
+            pooled[spec.pooling] = vecs.cpu(), text_index[orig][owner.cpu()]
         vecs, index = pooled[spec.pooling]
         metric.update(LayerBatch(str(addr), index, pooled=vecs))
     if not len(views):
@@ -392,7 +450,8 @@ def _feed(
         if buf_addr != addr:
             continue
         vecs, _ = pool(h[v_dev], mask[v_dev], method)
-        for row, vec in zip(views.tolist(), vecs.double().cpu()):
+        vecs = prep(str(addr), f"views:{method}", vecs.double())
+        for row, vec in zip(views.tolist(), vecs.cpu()):
             buffer.add(batch_items[row].text, batch_items[row].view, vec)
         done = buffer.pop_complete()
         if done is None:
@@ -401,6 +460,34 @@ def _feed(
         for spec, metric in metric_list:
             if spec.cls.consumes == Consumes.VIEWS and spec.pooling == method:
                 metric.update(LayerBatch(str(addr), index, views=stacked[:, : int(metric.n_views)]))
+
+
+def _preprocess_kinds(specs: list[MetricSpec]) -> set[str]:
+    kinds = set()
+    for spec in specs:
+        if spec.cls.consumes == Consumes.TOKENS:
+            kinds.add("tokens")
+        elif spec.cls.consumes == Consumes.VIEWS:
+            kinds.add(f"views:{spec.pooling}")
+        else:
+            kinds.add(str(spec.pooling))
+    return kinds
+
+
+def _collect_stats(addr: Address, h: torch.Tensor, mask: torch.Tensor, batch_items: list[_Item], kinds: set[str],
+                   stats: dict[str, VectorStats], full: bool) -> None:
+    """First pass of ``preprocess``: moments of exactly the vectors each kind of metric will see."""
+    orig = torch.tensor([r for r, it in enumerate(batch_items) if it.view < 0], dtype=torch.long, device=h.device)
+    views = torch.tensor([r for r, it in enumerate(batch_items) if it.view >= 0], dtype=torch.long, device=h.device)
+    for kind in kinds:
+        rows = views if kind.startswith("views:") else orig
+        if not len(rows):
+            continue
+        if kind == "tokens":
+            x = h[rows][mask[rows]]
+        else:
+            x = pool(h[rows], mask[rows], kind.removeprefix("views:"))[0]
+        stats.setdefault(Preprocessor.key(str(addr), kind), VectorStats(full)).update(x)
 
 
 def _version(dist: str) -> str | None:

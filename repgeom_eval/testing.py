@@ -150,9 +150,8 @@ def check_metric(cls: type[Metric], kwargs: Mapping[str, Any] | None = None, n: 
     kwargs = dict(kwargs or {})
     assert isinstance(cls.name, str) and cls.name, f"{cls.__name__} needs a non-empty `name`"
     assert cls.full_state_update is False, f"{cls.__name__}: full_state_update must be False"
-    (whole,) = _random_batch(cls.consumes, n, dim, seed)
-
     one = cls(**kwargs)
+    (whole,) = _random_batch(cls.consumes, n, dim, seed, views=int(getattr(one, "n_views", 2)))
     one.update(whole)
     expected = one.compute()
 

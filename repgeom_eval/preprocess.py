@@ -1,0 +1,152 @@
+"""Optional preprocessing of the vectors a metric sees: ``none`` (the papers' default), ``center``,
+``standardize`` or ``whiten``.
+
+Why: in some models a handful of hidden dimensions carry almost all of the energy ("massive activations"); cosine
+geometry at those layers then measures those few dimensions. Standardizing or whitening the features first shows
+the geometry of the rest. Statistics come from the same data (an extra pass over it, memory O(D) or O(D²) per
+address) or from a reference file written by an earlier run.
+
+Statistics are kept per (address, kind): kind is a pooling method for pooled vectors, ``views:<pooling>`` for
+augmented views, or ``tokens`` for the token vectors of token-level metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import RepgeomError
+
+METHODS = ("none", "center", "standardize", "whiten")
+EPS = 1e-6  # relative floor on variances / covariance eigenvalues
+
+
+class VectorStats:
+    """Mergeable first and second moments of a stream of D-dimensional vectors (float64)."""
+
+    def __init__(self, full_covariance: bool):
+        self.full = full_covariance
+        self.n = 0
+        self.sum: torch.Tensor | None = None
+        self.second: torch.Tensor | None = None  # Σx² per dimension, or Σxxᵀ when full
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().double().cpu()
+        if not len(x):
+            return
+        second = x.T @ x if self.full else (x * x).sum(0)
+        s = x.sum(0)
+        self.sum = s if self.sum is None else self.sum + s
+        self.second = second if self.second is None else self.second + second
+        self.n += x.shape[0]
+
+    def merge(self, other: "VectorStats") -> "VectorStats":
+        if other.n:
+            self.sum = other.sum if self.sum is None else self.sum + other.sum
+            self.second = other.second if self.second is None else self.second + other.second
+            self.n += other.n
+        return self
+
+    def transform(self, method: str) -> dict[str, torch.Tensor]:
+        """The affine map ``x ↦ (x − shift) @ matrix`` (or ``/ scale``) that implements ``method``."""
+        if self.n < 2 or self.sum is None or self.second is None:
+            raise RepgeomError(f"preprocess {method!r} needs statistics over at least 2 vectors, got {self.n}")
+        mean = self.sum / self.n
+        if method == "center":
+            return {"shift": mean}
+        if self.full:
+            cov = self.second / self.n - torch.outer(mean, mean)
+            var = cov.diagonal()
+        else:
+            var = self.second / self.n - mean * mean
+        if method == "standardize":
+            floor = EPS * float(var.max().clamp(min=1e-30))
+            return {"shift": mean, "scale": var.clamp(min=floor).sqrt()}
+        if method == "whiten":
+            if not self.full:
+                raise RepgeomError("whitening needs full covariance statistics")
+            evals, evecs = torch.linalg.eigh((cov + cov.T) / 2)
+            floor = EPS * float(evals.max().clamp(min=1e-30))
+            matrix = evecs @ torch.diag(evals.clamp(min=floor).rsqrt()) @ evecs.T  # ZCA whitening
+            return {"shift": mean, "matrix": matrix}
+        raise RepgeomError(f"unknown preprocess {method!r} (valid: {', '.join(METHODS)})")
+
+
+def apply(x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    out = x.double() - params["shift"].to(x.device)
+    if "scale" in params:
+        out = out / params["scale"].to(x.device)
+    if "matrix" in params:
+        out = out @ params["matrix"].to(x.device)
+    return out
+
+
+class Preprocessor:
+    """Per-(address, kind) transforms; ``identity`` when the method is ``none``."""
+
+    def __init__(self, method: str = "none", transforms: dict[str, dict[str, torch.Tensor]] | None = None,
+                 source: str | None = None):
+        if method not in METHODS:
+            raise RepgeomError(f"unknown preprocess {method!r} (valid: {', '.join(METHODS)})")
+        self.method = method
+        self.transforms = transforms or {}
+        self.source = source
+
+    @property
+    def active(self) -> bool:
+        return self.method != "none"
+
+    @staticmethod
+    def key(address: str, kind: str) -> str:
+        return f"{address}|{kind}"
+
+    @classmethod
+    def from_stats(cls, method: str, stats: dict[str, VectorStats], source: str) -> "Preprocessor":
+        return cls(method, {k: s.transform(method) for k, s in stats.items()}, source)
+
+    def __call__(self, address: str, kind: str, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return x
+        key = self.key(address, kind)
+        if key not in self.transforms:
+            have = sorted(self.transforms)
+            raise RepgeomError(f"preprocess statistics have no entry for {address} ({kind}) in {self.source}; "
+                               f"they cover: {', '.join(have[:8])}{' ...' if len(have) > 8 else ''}")
+        return apply(x, self.transforms[key])
+
+    def config(self) -> dict[str, object]:
+        return {"method": self.method, "statistics": self.source if self.active else None}
+
+    # -- reference files ---------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save
+
+        from .io import atomic_open
+
+        tensors = {f"{key}|{name}": t.contiguous() for key, params in self.transforms.items()
+                   for name, t in params.items()}
+        with atomic_open(path, "wb") as fh:
+            fh.write(save(tensors, metadata={"repgeom_preprocess": json.dumps({"method": self.method})}))
+
+    @classmethod
+    def load(cls, path: str | Path, method: str) -> "Preprocessor":
+        from safetensors import safe_open
+
+        p = Path(path)
+        if not p.is_file():
+            raise RepgeomError(f"preprocess statistics file {str(p)!r} does not exist")
+        try:
+            with safe_open(str(p), framework="pt") as fh:
+                meta = json.loads((fh.metadata() or {}).get("repgeom_preprocess", "{}"))
+                transforms: dict[str, dict[str, torch.Tensor]] = {}
+                for name in fh.keys():
+                    key, _, param = name.rpartition("|")
+                    transforms.setdefault(key, {})[param] = fh.get_tensor(name)
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise RepgeomError(f"{p}: not a repgeom preprocess statistics file ({exc})") from None
+        if meta.get("method") != method:
+            raise RepgeomError(f"{p} holds {meta.get('method')!r} statistics but --preprocess {method!r} was asked; "
+                               "use the same method or recompute the statistics")
+        return cls(method, transforms, str(p))
