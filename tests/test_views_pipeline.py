@@ -101,3 +101,20 @@ def test_pooling_override_and_bad_pooling(views_host, tiny_model_dir, texts):
     assert r.config["metrics"]["two_views"]["pooling"] == "last"
     with pytest.raises(repgeom_eval.RepgeomError, match="pooling 'tokens' does not apply"):
         measure(loaded, texts[:3], metrics=["two_views"], pooling="tokens", host=views_host, progress=False)
+
+
+def test_view_metrics_through_the_pipeline_match_the_functional_core(views_host, tiny_model_dir, texts):
+    from repgeom_eval.functional import dime, infonce, lidar
+
+    loaded = load_model(tiny_model_dir("llama"))
+    result = measure(loaded, texts[:10], layers="final,resid_post:0", seed=5, host=views_host, progress=False,
+                     metrics=["view_recorder", "infonce", "dime", "lidar"],
+                     metric_params={"lidar": {"n_views": 3}})
+    for addr in ("final", "resid_post:0"):
+        v = views_of(result, addr=addr)  # [10, 3, D], the same seeded views every metric saw
+        u = torch.nn.functional.normalize(v, dim=-1)
+        r = result.results[addr]
+        assert r["infonce"] == pytest.approx(infonce(u[:, 0], u[:, 1], tau=0.1), abs=1e-9)
+        assert r["dime"] == pytest.approx(dime(u[:, 0], u[:, 1], n_iters=10, seed=0), abs=1e-9)
+        assert r["lidar"] == pytest.approx(lidar(u), abs=1e-6)
+    assert result.data["n_views_per_text"] == 3
