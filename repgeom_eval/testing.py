@@ -98,7 +98,13 @@ def make_tiny_model(kind: str, path: str | Path, n_layers: int = 2, width: int =
     config = tiny_config(kind, len(tokenizer) + 16, n_layers=n_layers, width=width)
     torch.manual_seed(seed)
     model = (tf.AutoModel if encoder else tf.AutoModelForCausalLM).from_config(config)
-    model.save_pretrained(path)
+    enabled = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()  # no "Writing model shards" bar on stderr
+    try:
+        model.save_pretrained(path)
+    finally:
+        if enabled:
+            tf.utils.logging.enable_progress_bar()
     tokenizer.save_pretrained(path)
     return path
 

@@ -133,7 +133,7 @@ def test_measure_uses_the_installed_metric(cli_runs):
     value = final["mean_norm"]
     assert isinstance(value, float) and math.isfinite(value) and value > 0
     assert 0 <= final["dispersion"] <= 2
-    assert result["config"]["metrics"]["mean_norm"] == {}
+    assert result["config"]["metrics"]["mean_norm"] == {"pooling": "last"}  # recorded, though it has no params
     assert result["data"]["n_texts"] == len(cli_runs["texts"])
     expected = cli_runs["expected"]
     assert abs(value - expected) <= 1e-9 * max(1.0, abs(expected)), (value, expected)

@@ -1,6 +1,8 @@
 """Pure functions of tensors: the math of every metric, testable without a model."""
 
+from .condensation import condensation, cosine_histogram, kendall_tau_b, spearman
 from .contrastive import dime, dime_exact, infonce, lidar, lidar_from_stats, lidar_stats
+from .curvature import curvature
 from .dispersion import (
     cross_dispersion,
     dispersion,
@@ -11,6 +13,16 @@ from .dispersion import (
     per_sample_scores,
     token_dispersion,
     unit,
+)
+from .entropy import (
+    center_and_unit,
+    dataset_entropy,
+    effective_rank,
+    gram_spectrum,
+    prompt_entropy,
+    renyi_entropy,
+    repitl_alpha2_shortcut,
+    vendi_score,
 )
 from .losses import (
     angular_spread,
@@ -24,6 +36,19 @@ from .losses import (
 )
 
 __all__ = [
+    "center_and_unit",
+    "condensation",
+    "cosine_histogram",
+    "curvature",
+    "dataset_entropy",
+    "effective_rank",
+    "gram_spectrum",
+    "kendall_tau_b",
+    "prompt_entropy",
+    "renyi_entropy",
+    "repitl_alpha2_shortcut",
+    "spearman",
+    "vendi_score",
     "angular_spread",
     "decorrelation",
     "dime",

@@ -1,0 +1,115 @@
+"""Embedding condensation (paper C; spec §4.7, §9.7): how aligned the token vectors of a text are, per layer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.functional.condensation import (
+    CONDENSATION_EPS,
+    DEFAULT_BINS,
+    condensation_batch,
+    cosine_histogram,
+    histogram_edges,
+    kendall_tau_b,
+    spearman,
+)
+
+_NAN = float("nan")
+
+
+class Condensation(Metric):
+    """Mean token–token cosine within each text, averaged over texts (paper C's condensation statistic).
+
+    Per text with S tokens: u_i = x_i / max(‖x_i‖, ``eps``) (paper C's max-eps, default 1e-3) and
+    ``mean_cosine`` = the mean of all S² entries of clip(UUᵀ, −1, 1), **diagonal included** as in paper C's code,
+    computed in O(S·d) as ‖Σu‖²/S² (the clip is a no-op because ‖u_i‖ ≤ 1). ``mean_cosine_excl_diag`` is the i ≠ j
+    mean, (‖Σu‖² − Σ‖u‖²)/(S(S−1)); 1-token texts have none and are left out of that mean only. Paper C averages
+    equal-length S×S matrices over texts and takes the mean entry; the mean over texts of the per-text means is the
+    same number and also covers texts of unequal length.
+
+    ``histogram`` (for the layer × cosine heatmap): the S² entries of each text's cosine matrix binned into
+    ``bins`` equal bins over [−1, 1] (default 50; ``bins=0`` turns it off, since it costs O(S²·d) per text),
+    each text weighing 1 like in the means; ``density`` integrates to 1 over [−1, 1].
+
+    State: the sums of the two per-text means, their counts, the summed per-text bin fractions (and per-text
+    values with ``per_text=True``).
+
+    Across layers (:meth:`across_layers`): Spearman ρ and Kendall τ_b of ``mean_cosine`` against depth (positive:
+    condensation grows with depth) and ``mean_last_n`` = mean of the last n layers' values, n = 1..L.
+    """
+
+    name = "condensation"
+    consumes = Consumes.TOKENS
+
+    def __init__(self, eps: float = CONDENSATION_EPS, bins: int = DEFAULT_BINS, per_text: bool = False):
+        super().__init__()
+        if not (isinstance(bins, int) and bins >= 0):
+            raise RepgeomError(f"{self.name}: bins must be a non-negative integer, got {bins!r}")
+        if not (isinstance(eps, (int, float)) and eps > 0):
+            raise RepgeomError(f"{self.name}: eps must be a positive number, got {eps!r}")
+        self.eps, self.bins, self.per_text = float(eps), bins, per_text
+        self.add_state("sums", torch.zeros(2, dtype=torch.float64), "sum")  # Σ m_incl, Σ m_excl
+        self.add_state("counts", torch.zeros(2, dtype=torch.float64), "sum")  # texts with S ≥ 1, with S ≥ 2
+        self.add_state("hist", torch.zeros(bins, dtype=torch.float64), "sum")
+        if per_text:
+            self.add_state("values", [], "cat")
+            self.add_state("index", [], "cat")
+
+    def update(self, batch: LayerBatch) -> None:
+        assert batch.hidden is not None and batch.mask is not None
+        incl, excl = (v.cpu() for v in condensation_batch(batch.hidden, batch.mask, self.eps))
+        ok_i, ok_e = ~torch.isnan(incl), ~torch.isnan(excl)
+        self.sums = self.sums + torch.stack([incl[ok_i].sum(), excl[ok_e].sum()])
+        self.counts = self.counts + torch.stack([ok_i.sum(), ok_e.sum()]).to(torch.float64)
+        if self.bins:
+            for tokens in batch.token_vectors():
+                s = tokens.shape[0]
+                if s:
+                    self.hist = self.hist + cosine_histogram(tokens, self.bins, self.eps) / (s * s)
+        if self.per_text:
+            self.values.append(incl)
+            self.index.append(batch.index.to(torch.float64))
+
+    def compute(self) -> dict[str, Any]:
+        mean = [float(s / c) if c > 0 else _NAN for s, c in zip(self.sums, self.counts)]
+        out: dict[str, Any] = {"mean_cosine": mean[0], "mean_cosine_excl_diag": mean[1]}
+        if self.bins:
+            edges = histogram_edges(self.bins)
+            n = float(self.counts[0])
+            density = self.hist / (n * (2.0 / self.bins)) if n > 0 else torch.full_like(self.hist, _NAN)
+            out["histogram"] = {"edges": edges.tolist(), "density": density.tolist()}
+        return out
+
+    def per_text_results(self):
+        if not self.per_text or not self.values:
+            return None
+        return {"condensation": (torch.cat(self.index).long(), torch.cat(self.values))}
+
+    def diagnostics(self):
+        return {"n_texts": int(self.counts[0]), "n_texts_single_token": int(self.counts[0] - self.counts[1])}
+
+    @classmethod
+    def across_layers(cls, values: dict[str, Any], depth: list[int]) -> dict[str, Any] | None:
+        """Spearman ρ and Kendall τ_b of ``mean_cosine`` against depth, and ``mean_last_n`` (spec §4.7 steps 5–6).
+
+        ``values`` maps each address to this metric's ``compute()`` result in depth order. Needs ≥ 3 addresses
+        (``None`` otherwise). A NaN layer makes both correlations NaN (scipy's default ``nan_policy``).
+        """
+        if len(values) < 3:
+            return None
+        m = [float(v["mean_cosine"]) if isinstance(v, dict) else float(v) for v in values.values()]
+        return {
+            "spearman": spearman(m, depth),
+            "kendall": kendall_tau_b(m, depth),
+            "mean_last_n": [math.fsum(m[-n:]) / n for n in range(1, len(m) + 1)],
+        }
+
+
+@hookimpl
+def repgeom_register_metrics(registry):
+    registry.add(Condensation)

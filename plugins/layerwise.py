@@ -1,0 +1,346 @@
+"""Layer-by-layer metrics of paper B (spec §3.2–§3.5, defaults §9.7) and the Vendi score (paper A, A.5).
+
+* ``prompt_entropy``  (tokens)  matrix entropy of each prompt's centred, unit token vectors, mean over prompts
+* ``dataset_entropy`` (pooled)  matrix entropy of the centred, unit pooled vectors of all prompts
+* ``effective_rank``  (pooled)  RankMe, erank and exp(S₁) of the pooled matrix, no centring
+* ``curvature``       (tokens)  mean turning angle of each prompt's token trajectory, mean over prompts
+* ``vendi``           (pooled)  exp of the entropy of the cosine-similarity kernel of the pooled vectors
+
+The math lives in :mod:`repgeom_eval.functional.entropy` and :mod:`repgeom_eval.functional.curvature`; the classes
+here only keep mergeable state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.functional.curvature import VARIANTS as CURVATURE_VARIANTS
+from repgeom_eval.functional.curvature import curvature
+from repgeom_eval.functional.dispersion import unit
+from repgeom_eval.functional.entropy import (
+    CENTERINGS,
+    VARIANTS,
+    dataset_entropy,
+    effective_rank_from_gram_eigenvalues,
+    entropy_result,
+    gram_entropy,
+    linear_gram,
+    prompt_entropy,
+    spectrum_entropy,
+)
+
+_NAN = float("nan")
+ENTROPY_KEYS = ("raw", "normalized", "logN", "logD")
+
+
+def _check_choice(metric: str, param: str, value, choices) -> None:
+    if value not in choices:
+        raise RepgeomError(f"{metric}: {param} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_alpha(metric: str, alpha) -> float:
+    try:
+        alpha = float(alpha)
+    except (TypeError, ValueError):
+        raise RepgeomError(f"{metric}: alpha must be a number ≥ 0, got {alpha!r}") from None
+    if not alpha >= 0:
+        raise RepgeomError(f"{metric}: alpha must be a number ≥ 0, got {alpha!r}")
+    return alpha
+
+
+class _GramAccumulator(Metric):
+    """Shared state for pooled metrics that only need the linear Gram of (transformed) rows.
+
+    States: ``gram`` ("sum", D×D float64, Σ zzᵀ of the rows folded so far), ``rows`` ("cat", rows not folded yet),
+    ``n`` and ``n_zero`` (zero rows). Rows are kept as they come while there are at most D of them, and folded into
+    ``gram`` as soon as there are more: memory is at most ~2·D² floats whatever the number of texts, and for
+    N ≤ D it stays N·D. At compute time the Gram is therefore Z Zᵀ (N×N) when N ≤ D and Zᵀ Z (D×D) otherwise: the
+    smaller form, and also paper B's branch rule (``ZᵀZ if N > D else ZZᵀ``). Shards merge exactly (sums add, row
+    lists concatenate).
+    """
+
+    def _init_gram_state(self) -> None:
+        self.add_state("gram", torch.zeros(0, dtype=torch.float64), "sum")
+        self.add_state("rows", [], "cat")
+        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum")
+
+    def _add_rows(self, z: torch.Tensor) -> None:
+        z = z.double().cpu()
+        self.n = self.n + z.shape[0]
+        self.n_zero = self.n_zero + ((z * z).sum(-1) == 0).sum()
+        self.rows.append(z)
+        held = sum(r.shape[0] for r in self.rows)
+        if held > z.shape[1]:
+            r = torch.cat(self.rows)
+            g = r.T @ r
+            self.gram = g if self.gram.numel() == 0 else self.gram + g
+            self.rows = []
+
+    def _gram(self) -> tuple[torch.Tensor, int, int] | None:
+        """(the smaller linear Gram of all rows seen, N, D), or None before any row."""
+        r = torch.cat(self.rows) if self.rows else None
+        if self.gram.numel() == 0:
+            if r is None or r.shape[0] == 0:
+                return None
+            return linear_gram(r), r.shape[0], r.shape[1]
+        g = self.gram if r is None else self.gram + r.T @ r
+        return g, int(self.n), g.shape[0]
+
+    def diagnostics(self):
+        return {"n_vectors": int(self.n), "n_zero_vectors": int(self.n_zero)}
+
+
+class PromptEntropy(Metric):
+    """Prompt entropy (paper B; spec §3.2, defaults §9.7), averaged over prompts.
+
+    Per prompt: Z = the prompt's non-pad token vectors, centred over the prompt and unit-normalised; S_α of the
+    linear Gram of Z (the smaller of ZZᵀ/ZᵀZ), with p_i = λ_i/Σλ over the positive eigenvalues. Reports the mean
+    over prompts of ``raw`` = S_α, ``normalized`` = S_α / log min(N, D) (B's ``maxEntropy``, the value B reports),
+    ``logN`` = S_α / log N and ``logD`` = S_α / log D.
+
+    Parameters: ``alpha`` (default 1, von Neumann); ``variant`` = ``"paper"`` (default, no clamp) or
+    ``"information_flow"`` (B's code: elementwise clamp(K, 0) on the branch it picks, then trace normalisation).
+    Prompts with fewer than 2 tokens have no value (NaN); they are skipped and counted (``n_skipped``).
+
+    State: the four sums over prompts and the prompt count (plus per-prompt values with ``per_text=True``).
+    """
+
+    name = "prompt_entropy"
+    consumes = Consumes.TOKENS
+
+    def __init__(self, alpha: float = 1.0, variant: str = "paper", per_text: bool = False):
+        super().__init__()
+        self.alpha = _check_alpha(self.name, alpha)
+        _check_choice(self.name, "variant", variant, VARIANTS)
+        self.variant = variant
+        self.per_text = per_text
+        self.add_state("sums", torch.zeros(len(ENTROPY_KEYS), dtype=torch.float64), "sum")
+        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum")
+        if per_text:
+            self.add_state("values", [], "cat")
+            self.add_state("index", [], "cat")
+
+    def update(self, batch: LayerBatch) -> None:
+        rows = []
+        for tokens in batch.token_vectors():
+            r = prompt_entropy(tokens, self.alpha, self.variant)
+            rows.append([r[k] for k in ENTROPY_KEYS])
+        values = torch.tensor(rows, dtype=torch.float64).reshape(-1, len(ENTROPY_KEYS))
+        ok = ~torch.isnan(values[:, 0])
+        self.sums = self.sums + values[ok].sum(0)
+        self.count = self.count + ok.sum()
+        self.skipped = self.skipped + (~ok).sum()
+        if self.per_text:
+            self.values.append(values[:, :2])
+            self.index.append(batch.index.to(torch.float64))
+
+    def compute(self) -> dict[str, float]:
+        if self.count == 0:
+            return {k: _NAN for k in ENTROPY_KEYS}
+        return {k: float(v) for k, v in zip(ENTROPY_KEYS, self.sums / self.count)}
+
+    def per_text_results(self):
+        if not self.per_text or not self.values:
+            return None
+        idx, v = torch.cat(self.index).long(), torch.cat(self.values)
+        return {"prompt_entropy": (idx, v[:, 0]), "prompt_entropy_normalized": (idx, v[:, 1])}
+
+    def diagnostics(self):
+        return {"n_texts": int(self.count), "n_skipped": int(self.skipped)}
+
+
+class DatasetEntropy(_GramAccumulator):
+    """Dataset entropy (paper B; spec §3.3, defaults §9.7): S_α of the Gram of one pooled vector per prompt.
+
+    Default pooling ``mean`` (attention-masked). ``centering``:
+
+    * ``"global"`` (default): centre over all N prompts, then unit rows. Centring followed by unit-normalising is
+      nonlinear, so no fixed-size sufficient statistic exists: the pooled vectors are kept (a ``"cat"`` state,
+      N·D floats, plus each text's index) and the matrix is prepared at compute time.
+    * ``"batch"``: B's code, centring each block of ``batch_size`` consecutive prompts (in input order, whatever
+      batches the pipeline used), default 2 (B's final setting; it turns each pair into antipodal vectors).
+      Same ``"cat"`` state.
+    * ``"none"``: unit rows only. Then the Gram Σ uuᵀ *is* sufficient, and the metric streams it (at most ~2·D²
+      floats, see the shared Gram state) and diagonalises the smaller form at compute.
+
+    ``variant`` and ``alpha`` as for ``prompt_entropy``. Reports ``raw``, ``normalized`` (= raw / log min(N, D),
+    B's ``maxEntropy``), ``logN`` and ``logD``; NaN for fewer than 2 prompts.
+    """
+
+    name = "dataset_entropy"
+    consumes = Consumes.POOLED
+    default_pooling = "mean"
+
+    def __init__(self, alpha: float = 1.0, variant: str = "paper", centering: str = "global", batch_size: int = 2):
+        super().__init__()
+        self.alpha = _check_alpha(self.name, alpha)
+        _check_choice(self.name, "variant", variant, VARIANTS)
+        _check_choice(self.name, "centering", centering, CENTERINGS)
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise RepgeomError(f"{self.name}: batch_size must be a positive integer, got {batch_size!r}")
+        self.variant, self.centering, self.batch_size = variant, centering, batch_size
+        if centering == "none":
+            self._init_gram_state()
+        else:
+            self.add_state("vectors", [], "cat")
+            self.add_state("index", [], "cat")
+
+    def update(self, batch: LayerBatch) -> None:
+        assert batch.pooled is not None
+        if self.centering == "none":
+            self._add_rows(unit(batch.pooled.double()))
+        else:
+            self.vectors.append(batch.pooled.double().cpu())
+            self.index.append(batch.index.to(torch.float64).cpu())
+
+    def compute(self) -> dict[str, float]:
+        if self.centering != "none":
+            if not self.vectors:
+                return {k: _NAN for k in ENTROPY_KEYS}
+            x = torch.cat(self.vectors)
+            order = torch.argsort(torch.cat(self.index), stable=True)
+            return dataset_entropy(x[order], self.alpha, self.centering, self.batch_size, self.variant)
+        found = self._gram()
+        if found is None or int(self.n) < 2:
+            return {k: _NAN for k in ENTROPY_KEYS}
+        g, n, d = found
+        return entropy_result(float(gram_entropy(g, self.alpha, self.variant)), n, d)
+
+    def diagnostics(self):
+        if self.centering == "none":
+            return super().diagnostics()
+        return {"n_vectors": sum(int(v.shape[0]) for v in self.vectors)}
+
+
+class EffectiveRank(_GramAccumulator):
+    """Effective rank of the pooled matrix Z (N texts × D), no centring (spec §3.4, defaults §9.7).
+
+    Reports three numbers under their own names, because two different quantities are called "effective rank":
+
+    * ``rankme`` (Garrido et al. 2023; the project's "effective rank"): p_k = σ_k/‖σ‖₁ + 1e-7 over the min(N, D)
+      singular values of Z, RankMe = exp(−Σ p_k log p_k);
+    * ``erank`` (Roy & Vetterli 2007): the same without ε, over σ > 0;
+    * ``exp_entropy``: exp(S₁(ZZᵀ)), the exponential of paper B's von Neumann entropy, which uses σ² (not σ).
+
+    Default pooling ``mean``. Only the singular values are needed and σ² are the eigenvalues of ZᵀZ, so the state
+    is the streamed Gram (at most ~2·D² floats, see the shared Gram state); eigenvalues below the solver's
+    round-off floor count as zero. A zero matrix gives 0.0 for all three; no data gives NaN.
+    """
+
+    name = "effective_rank"
+    consumes = Consumes.POOLED
+    default_pooling = "mean"
+
+    def __init__(self):
+        super().__init__()
+        self._init_gram_state()
+
+    def update(self, batch: LayerBatch) -> None:
+        assert batch.pooled is not None
+        self._add_rows(batch.pooled)
+
+    def compute(self) -> dict[str, float]:
+        found = self._gram()
+        if found is None:
+            return {"rankme": _NAN, "erank": _NAN, "exp_entropy": _NAN}
+        g, n, d = found
+        return effective_rank_from_gram_eigenvalues(torch.linalg.eigvalsh(g), n, d)
+
+
+class Curvature(Metric):
+    """Curvature of each prompt's token trajectory (paper B; spec §3.5, defaults §9.7), averaged over prompts.
+
+    ``variant="paper"`` (default): on the raw token vectors, with v_k = z_{k+1} − z_k, the mean over k of
+    arccos(v_{k+1}·v_k / (‖v_{k+1}‖‖v_k‖)), angles in [0, π]. Angles next to a zero-length difference (a repeated
+    token) are skipped; prompts with N ≤ 2 tokens (or no defined angle) have no value and are skipped and counted.
+    ``variant="information_flow"``: B's code, on centred, unit-normalised tokens, with |cos| (angles in [0, π/2]),
+    undefined angles counted as 0 and N ≤ 2 giving 0 (those prompts are averaged in, as in B's code).
+
+    Reports the means over prompts of ``raw`` (the mean angle, radians, what B reports) and ``logD`` = raw / log D.
+    State: the two sums and the prompt count (plus per-prompt values with ``per_text=True``).
+    """
+
+    name = "curvature"
+    consumes = Consumes.TOKENS
+
+    def __init__(self, variant: str = "paper", per_text: bool = False):
+        super().__init__()
+        _check_choice(self.name, "variant", variant, CURVATURE_VARIANTS)
+        self.variant = variant
+        self.per_text = per_text
+        self.add_state("sums", torch.zeros(2, dtype=torch.float64), "sum")
+        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum")
+        if per_text:
+            self.add_state("values", [], "cat")
+            self.add_state("index", [], "cat")
+
+    def update(self, batch: LayerBatch) -> None:
+        rows = []
+        for tokens in batch.token_vectors():
+            r = curvature(tokens, self.variant)
+            rows.append([r["raw"], r["logD"]])
+        values = torch.tensor(rows, dtype=torch.float64).reshape(-1, 2)
+        ok = ~torch.isnan(values[:, 0])
+        self.sums = self.sums + values[ok].sum(0)
+        self.count = self.count + ok.sum()
+        self.skipped = self.skipped + (~ok).sum()
+        if self.per_text:
+            self.values.append(values[:, 0])
+            self.index.append(batch.index.to(torch.float64))
+
+    def compute(self) -> dict[str, float]:
+        if self.count == 0:
+            return {"raw": _NAN, "logD": _NAN}
+        mean = self.sums / self.count
+        return {"raw": float(mean[0]), "logD": float(mean[1])}
+
+    def per_text_results(self):
+        if not self.per_text or not self.values:
+            return None
+        return {"curvature": (torch.cat(self.index).long(), torch.cat(self.values))}
+
+    def diagnostics(self):
+        return {"n_texts": int(self.count), "n_skipped_short": int(self.skipped)}
+
+
+class Vendi(_GramAccumulator):
+    """Vendi score of the pooled vectors with cosine similarity (Friedman & Dieng 2023; paper A, appendix A.5).
+
+    U = unit rows (one pooled vector per text; default pooling ``last``, like ``dispersion``), K = UUᵀ,
+    Vendi = exp(−Σ λ log λ) over the eigenvalues λ of K/N = exp(S₁(K)). It is an "effective number of distinct
+    texts": 1 when all vectors are parallel, N when they are mutually orthogonal. UUᵀ and UᵀU share their non-zero
+    spectrum, so the state is the streamed Gram (at most ~2·D² floats, see the shared Gram state). Zero vectors
+    have no direction and are ignored (counted in ``n_zero_vectors``). No data, or only zero vectors, gives NaN.
+    """
+
+    name = "vendi"
+    consumes = Consumes.POOLED
+    default_pooling = "last"
+
+    def __init__(self):
+        super().__init__()
+        self._init_gram_state()
+
+    def update(self, batch: LayerBatch) -> None:
+        assert batch.pooled is not None
+        self._add_rows(unit(batch.pooled.double()))
+
+    def compute(self) -> float:
+        found = self._gram()
+        if found is None:
+            return _NAN
+        return float(torch.exp(spectrum_entropy(torch.linalg.eigvalsh(found[0]), 1.0)))
+
+
+@hookimpl
+def repgeom_register_metrics(registry):
+    registry.add(PromptEntropy)
+    registry.add(DatasetEntropy)
+    registry.add(EffectiveRank)
+    registry.add(Curvature)
+    registry.add(Vendi)

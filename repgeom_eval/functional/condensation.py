@@ -1,0 +1,166 @@
+"""Embedding condensation (paper C, spec §4.7) and the rank correlations used to trend it against depth.
+
+Per text with S token vectors x_i at one layer, paper C's code uses the *max-eps* unit vectors
+``u_i = x_i / max(‖x_i‖, 1e-3)`` and the S×S matrix ``C = clip(U Uᵀ, −1, 1)``, **diagonal included**, and reports
+the mean of all S² entries. That mean is computed here in O(S·d) without building C::
+
+    m_incl = 1/S² · Σ_{i,j} u_i·u_j = ‖Σ_i u_i‖² / S²
+    m_excl = (‖Σ_i u_i‖² − Σ_i ‖u_i‖²) / (S(S−1))        (the i ≠ j mean; S ≥ 2)
+
+The clip is a no-op: ‖u_i‖ ≤ 1 for every row (= 1, or ‖x_i‖/1e-3 < 1 for a tiny row), so by Cauchy–Schwarz
+|u_i·u_j| ≤ ‖u_i‖‖u_j‖ ≤ 1 already (up to one rounding step on the diagonal). With no norm below 1e-3,
+m_incl = 1/S + (1 − 1/S)·m_excl.
+
+Paper C averages the S×S matrices over texts of equal length, then takes the mean entry; since the mean entry is
+linear, that equals the mean over texts of the per-text m_incl, which also covers texts of unequal length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CONDENSATION_EPS = 1e-3  # paper C's max-eps (not F.normalize's 1e-12)
+DEFAULT_BINS = 50
+
+
+def condensation_units(x: torch.Tensor, eps: float = CONDENSATION_EPS) -> torch.Tensor:
+    """Rows divided by max(‖x‖, eps) (paper C's normalisation; a row shorter than eps keeps norm ‖x‖/eps < 1)."""
+    x = x.double()
+    return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
+
+
+def condensation(tokens: torch.Tensor, eps: float = CONDENSATION_EPS) -> dict[str, float]:
+    """Mean cosine of one text's token vectors ``tokens`` [S, d], O(S·d) (spec §4.7, defaults §9.7).
+
+    Returns ``{"mean_cosine": m_incl (all S² entries, diagonal included — paper C's statistic),
+    "mean_cosine_excl_diag": m_excl (i ≠ j only)}``. S = 0 gives NaN for both; S = 1 gives m_incl = ‖u‖² (1 for
+    any vector longer than eps) and m_excl = NaN.
+    """
+    u = condensation_units(tokens, eps)
+    s = u.shape[0]
+    if s == 0:
+        return {"mean_cosine": float("nan"), "mean_cosine_excl_diag": float("nan")}
+    total = u.sum(0)
+    sq = float(total @ total)
+    q = float((u * u).sum())
+    excl = (sq - q) / (s * (s - 1)) if s >= 2 else float("nan")
+    return {"mean_cosine": sq / (s * s), "mean_cosine_excl_diag": excl}
+
+
+def condensation_batch(hidden: torch.Tensor, mask: torch.Tensor,
+                       eps: float = CONDENSATION_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`condensation` for every text of a padded batch at once.
+
+    Args:
+        hidden: [B, T, d] token vectors; mask: [B, T] bool, True at real tokens.
+    Returns:
+        (m_incl [B], m_excl [B]) float64; NaN where a text has too few tokens (0, resp. < 2).
+    """
+    u = condensation_units(hidden, eps) * mask.unsqueeze(-1).to(torch.float64)
+    total = u.sum(1)
+    sq = (total * total).sum(-1)
+    q = (u * u).sum((1, 2))
+    n = mask.sum(1).to(torch.float64)
+    nan = torch.full_like(sq, float("nan"))
+    incl = torch.where(n >= 1, sq / (n * n).clamp(min=1), nan)
+    excl = torch.where(n >= 2, (sq - q) / (n * (n - 1)).clamp(min=1), nan)
+    return incl, excl
+
+
+def cosine_matrix(tokens: torch.Tensor, eps: float = CONDENSATION_EPS) -> torch.Tensor:
+    """Paper C's S×S matrix ``clip(U Uᵀ, −1, 1)`` (diagonal included). O(S²·d); for the histogram and for tests."""
+    u = condensation_units(tokens, eps)
+    return (u @ u.T).clamp(-1.0, 1.0)
+
+
+def histogram_edges(bins: int = DEFAULT_BINS) -> torch.Tensor:
+    """``bins + 1`` equally spaced edges over [−1, 1] (float64)."""
+    if bins < 1:
+        raise ValueError(f"bins must be positive, got {bins}")
+    return torch.linspace(-1.0, 1.0, bins + 1, dtype=torch.float64)
+
+
+def cosine_histogram(tokens: torch.Tensor, bins: int = DEFAULT_BINS, eps: float = CONDENSATION_EPS,
+                     block: int = 1024) -> torch.Tensor:
+    """Counts of all S² entries of :func:`cosine_matrix` in ``bins`` equal bins over [−1, 1] (float64 [bins]).
+
+    Bin k holds [e_k, e_{k+1}); the last bin also holds 1.0 (numpy's convention), so the diagonal lands there.
+    The matrix is built ``block`` rows at a time, so memory is O(block·S) whatever the text length.
+    """
+    edges = histogram_edges(bins)
+    u = condensation_units(tokens, eps)
+    counts = torch.zeros(bins, dtype=torch.float64)
+    inner = edges[1:-1].to(u.device)
+    for lo in range(0, u.shape[0], block):
+        c = (u[lo:lo + block] @ u.T).clamp(-1.0, 1.0)
+        idx = torch.bucketize(c.flatten(), inner, right=True)
+        counts += torch.bincount(idx, minlength=bins).to(torch.float64).cpu()
+    return counts
+
+
+# -- rank correlations (no scipy at run time) --------------------------------------------------------------------
+
+def _as_vector(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float64).flatten().cpu()
+
+
+def rankdata(x) -> torch.Tensor:
+    """1-based ranks with ties given their average rank (scipy's ``rankdata(method="average")``)."""
+    x = _as_vector(x)
+    n = x.numel()
+    order = torch.argsort(x, stable=True)
+    xs = x[order]
+    new_group = torch.ones(n, dtype=torch.bool)
+    new_group[1:] = xs[1:] != xs[:-1]
+    group = torch.cumsum(new_group.long(), 0) - 1
+    counts = torch.bincount(group).to(torch.float64)
+    starts = torch.cumsum(counts, 0) - counts
+    ranks = torch.empty(n, dtype=torch.float64)
+    ranks[order] = (starts + (counts + 1) / 2)[group]
+    return ranks
+
+
+def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    den = math.sqrt(float(a @ a) * float(b @ b))
+    return float(a @ b) / den if den > 0 else float("nan")
+
+
+def spearman(x, y) -> float:
+    """Spearman's ρ: the Pearson correlation of the average ranks (ties handled as scipy ``spearmanr``).
+
+    Raises ValueError on unequal lengths. NaN if there are fewer than 2 values, any value is NaN (scipy's
+    ``nan_policy="propagate"``), or either input is constant. Oracle: [0.1, 0.3, 0.3, 0.5] vs 0..3 → 0.948683.
+    """
+    x, y = _as_vector(x), _as_vector(y)
+    if x.numel() != y.numel():
+        raise ValueError(f"x and y differ in length: {x.numel()} vs {y.numel()}")
+    if x.numel() < 2 or bool(torch.isnan(x).any() or torch.isnan(y).any()):
+        return float("nan")
+    return _pearson(rankdata(x), rankdata(y))
+
+
+def kendall_tau_b(x, y, block: int = 2048) -> float:
+    """Kendall's τ_b = (n_c − n_d) / sqrt((n₀ − n_x)(n₀ − n_y)) (ties handled as scipy ``kendalltau``'s default).
+
+    n_c/n_d count concordant/discordant pairs, n₀ = n(n−1)/2, n_x/n_y the pairs tied in x/y. Computed with sign
+    products, Σ_{i,j} sgn(x_i−x_j)·sgn(y_i−y_j) / sqrt(Σ sgn(x_i−x_j)² · Σ sgn(y_i−y_j)²), in O(n²) time and
+    O(block·n) memory: meant for per-layer series, not millions of points. NaN as for :func:`spearman`.
+    Oracle: [0.1, 0.3, 0.3, 0.5] vs 0..3 → 0.912871.
+    """
+    x, y = _as_vector(x), _as_vector(y)
+    if x.numel() != y.numel():
+        raise ValueError(f"x and y differ in length: {x.numel()} vs {y.numel()}")
+    if x.numel() < 2 or bool(torch.isnan(x).any() or torch.isnan(y).any()):
+        return float("nan")
+    num = sx = sy = 0.0
+    for lo in range(0, x.numel(), block):
+        dx = torch.sign(x[lo:lo + block, None] - x[None, :])
+        dy = torch.sign(y[lo:lo + block, None] - y[None, :])
+        num += float((dx * dy).sum())
+        sx += float((dx * dx).sum())
+        sy += float((dy * dy).sum())
+    den = math.sqrt(sx * sy)
+    return num / den if den > 0 else float("nan")

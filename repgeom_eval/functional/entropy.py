@@ -1,0 +1,296 @@
+"""Matrix-based entropies of representation sets (paper B, spec §3.1–§3.4), plus effective rank and Vendi score.
+
+Everything runs in float64. Notation: ``Z ∈ R^{N×D}`` holds N row vectors; ``K = Z Zᵀ`` (N×N) and ``Zᵀ Z`` (D×D)
+share their non-zero eigenvalues, so spectra are always taken from the smaller of the two (:func:`gram_spectrum`).
+
+Matrix-based Rényi entropy of order α (spec §3.1, repitl ``matrix_itl.py``)::
+
+    p_i = λ_i / Σ_{λ_j > 0} λ_j          (positive eigenvalues only; trace normalisation is implicit)
+    S_α = 1/(1−α) · log Σ_i p_i^α        (α ≠ 1)
+    S_1 = −Σ_i p_i log p_i               (α = 1, von Neumann; the project default)
+
+Prompt entropy (§3.2) is S_α of the Gram of one prompt's centred, unit-normalised token vectors; dataset entropy (§3.3)
+is the same on the pooled vectors of all prompts. The project default (``variant="paper"``, spec §9.7) is the paper's
+definition with no clamp; ``variant="information_flow"`` reproduces the public code of paper B, which clamps the Gram
+elementwise at 0 before trace-normalising (spec §6.1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dispersion import unit
+
+VARIANTS = ("paper", "information_flow")
+CENTERINGS = ("global", "batch", "none")
+RANKME_EPS = 1e-7  # Garrido et al. (2023), float32 value
+_NAN = float("nan")
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def _safe_ratio(value: float, denominator: float) -> float:
+    return value / denominator if denominator > 0 else _NAN
+
+
+def spectrum_entropy(eigenvalues: torch.Tensor, alpha: float = 1.0, rtol: float | None = None) -> torch.Tensor:
+    """Rényi entropy S_α of a spectrum: p_i = λ_i / Σ λ_j over the positive λ only.
+
+    Negative eigenvalues (round-off, or an indefinite clamped Gram) are dropped, as repitl's ``torch.gt(ek, 0)``.
+    Eigenvalues at or below the solver's round-off floor, ``rtol · λ_max`` with default ``rtol = m · 2.2e-16``
+    (m = number of eigenvalues), are dropped too: repitl keeps them, which changes S_1 by < 1e-13 but lets noise
+    eigenvalues dominate for α < 1 (p^α of 1e-17 is 3e-9 at α = 1/2) and makes the N×N and D×D branches disagree.
+    Pass ``rtol=0`` for repitl's exact rule. With no positive eigenvalue (a zero matrix) the entropy is undefined:
+    NaN. ``alpha`` must be ≥ 0; α = 1 is the von Neumann (Shannon) limit.
+    """
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    lam = eigenvalues.double().flatten()
+    if rtol is None:
+        rtol = lam.numel() * torch.finfo(torch.float64).eps
+    top = lam.max() if lam.numel() else torch.tensor(0.0, dtype=torch.float64)
+    lam = lam[(lam > 0) & (lam > rtol * top)]
+    if lam.numel() == 0:
+        return torch.tensor(_NAN, dtype=torch.float64)
+    p = lam / lam.sum()
+    if alpha == 1:
+        h = -(p * torch.log(p)).sum()
+    else:
+        h = torch.log(torch.exp(alpha * torch.log(p)).sum()) / (1.0 - alpha)
+    return h + 0.0  # a single eigenvalue gives -0.0; report +0.0
+
+
+def renyi_entropy(K: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """Matrix-based Rényi entropy S_α(K) of a symmetric matrix K (spec §3.1).
+
+    The eigenvalues come from ``torch.linalg.eigvalsh``; only the positive ones (above the round-off floor of
+    :func:`spectrum_entropy`) are kept and renormalised to sum to one, so K need not be trace-normalised, and an
+    indefinite K (B's clamped Gram) is handled the way repitl handles it. α = 1 is the von Neumann entropy.
+    Cost O(m³) for an m×m matrix.
+    """
+    return spectrum_entropy(torch.linalg.eigvalsh(K.double()), alpha)
+
+
+def repitl_alpha2_shortcut(K: torch.Tensor) -> torch.Tensor:
+    """repitl's α = 2 "Frobenius" shortcut, reproduced for comparison only (spec §3.1, §6.5; oracle #21).
+
+    repitl computes the information potential as ``Σ_ij K_ij² / N²`` and returns ``−log`` of it. That equals
+    Σ p_i² only when K has unit diagonal (tr K = N); on a trace-normalised K it is off by the factor N², e.g.
+    K = I/3 gives log 27 = 3.295837 instead of the true S_2 = log 3. Use :func:`renyi_entropy` for real values.
+    """
+    K = K.double()
+    n = K.shape[0]
+    return -torch.log((K * K).sum() / (n * n))
+
+
+def linear_gram(Z: torch.Tensor) -> torch.Tensor:
+    """The smaller linear Gram of the rows of Z [N, D]: Z Zᵀ (N×N) if N ≤ D, else Zᵀ Z (D×D), in float64.
+
+    This is both "the smaller of the two" (same non-zero spectrum) and exactly paper B's branch rule
+    (``ZᵀZ if N > D else ZZᵀ``), which matters once an elementwise clamp is applied.
+    """
+    Z = Z.double()
+    n, d = Z.shape
+    return Z @ Z.T if n <= d else Z.T @ Z
+
+
+def gram_spectrum(Z: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues (ascending, float64) of the smaller of Z Zᵀ (N×N) and Zᵀ Z (D×D), via ``eigvalsh``.
+
+    Both matrices have the same non-zero eigenvalues (the squared singular values of Z), so the result has
+    min(N, D) entries. N ≤ D uses Z Zᵀ.
+    """
+    return torch.linalg.eigvalsh(linear_gram(Z))
+
+
+def center_and_unit(Z: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Paper B's ``normalize``: subtract the mean row, then scale every row to unit length.
+
+    ``unit`` uses ``max(‖z‖, eps)`` like ``F.normalize``, so a row that is zero after centring stays zero (cosine 0
+    with everything). The B code has **no** eps: such a row (a 1-token prompt, identical vectors) becomes NaN there.
+    """
+    Z = Z.double()
+    return unit(Z - Z.mean(0, keepdim=True), eps)
+
+
+def gram_entropy(K: torch.Tensor, alpha: float = 1.0, variant: str = "paper") -> torch.Tensor:
+    """S_α of a linear Gram K (§3.2 steps 2–4), as the paper defines it or as paper B's code computes it.
+
+    ``variant="paper"``: S_α of K's spectrum, no clamp. ``variant="information_flow"``: ``K = clamp(K, min=0)``
+    elementwise, ``K = K / tr K``, then S_α (NaN if the trace is 0). Pass the Gram that B's branch rule picks
+    (:func:`linear_gram`): after the clamp, Z Zᵀ and Zᵀ Z no longer share their spectrum.
+    """
+    _check_variant(variant)
+    K = K.double()
+    if variant == "paper":
+        return spectrum_entropy(torch.linalg.eigvalsh(K), alpha)
+    K = K.clamp(min=0)
+    trace = torch.trace(K)
+    if not trace > 0:
+        return torch.tensor(_NAN, dtype=torch.float64)
+    return renyi_entropy(K / trace, alpha)
+
+
+def entropy_result(raw: float, n: int, d: int) -> dict[str, float]:
+    """``{"raw", "normalized", "logN", "logD"}`` from S_α and the matrix shape (a zero denominator gives NaN)."""
+    log_n, log_d = math.log(n) if n > 0 else _NAN, math.log(d) if d > 0 else _NAN
+    return {
+        "raw": raw,
+        "normalized": _safe_ratio(raw, min(log_n, log_d)),
+        "logN": _safe_ratio(raw, log_n),
+        "logD": _safe_ratio(raw, log_d),
+    }
+
+
+def matrix_entropy(Z: torch.Tensor, alpha: float = 1.0, variant: str = "paper") -> dict[str, float]:
+    """Entropy of the linear Gram of rows that are already prepared (centred/unit as the caller wants).
+
+    Returns ``{"raw": S_α, "normalized": S_α / log min(N, D), "logN": S_α / log N, "logD": S_α / log D}``;
+    ``normalized`` is B's ``maxEntropy`` (= S_α / min(log N, log D)). A zero denominator gives NaN.
+    """
+    n, d = Z.shape
+    return entropy_result(float(gram_entropy(linear_gram(Z), alpha, variant)), n, d)
+
+
+def prompt_entropy(tokens: torch.Tensor, alpha: float = 1.0, variant: str = "paper") -> dict[str, float]:
+    """Prompt entropy of one prompt's token vectors ``tokens`` [N, D] (spec §3.2, defaults §9.7).
+
+    Z = :func:`center_and_unit` (tokens), then S_α of the Gram of Z:
+
+    * ``variant="paper"`` (default): the smaller of ZZᵀ / ZᵀZ, no clamp, so both branches agree and, because
+      centring leaves rank ≤ N−1, S_1 ≤ log(N−1).
+    * ``variant="information_flow"``: B's code. K = ZᵀZ if N > D else ZZᵀ, ``K = clamp(K, min=0)``, K / tr K, S_α.
+      The clamp makes the value depend on the branch and gives every 2-token prompt raw = log 2.
+
+    Returns ``{"raw", "normalized" (= raw / log min(N, D), B's maxEntropy), "logN", "logD"}``. Prompts with N < 2
+    tokens give NaN for every value (B's code divides by log 1 = 0 and raises there).
+    """
+    tokens = tokens.double()
+    n, d = tokens.shape
+    if n < 2:
+        return {"raw": _NAN, "normalized": _NAN, "logN": _NAN, "logD": _NAN}
+    return matrix_entropy(center_and_unit(tokens), alpha, variant)
+
+
+def prepare_pooled(pooled: torch.Tensor, centering: str = "global", batch_size: int = 2) -> torch.Tensor:
+    """The rows dataset entropy takes the Gram of, for each ``centering`` (see :func:`dataset_entropy`)."""
+    pooled = pooled.double()
+    if centering == "global":
+        return center_and_unit(pooled)
+    if centering == "batch":
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        return torch.cat([center_and_unit(c) for c in pooled.split(batch_size)]) if len(pooled) else pooled
+    if centering == "none":
+        return unit(pooled)
+    raise ValueError(f"centering must be one of {CENTERINGS}, got {centering!r}")
+
+
+def dataset_entropy(
+    pooled: torch.Tensor,
+    alpha: float = 1.0,
+    centering: str = "global",
+    batch_size: int = 2,
+    variant: str = "paper",
+) -> dict[str, float]:
+    """Dataset entropy of one pooled vector per prompt, ``pooled`` [N, D] (spec §3.3, defaults §9.7).
+
+    ``centering``:
+
+    * ``"global"`` (default, the spec's intended definition): centre over all N prompts, then unit rows.
+    * ``"batch"``: B's code. Centre and unit-normalise each consecutive block of ``batch_size`` rows separately
+      (the code's forward mini-batches; ``batch_size=2``, its final setting, turns every pair into ±(p₁−p₂)/‖p₁−p₂‖).
+      A trailing block of one row becomes a zero row here (NaN in B's code, which has no eps).
+    * ``"none"``: unit rows only, no centring.
+
+    Then the entropy of §3.2 steps 1–5 with N = number of prompts and the same ``variant`` switch as
+    :func:`prompt_entropy`. Returns ``{"raw", "normalized", "logN", "logD"}``; N < 2 gives NaN.
+    """
+    pooled = pooled.double()
+    n = pooled.shape[0]
+    if n < 2:
+        return {"raw": _NAN, "normalized": _NAN, "logN": _NAN, "logD": _NAN}
+    return matrix_entropy(prepare_pooled(pooled, centering, batch_size), alpha, variant)
+
+
+def effective_rank_from_singular_values(sigma: torch.Tensor, rank_tol: float | None = None) -> dict[str, float]:
+    """RankMe, erank and exp(S_1(ZZᵀ)) from the min(N, D) singular values σ of Z (spec §3.4).
+
+    * ``rankme`` (Garrido et al. 2023): p_k = σ_k / ‖σ‖₁ + 1e-7 over **all** min(N, D) singular values,
+      RankMe = exp(−Σ p_k log p_k).
+    * ``erank`` (Roy & Vetterli 2007): the same with no ε, over σ > 0 only.
+    * ``exp_entropy``: exp(S_1) of the Gram eigenvalues σ², i.e. exp of paper B's von Neumann entropy of Z Zᵀ;
+      it is *not* erank (σ² vs σ).
+
+    Singular values ≤ ``rank_tol`` count as exactly zero (``None`` keeps every σ > 0; :func:`default_rank_tol`
+    gives numpy's ``matrix_rank`` tolerance, which :func:`effective_rank` uses). A zero matrix (all σ = 0) has no
+    distribution (0/0): every value is returned as 0.0, its rank, not NaN, so a collapsed layer still plots.
+    """
+    s = sigma.double().flatten().clamp(min=0)
+    if rank_tol is not None:
+        s = torch.where(s > rank_tol, s, torch.zeros_like(s))
+    total = s.sum()
+    if not total > 0:
+        return {"rankme": 0.0, "erank": 0.0, "exp_entropy": 0.0}
+    p = s / total + RANKME_EPS
+    rankme = torch.exp(-(p * torch.log(p)).sum())
+    pos = s[s > 0] / total
+    erank = torch.exp(-(pos * torch.log(pos)).sum())
+    exp_entropy = torch.exp(spectrum_entropy(s * s, 1.0))
+    return {"rankme": float(rankme), "erank": float(erank), "exp_entropy": float(exp_entropy)}
+
+
+def default_rank_tol(sigma_max: float, n: int, d: int) -> float:
+    """numpy ``matrix_rank``'s tolerance: σ_max · max(N, D) · float64 machine epsilon."""
+    return float(sigma_max) * max(n, d) * torch.finfo(torch.float64).eps
+
+
+def effective_rank_from_gram_eigenvalues(eigenvalues: torch.Tensor, n: int, d: int) -> dict[str, float]:
+    """:func:`effective_rank` from the eigenvalues of Z Zᵀ or Zᵀ Z (σ² = eigenvalues) of an N×D matrix Z.
+
+    This is what a streaming metric can do: accumulate the D×D Gram Σ z zᵀ and diagonalise it once. The largest
+    min(N, D) eigenvalues are kept (a D×D Gram of N < D rows has D − N structural zeros); eigenvalues at or below
+    the eigen-solver's round-off floor λ_max · max(N, D) · eps count as zero, then σ = √λ.
+    """
+    if n == 0:
+        return {"rankme": _NAN, "erank": _NAN, "exp_entropy": _NAN}
+    lam = torch.sort(eigenvalues.double().flatten(), descending=True).values[: min(n, d)]
+    top = float(lam[0]) if lam.numel() else 0.0
+    lam = torch.where(lam > top * max(n, d) * torch.finfo(torch.float64).eps, lam, torch.zeros_like(lam))
+    return effective_rank_from_singular_values(lam.sqrt())
+
+
+def effective_rank(Z: torch.Tensor) -> dict[str, float]:
+    """RankMe, erank and exp(S_1(ZZᵀ)) of the rows of ``Z`` [N, D], no centring (spec §3.4).
+
+    Singular values come from ``torch.linalg.svdvals``; those below numpy's ``matrix_rank`` tolerance
+    (σ_max · max(N, D) · eps) count as zero. See :func:`effective_rank_from_singular_values` for the formulas.
+    Oracle: Z = [[3,0],[0,1],[0,0]] (σ = 3, 1) → rankme ≈ erank = 1.754765, exp_entropy = 1.384145.
+    A zero matrix gives 0.0 for all three (its rank); an empty one (N = 0, nothing measured) gives NaN.
+    """
+    Z = Z.double()
+    n, d = Z.shape
+    if n == 0 or d == 0:
+        return {"rankme": _NAN, "erank": _NAN, "exp_entropy": _NAN}
+    sigma = torch.linalg.svdvals(Z)
+    return effective_rank_from_singular_values(sigma, default_rank_tol(sigma.max(), n, d))
+
+
+def vendi_score(Z: torch.Tensor) -> float:
+    """Vendi score (Friedman & Dieng 2023; paper A appendix A.5) of the rows of ``Z`` [N, D] with cosine similarity.
+
+    U = unit rows of Z, K = U Uᵀ (unit diagonal), Vendi = exp(−Σ λ_i log λ_i) over the eigenvalues λ of K/N,
+    i.e. exp(S_1(K)). The spectrum comes from the smaller of U Uᵀ and Uᵀ U. It lies in [1, min(N, D)]: 1 when all
+    vectors are parallel, N when they are orthogonal. A zero row has no direction; since only the positive
+    eigenvalues are renormalised, zero rows are simply ignored (the value is that of the non-zero rows).
+    N = 0 or all rows zero gives NaN.
+    """
+    U = unit(Z.double())
+    if U.shape[0] == 0:
+        return _NAN
+    return float(torch.exp(spectrum_entropy(gram_spectrum(U), 1.0)))
