@@ -99,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(jsonable(result.to_dict()), indent=2))
         return 0
-    console = Console(stderr=False)
+    # Wide enough for every metric column: a results table truncated to "1.…" is useless.
+    names = {m for per_metric in result.results.values() for m in per_metric}
+    needed = 18 + sum(max(len(m), 9) + 3 for m in names)
+    console = Console(width=max(Console().width, needed))
     t = result.timings
     title = f"{result.model['name']} · {result.data['n_texts']} texts · {t['total_s']:.1f}s"
     console.print(results_table(result.results, title=title))

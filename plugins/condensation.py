@@ -82,7 +82,7 @@ class Condensation(Metric):
             edges = histogram_edges(self.bins)
             n = float(self.counts[0])
             density = self.hist / (n * (2.0 / self.bins)) if n > 0 else torch.full_like(self.hist, _NAN)
-            out["histogram"] = {"edges": edges.tolist(), "density": density.tolist()}
+            out["histogram"] = {"edges": [round(e, 9) for e in edges.tolist()], "density": density.tolist()}
         return out
 
     def per_text_results(self):

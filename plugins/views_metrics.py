@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
+from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.contrastive import (
     INFONCE_VARIANTS,
     LIDAR_VARIANTS,
@@ -85,7 +86,7 @@ class InfoNCE(_TwoViewMetric):
     def __init__(self, n_views: int = 2, tau: float = 0.1, variant: str = "one_directional"):
         super().__init__()
         if n_views != 2:
-            raise ValueError(f"infonce uses exactly 2 views per text, got n_views={n_views}")
+            raise RepgeomError(f"infonce uses exactly 2 views per text, got n_views={n_views}")
         if variant not in INFONCE_VARIANTS:
             raise ValueError(f"variant must be one of {INFONCE_VARIANTS}, got {variant!r}")
         self.n_views, self.tau, self.variant = n_views, tau, variant
@@ -113,7 +114,7 @@ class DiME(_TwoViewMetric):
     def __init__(self, n_views: int = 2, n_iters: int = 10, seed: int = 0, alpha: float = 1.0):
         super().__init__()
         if n_views != 2:
-            raise ValueError(f"dime uses exactly 2 views per text, got n_views={n_views}")
+            raise RepgeomError(f"dime uses exactly 2 views per text, got n_views={n_views}")
         self.n_views, self.n_iters, self.seed, self.alpha = n_views, n_iters, seed, alpha
         self._init_views()
 
@@ -149,7 +150,7 @@ class LiDAR(Metric):
     def __init__(self, n_views: int = 16, delta: float = 1e-4, eps: float = 1e-7, variant: str = "thilak"):
         super().__init__()
         if n_views < 1:
-            raise ValueError(f"lidar needs n_views ≥ 1 (≥ 2 for the thilak variant), got {n_views}")
+            raise RepgeomError(f"lidar needs n_views ≥ 1 (≥ 2 for the thilak variant), got {n_views}")
         if variant not in LIDAR_VARIANTS:
             raise ValueError(f"variant must be one of {LIDAR_VARIANTS}, got {variant!r}")
         self.n_views, self.delta, self.eps, self.variant = n_views, delta, eps, variant
