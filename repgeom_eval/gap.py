@@ -348,8 +348,15 @@ def _open_safetensors(name: str, directory: Path) -> OutputEmbeddings:
         output_names, input_names, expected, tied, prefix, skeleton = [], [], None, None, "", None
 
     def shape_of(key: str) -> tuple[int, ...]:
-        with safe_open(str(directory / layout[key]), framework="pt") as fh:
-            return tuple(fh.get_slice(key).get_shape())
+        path = directory / layout[key]
+        if not path.is_file():
+            raise RepgeomError(f"shard {layout[key]!r} of model {name!r}, listed in its index for {key!r}, is "
+                               "missing; download the checkpoint again")
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                return tuple(fh.get_slice(key).get_shape())
+        except Exception as exc:  # noqa: BLE001 - a corrupt shard: name it
+            raise RepgeomError(f"cannot read {str(path)!r}: {type(exc).__name__}: {exc}") from None
 
     key, found_by = _pick_tensor(layout, output_names, input_names, prefix, skeleton, shape_of, expected, tied)
     file = directory / layout[key]
@@ -832,6 +839,7 @@ def screen(models: Sequence[str], domain: str = DEFAULT_DOMAIN, reference: str =
         del sub, source
         config_sets.setdefault("domain", T.config)
         config_sets.setdefault("reference", Tbar.config)
+        config_sets.setdefault("stripped_markers", {"prefixes": list(vocab.prefixes), "suffixes": list(vocab.suffixes)})
         rows.append({
             "model": m,
             **values,
@@ -864,7 +872,6 @@ def screen(models: Sequence[str], domain: str = DEFAULT_DOMAIN, reference: str =
         "seed": seed,
         "force": force,
         "token_sets": config_sets,
-        "word_boundary_markers": list(WORD_BOUNDARY_MARKERS),
         "precision": "float64",
         "ranking": "G descending",
     }

@@ -62,7 +62,11 @@ def repgeom_register_aux_losses(registry: "Registry") -> None:
 
 @hookspec
 def repgeom_register_token_sets(registry: "Registry") -> None:
-    """Register named token sets (``digits``, ``python_keywords`` ...) used by the dispersion gap."""
+    """Register named token sets (``digits``, ``python_keywords`` ...) used by the dispersion gap.
+
+    A token set is a collection of words or a callable ``fn(vocab, *, exclude, seed, size) -> (ids, missing)``
+    (optionally ``(ids, missing, config)``) over a :class:`repgeom_eval.gap.Vocabulary`; see ``repgeom_eval.gap``.
+    """
 
 
 @hookspec

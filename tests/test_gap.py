@@ -1,4 +1,4 @@
-"""Dispersion gap G (spec §2.3, §9.2): the math, token sets, the partial checkpoint read, screening and `repgeom gap`."""
+"""Dispersion gap G (spec §2.3, §9.2): the math, token sets, the partial checkpoint read, screening, `repgeom gap`."""
 
 import argparse
 import json
@@ -21,13 +21,20 @@ from repgeom_eval.plugins import token_sets as token_sets_plugin
 
 @pytest.fixture
 def gap_host(monkeypatch):
-    """The process host, with the built-in token sets even before the entry point is registered."""
-    from repgeom_eval import plugin_host
+    """A process host with the built-in token sets and the `gap` command, registered through the entry points or,
+    until pyproject.toml and plugins/commands.py list them, added here."""
+    import importlib.metadata as md
 
-    host = plugin_host.get_host()
-    if "digits" not in host.token_sets:
-        host = plugin_host.PluginHost(extra_plugins=[("token_sets", token_sets_plugin)])
-        monkeypatch.setattr(plugin_host, "_HOST", host)
+    from repgeom_eval import plugin_host
+    from repgeom_eval.plugins import commands
+
+    if "gap" not in commands.COMMANDS:
+        monkeypatch.setitem(commands.COMMANDS, "gap", ("gap_cmd", "Rank checkpoints by the dispersion gap G."))
+    registered = {ep.name for ep in md.entry_points(group="repgeom_eval")}
+    extra = [] if "token_sets" in registered else [("token_sets", token_sets_plugin)]
+    host = plugin_host.PluginHost(extra_plugins=extra)
+    monkeypatch.setattr(plugin_host, "_HOST", host)
+    assert {"digits", "python_keywords", "general"} <= set(host.token_sets) and "gap" in host.commands
     return host
 
 
@@ -373,6 +380,38 @@ def test_command_refuses_different_vocabularies_and_scores_without_a_model(model
         run_gap("--models", models["gpt2"], models["neox"], "--scores", scores)
 
 
+def test_through_the_repgeom_cli(models, gap_host, tmp_path, capsys):
+    from repgeom_eval.entrypoints.cli import main
+
+    out = tmp_path / "out.json"
+    assert main(["gap", "--models", models["gpt2"], models["neox"], "--domain", "python_keywords",
+                 "--distance", "euclidean", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["distance"] == "euclidean"
+    assert "not in the vocabulary: False, None, True" in capsys.readouterr().out
+    assert main(["gap", "--models", models["gpt2"], "--domain", "python_keywrods"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("repgeom: error: unknown token set 'python_keywrods'; did you mean 'python_keywords'")
+    assert err.count("\n") == 1
+
+
+def test_scores_files(tmp_path):
+    f = tmp_path / "s.tsv"
+    f.write_text("model\taccuracy\nA\t0.5\n\nB\t0.25\n")
+    assert gap_cmd.read_scores(str(f)) == {"A": 0.5, "B": 0.25}
+    f.write_text("A,0.5\nB,0.25,extra\n")
+    assert gap_cmd.read_scores(str(f)) == {"A": 0.5, "B": 0.25}
+    for content, message in [("A,0.5\nB,high\n", r"s\.tsv'?:2: accuracy must be a number, got 'high'"),
+                             ("A,0.5\nA,0.6\n", "listed twice"),
+                             ("[1, 2]", "expected a JSON object"),
+                             ('{"A": true}', "must be a number"),
+                             ("", "is empty")]:
+        f.write_text(content)
+        with pytest.raises(RepgeomError, match=message):
+            gap_cmd.read_scores(str(f))
+    assert gap_cmd.match_scores(["/x/y/modelA/", "modelB"], {"modelA": 1.0, "./modelB": 2.0}, "f") == {
+        "/x/y/modelA/": 1.0, "modelB": 2.0}
+
+
 # -- the real checkpoint (GGUF) ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -384,11 +423,12 @@ def test_gguf_output_embedding_of_smollm2():
     except RepgeomError as exc:
         pytest.skip(str(exc))
     pytest.importorskip("gguf")
-    W, info = read_output_embeddings(str(path))
+    source = open_output_embeddings(str(path))  # parsing the GGUF header takes seconds: open it once
+    W, info = source.full(), source.info
     assert tuple(W.shape) == (49152, 576) and W.dtype == torch.float32 and torch.isfinite(W).all()
     assert info.source == "gguf" and info.tensor == "token_embd.weight" and info.tied is True
     ids = [41, 32, 33, 34, 1000, 49151, 33]
-    assert torch.equal(open_output_embeddings(str(path)).rows(ids), W[ids])  # rows de-quantized alone
+    assert torch.equal(source.rows(ids), W[ids])  # rows de-quantized alone
     # digits 0-9 are ids 32-41 in SmolLM2's vocabulary; the gap of the real matrix is a finite, positive number
     values = dispersion_gap(W, list(range(32, 42)), list(range(1000, 2000)))
     assert 0 < values["within_T"] < 1 < values["G"] < 3

@@ -606,9 +606,10 @@ def test_pipeline_matches_hand_computation(tiny_model_dir, texts):
     from repgeom_eval.pipeline import measure
     from repgeom_eval.plugin_host import PluginHost
 
-    host = PluginHost(entry_points=list(md.entry_points(group="repgeom_eval")),
-                      extra_plugins=[("layerwise", layerwise), ("condensation", condensation_plugin)])
+    host = PluginHost(entry_points=list(md.entry_points(group="repgeom_eval")))  # registered as built-ins
     assert not host.failures
+    assert host.metrics.entry("prompt_entropy").plugin == "layerwise"
+    assert host.metrics.entry("condensation").plugin == "condensation"
     model_dir = tiny_model_dir("llama")
     sample = texts[:12] + ["a"]
     metrics = ["prompt_entropy", "dataset_entropy", "effective_rank", "curvature", "vendi", "condensation"]

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from repgeom_eval.errors import RepgeomError
+
 from repgeom_eval import Consumes, LayerBatch
 from repgeom_eval.functional.contrastive import (
     _matrix_entropy,
@@ -305,7 +307,7 @@ def test_metrics_reject_wrong_number_of_views_and_empty_state():
         with pytest.raises(ValueError, match="n_views"):
             metric.update(_batch(v))
         assert all(math.isnan(x) for x in metric.compute().values())
-    with pytest.raises(ValueError):
+    with pytest.raises(RepgeomError):
         InfoNCE(n_views=3)
     with pytest.raises(ValueError):
         LiDAR(variant="nope")
