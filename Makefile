@@ -22,6 +22,8 @@ demo:
 bench: venv
 	$(VENV)/bin/python benchmarks/bench_dispersion.py
 	$(VENV)/bin/python benchmarks/bench_capture.py
+	$(VENV)/bin/python benchmarks/bench_gap.py
+	$(VENV)/bin/python benchmarks/bench_metrics.py
 
 clean:
 	rm -rf $(VENV) repgeom-demo .pytest_cache
