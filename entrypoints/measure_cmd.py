@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 
-from repgeom_eval.errors import RepgeomError
 from repgeom_eval.pooling import POOLING_ALIASES, POOLINGS
 
 

@@ -113,7 +113,6 @@ def make_tiny_model(kind: str, path: str | Path, n_layers: int = 2, width: int =
 
 def _random_batch(consumes: Consumes, n: int, dim: int, seed: int, views: int = 2) -> list[LayerBatch]:
     g = torch.Generator().manual_seed(seed)
-    batches = []
     lengths = torch.randint(1, 9, (n,), generator=g)
     t = int(lengths.max())
     hidden = torch.randn(n, t, dim, generator=g, dtype=torch.float64) + 0.5

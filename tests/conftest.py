@@ -1,7 +1,13 @@
+import importlib.util
 import os
-import warnings
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "repgeom-example-metric"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -41,3 +47,24 @@ def host():
     from repgeom_eval.plugin_host import get_host
 
     return get_host()
+
+
+@pytest.fixture(scope="session")
+def example_plugin_site(tmp_path_factory) -> Path:
+    """examples/repgeom-example-metric really installed (metadata and entry point included) into a --target dir,
+    once per session; put it on PYTHONPATH / sys.path to use it."""
+    base = tmp_path_factory.getbasetemp()
+    site, source = base / "example-plugin-site", base / "example-plugin-src"
+    if (site / ".installed").exists():
+        return site
+    shutil.rmtree(source, ignore_errors=True)
+    shutil.rmtree(site, ignore_errors=True)
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    shutil.copytree(EXAMPLE_PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps"]
+    if importlib.util.find_spec("setuptools") is not None:
+        cmd += ["--no-build-isolation", "--no-index"]  # offline: build with the environment's setuptools
+    proc = subprocess.run([*cmd, "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"pip could not install the example plugin:\n{proc.stdout}\n{proc.stderr}"
+    (site / ".installed").touch()
+    return site

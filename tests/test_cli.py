@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import NonFiniteError

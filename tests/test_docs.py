@@ -138,30 +138,10 @@ def docs_workdir_template(tiny_model_dir, tmp_path_factory) -> Path:
     return template
 
 
-def install_example(base: Path) -> Path:
-    """``pip install`` the example plugin into ``base/example-plugin-site`` (once per session; the same directory
-    and marker as tests/test_external_plugin.py, so whichever runs first installs it for both)."""
-    site = base / "example-plugin-site"
-    if (site / ".installed").exists():
-        return site
-    source = base / "example-plugin-src"
-    shutil.rmtree(source, ignore_errors=True)
-    shutil.rmtree(site, ignore_errors=True)
-    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
-    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps"]
-    if importlib.util.find_spec("setuptools") is not None:
-        cmd += ["--no-build-isolation", "--no-index"]  # offline: build with the environment's setuptools
-    proc = subprocess.run([*cmd, "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"pip could not install the example plugin:\n{proc.stdout}\n{proc.stderr}"
-    (site / ".installed").touch()
-    return site
-
-
 @pytest.fixture(scope="session")
-def example_target(tmp_path_factory) -> Path:
+def example_target(example_plugin_site) -> Path:
     """examples/repgeom-example-metric, really installed (metadata and entry point included) into a target dir."""
-    return install_example(tmp_path_factory.getbasetemp())
+    return example_plugin_site
 
 
 @pytest.fixture

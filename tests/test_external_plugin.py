@@ -12,7 +12,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,28 +24,9 @@ MODULE = "repgeom_example_metric"
 DISTRIBUTION = "repgeom-example-metric"
 
 
-def install_example(base: Path) -> Path:
-    """``pip install`` the example into ``base/site`` (once per test session) and return that directory."""
-    site = base / "example-plugin-site"
-    if (site / ".installed").exists():
-        return site
-    source = base / "example-plugin-src"
-    shutil.rmtree(source, ignore_errors=True)
-    shutil.rmtree(site, ignore_errors=True)
-    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
-    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps"]
-    if importlib.util.find_spec("setuptools") is not None:
-        cmd += ["--no-build-isolation", "--no-index"]  # offline: build with the environment's setuptools
-    proc = subprocess.run([*cmd, "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"pip could not install the example plugin:\n{proc.stdout}\n{proc.stderr}"
-    (site / ".installed").touch()
-    return site
-
-
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    return install_example(tmp_path_factory.getbasetemp())
+def site(example_plugin_site) -> Path:
+    return example_plugin_site
 
 
 def _env(site: Path) -> dict[str, str]:

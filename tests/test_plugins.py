@@ -8,7 +8,6 @@ import sys
 import types
 
 import pytest
-import torch
 
 import repgeom_eval
 from repgeom_eval import Consumes, Metric
