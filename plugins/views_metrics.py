@@ -88,7 +88,7 @@ class InfoNCE(_TwoViewMetric):
         if n_views != 2:
             raise RepgeomError(f"infonce uses exactly 2 views per text, got n_views={n_views}")
         if variant not in INFONCE_VARIANTS:
-            raise ValueError(f"variant must be one of {INFONCE_VARIANTS}, got {variant!r}")
+            raise RepgeomError(f"variant must be one of {INFONCE_VARIANTS}, got {variant!r}")
         self.n_views, self.tau, self.variant = n_views, tau, variant
         self._init_views()
 
@@ -149,10 +149,10 @@ class LiDAR(Metric):
 
     def __init__(self, n_views: int = 16, delta: float = 1e-4, eps: float = 1e-7, variant: str = "thilak"):
         super().__init__()
-        if n_views < 1:
-            raise RepgeomError(f"lidar needs n_views ≥ 1 (≥ 2 for the thilak variant), got {n_views}")
         if variant not in LIDAR_VARIANTS:
-            raise ValueError(f"variant must be one of {LIDAR_VARIANTS}, got {variant!r}")
+            raise RepgeomError(f"variant must be one of {LIDAR_VARIANTS}, got {variant!r}")
+        if not isinstance(n_views, int) or isinstance(n_views, bool) or n_views < (2 if variant == "thilak" else 1):
+            raise RepgeomError(f"lidar needs an integer n_views ≥ 1 (≥ 2 for the thilak variant), got {n_views!r}")
         self.n_views, self.delta, self.eps, self.variant = n_views, delta, eps, variant
         self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")
         # Sizes depend on D, known at the first update: empty defaults (merge treats an empty sum as zero).

@@ -112,7 +112,9 @@ def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth
         if selector is not None:
             if depth > 5:
                 raise RepgeomError(f"layer selector {site!r} expands recursively")
-            return parse_layers(list(selector(model_info)), n_layers, selectors, model_info, depth + 1)
+            got = selector(model_info)
+            got = [got] if isinstance(got, str) else list(got)  # a selector may return one spec string
+            return parse_layers(got, n_layers, selectors, model_info, depth + 1)
         if site in SITES:
             raise RepgeomError(f"layer address {site!r} needs a layer: {site}:3, {site}:-1, {site}:* or {site}:[0,-1]")
         raise UnknownNameError(

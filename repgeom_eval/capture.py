@@ -54,13 +54,17 @@ class Capture:
 
     def __enter__(self) -> "Capture":
         modules = dict(self.model.named_modules())
-        for point in self._by_point:
-            module = modules[point.module_name] if point.module_name else self.model
-            if point.direction == "input":
-                handle = module.register_forward_pre_hook(self._pre_hook(point), with_kwargs=True)
-            else:
-                handle = module.register_forward_hook(self._post_hook(point))
-            self._handles.append(handle)
+        try:
+            for point in self._by_point:
+                module = modules[point.module_name] if point.module_name else self.model
+                if point.direction == "input":
+                    handle = module.register_forward_pre_hook(self._pre_hook(point), with_kwargs=True)
+                else:
+                    handle = module.register_forward_hook(self._post_hook(point))
+                self._handles.append(handle)
+        except BaseException:
+            self.__exit__(None, None, None)  # __exit__ is not called when __enter__ raises
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -33,6 +33,9 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     p = check_writable(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp creates 0600; give the file the permissions open() would
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as fh:
             yield fh
             fh.flush()

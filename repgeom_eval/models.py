@@ -116,6 +116,8 @@ def load_model(
         raise RepgeomError(f"cannot read the model config of {name!r}: {_first_line(exc)}") from None
     spec: ArchitectureSpec = host.architectures.get(config.model_type)
     auto = AutoModelForCausalLM if spec.causal else AutoModel
+    verbosity = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -125,9 +127,10 @@ def load_model(
             model = auto.from_pretrained(target, dtype=torch_dtype, **extra)
     except (OSError, ValueError, ImportError) as exc:
         raise RepgeomError(f"cannot load model {name!r}: {_first_line(exc)}") from None
-    finally:
-        transformers.logging.set_verbosity_warning()
-        transformers.utils.logging.enable_progress_bar()
+    finally:  # restore the caller's logging settings
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     model.to(dev).eval().requires_grad_(False)
     if tokenizer.pad_token is None:
         # Only the attention mask matters for padded positions; any existing token will do.

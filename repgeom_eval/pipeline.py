@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import __version__
-from .addresses import Address, parse_layers, resolve
+from .addresses import Address, HookPoint, parse_layers, resolve
 from .capture import Capture
 from .data import TextSet, from_texts, load_texts
 from .errors import NonFiniteError, RepgeomError
@@ -237,7 +237,8 @@ def measure(
 
     addresses = parse_layers(layers, n_layers, selector, loaded.info)
     addresses.sort(key=lambda a: a.depth_key(n_layers))
-    points = resolve(addresses, loaded)
+    points = _one_name_per_tensor(resolve(addresses, loaded), loaded.info.model_type)
+    addresses = list(points)
     states: dict[Address, list[tuple[MetricSpec, Metric]]] = {
         addr: [(spec, spec.cls(**spec.kwargs)) for spec in specs] for addr in addresses
     }
@@ -265,11 +266,18 @@ def measure(
     t_augment = time.perf_counter() - t0
 
     # -- tokenize once for lengths: sort by length (less padding), count truncation -------------------------------
-    tok = loaded.tokenizer
-    tok.padding_side = padding_side
+    tok = loaded.tokenizer  # never mutated: padding_side is passed per call
     context = _context_length(loaded, max_length)
     t0 = time.perf_counter()
     lengths = [len(x) for x in tok(strings, add_special_tokens=True, verbose=False)["input_ids"]]
+    empty = {it.text for it, n in zip(items, lengths) if n == 0}
+    if empty:
+        warnings.warn(f"{len(empty)} text(s) tokenize to no tokens and are skipped (ids: "
+                      f"{[texts.ids[i] for i in sorted(empty)[:5]]})", stacklevel=2)
+        keep = [k for k, it in enumerate(items) if it.text not in empty]
+        items, strings, lengths = [items[k] for k in keep], [strings[k] for k in keep], [lengths[k] for k in keep]
+        if len(texts.texts) - len(empty) < 2:
+            raise RepgeomError(f"only {len(texts.texts) - len(empty)} text(s) have any tokens; at least 2 are needed")
     text_lengths = {it.text: n for it, n in zip(items, lengths) if it.view < 0}
     n_truncated = sum(n > context for it, n in zip(items, lengths) if it.view < 0)
     if n_truncated:
@@ -283,6 +291,7 @@ def measure(
     buffers = {(addr, p): _ViewBuffer(n_views) for addr in addresses for p in view_poolings}
     energy = {addr: torch.zeros(0, dtype=torch.float64) for addr in addresses}  # Σx² per dim, mean-pooled
     timer = {"forward": 0.0, "metrics": 0.0}
+    t_stats = 0.0
     dev = loaded.device
 
     def run_pass(desc: str, on_address) -> None:
@@ -294,7 +303,7 @@ def measure(
                 rows = order[start:start + batch_size]
                 t0 = time.perf_counter()
                 enc = tok([strings[i] for i in rows], padding=True, truncation=True, max_length=context,
-                          return_tensors="pt", verbose=False)
+                          padding_side=padding_side, return_tensors="pt", verbose=False)
                 enc = {k: v.to(dev) for k, v in enc.items()}
                 mask = enc["attention_mask"].bool()
                 if loaded.spec.position_ids_from_mask:
@@ -317,9 +326,12 @@ def measure(
     if preprocess != "none" and not preprocess_stats:
         stats: dict[str, VectorStats] = {}
         kinds = _preprocess_kinds(specs)
+        t0 = time.perf_counter()
         run_pass("preprocess statistics",
                  lambda addr, h, mask, its: _collect_stats(addr, h, mask, its, kinds, stats, preprocess == "whiten"))
         prep = Preprocessor.from_stats(preprocess, stats, "same data")
+        timer["forward"] = timer["metrics"] = 0.0
+        t_stats = time.perf_counter() - t0
     if save_preprocess_stats and prep.active:
         prep.save(save_preprocess_stats)
 
@@ -327,7 +339,7 @@ def measure(
         orig = [r for r, it in enumerate(batch_items) if it.view < 0]
         if orig:
             sel = torch.tensor(orig, device=h.device)
-            mean_pooled = pool(h[sel], mask[sel], "mean")[0].double()
+            mean_pooled = pool(h[sel].double(), mask[sel], "mean")[0]
             e = (mean_pooled * mean_pooled).sum(0).cpu()
             energy[addr] = e if energy[addr].numel() == 0 else energy[addr] + e
         _feed(addr, h, mask, batch_items, states[addr], buffers, prep)
@@ -400,8 +412,10 @@ def measure(
     }
     original_lengths = list(text_lengths.values())
     data_summary = texts.summary() | {"n_tokens": int(sum(min(n, context) for n in original_lengths)),
-                                      "n_truncated": int(n_truncated), "n_views_per_text": n_views}
-    timings = {"load_model_s": t_load, "augment_s": t_augment, "tokenize_s": t_tok, "forward_s": t_forward,
+                                      "n_truncated": int(n_truncated), "n_views_per_text": n_views,
+                                      "n_skipped_no_tokens": len(empty)}
+    timings = {"load_model_s": t_load, "augment_s": t_augment, "tokenize_s": t_tok, "preprocess_stats_s": t_stats,
+               "forward_s": t_forward,
                "metrics_s": t_metrics, "total_s": total,
                "sequences_per_s": len(order) / max(t_forward + t_metrics, 1e-9)}
     return MeasureResult(loaded.info.to_dict(), data_summary, config, results, diagnostics, timings, per_text_rows,
@@ -438,8 +452,8 @@ def _feed(
             metric.update(LayerBatch(str(addr), text_index[orig], hidden=hidden[0], mask=hidden[1]))
             continue
         if spec.pooling not in pooled:
-            vecs, owner = pool(h[h_dev], mask[h_dev], spec.pooling)
-            vecs = prep(str(addr), spec.pooling, vecs.double())
+            vecs, owner = pool(h[h_dev].double(), mask[h_dev], spec.pooling)  # float64 sums (spec §9.1)
+            vecs = prep(str(addr), spec.pooling, vecs)
             pooled[spec.pooling] = vecs.cpu(), text_index[orig][owner.cpu()]
         vecs, index = pooled[spec.pooling]
         metric.update(LayerBatch(str(addr), index, pooled=vecs))
@@ -449,8 +463,8 @@ def _feed(
     for (buf_addr, method), buffer in buffers.items():
         if buf_addr != addr:
             continue
-        vecs, _ = pool(h[v_dev], mask[v_dev], method)
-        vecs = prep(str(addr), f"views:{method}", vecs.double())
+        vecs, _ = pool(h[v_dev].double(), mask[v_dev], method)
+        vecs = prep(str(addr), f"views:{method}", vecs)
         for row, vec in zip(views.tolist(), vecs.cpu()):
             buffer.add(batch_items[row].text, batch_items[row].view, vec)
         done = buffer.pop_complete()
@@ -460,6 +474,23 @@ def _feed(
         for spec, metric in metric_list:
             if spec.cls.consumes == Consumes.VIEWS and spec.pooling == method:
                 metric.update(LayerBatch(str(addr), index, views=stacked[:, : int(metric.n_views)]))
+
+
+def _one_name_per_tensor(points: dict[Address, HookPoint], model_type: str) -> dict[Address, HookPoint]:
+    """Report each captured tensor once: e.g. BERT's ``final`` is ``resid_post:-1``, and ``embed`` is always
+    ``resid_pre:0``. The alias (``final``/``embed``) wins; a warning says which names were merged."""
+    by_point: dict[HookPoint, list[Address]] = {}
+    for addr, point in points.items():
+        by_point.setdefault(point, []).append(addr)
+    keep: set[Address] = set()
+    for point, names in by_point.items():
+        chosen = next((a for a in names if a.site in ("final", "embed")), names[0])
+        keep.add(chosen)
+        others = [str(a) for a in names if a != chosen]
+        if others:
+            warnings.warn(f"{', '.join(others)} and {chosen} are the same tensor on this {model_type} model; "
+                          f"reporting it once, as {chosen}", stacklevel=3)
+    return {a: p for a, p in points.items() if a in keep}
 
 
 def _preprocess_kinds(specs: list[MetricSpec]) -> set[str]:
@@ -486,7 +517,7 @@ def _collect_stats(addr: Address, h: torch.Tensor, mask: torch.Tensor, batch_ite
         if kind == "tokens":
             x = h[rows][mask[rows]]
         else:
-            x = pool(h[rows], mask[rows], kind.removeprefix("views:"))[0]
+            x = pool(h[rows].double(), mask[rows], kind.removeprefix("views:"))[0]
         stats.setdefault(Preprocessor.key(str(addr), kind), VectorStats(full)).update(x)
 
 

@@ -67,6 +67,11 @@ class VectorStats:
         if method == "whiten":
             if not self.full:
                 raise RepgeomError("whitening needs full covariance statistics")
+            if self.n <= cov.shape[0]:
+                raise RepgeomError(
+                    f"preprocess 'whiten' needs more vectors than dimensions, got {self.n} vectors of dimension "
+                    f"{cov.shape[0]}: with N <= D the whitened vectors are mutually equiangular (every cosine "
+                    "-1/(N-1)) whatever the data; use more texts, --preprocess standardize, or --preprocess-stats")
             evals, evecs = torch.linalg.eigh((cov + cov.T) / 2)
             floor = EPS * float(evals.max().clamp(min=1e-30))
             matrix = evecs @ torch.diag(evals.clamp(min=floor).rsqrt()) @ evecs.T  # ZCA whitening
@@ -114,7 +119,12 @@ class Preprocessor:
             have = sorted(self.transforms)
             raise RepgeomError(f"preprocess statistics have no entry for {address} ({kind}) in {self.source}; "
                                f"they cover: {', '.join(have[:8])}{' ...' if len(have) > 8 else ''}")
-        return apply(x, self.transforms[key])
+        params = self.transforms[key]
+        width = params["shift"].shape[-1]
+        if x.shape[-1] != width:
+            raise RepgeomError(f"preprocess statistics in {self.source} are for vectors of dimension {width}, but "
+                               f"{address} has dimension {x.shape[-1]}; they come from another model")
+        return apply(x, params)
 
     def config(self) -> dict[str, object]:
         return {"method": self.method, "statistics": self.source if self.active else None}
@@ -144,7 +154,7 @@ class Preprocessor:
                 for name in fh.keys():
                     key, _, param = name.rpartition("|")
                     transforms.setdefault(key, {})[param] = fh.get_tensor(name)
-        except (OSError, ValueError, json.JSONDecodeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError on a corrupt file
             raise RepgeomError(f"{p}: not a repgeom preprocess statistics file ({exc})") from None
         if meta.get("method") != method:
             raise RepgeomError(f"{p} holds {meta.get('method')!r} statistics but --preprocess {method!r} was asked; "

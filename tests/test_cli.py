@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import NonFiniteError
+from repgeom_eval.errors import NonFiniteError, RepgeomError
 from repgeom_eval.models import load_model
 from repgeom_eval.pipeline import measure
 
@@ -156,3 +156,31 @@ def test_addresses_command(tiny_model_dir, capsys):
     assert cli("addresses", "-m", tiny_model_dir("gpt2"), "--layers", "knn_keys") == 0
     out = capsys.readouterr().out
     assert "resid_mid:1" in out and "input of transformer.h.1.ln_2" in out
+
+
+def test_texts_without_tokens_are_skipped_and_counted(tiny_model_dir, texts):
+    from tokenizers import normalizers
+
+    loaded = load_model(tiny_model_dir("gpt2"))
+    loaded.tokenizer.backend_tokenizer.normalizer = normalizers.Replace("\x00", "")  # "\x00" → no tokens
+    with pytest.warns(UserWarning, match="1 text\\(s\\) tokenize to no tokens"):
+        with_empty = measure(loaded, texts[:5] + ["\x00"], per_text=True, progress=False)
+    without = measure(loaded, texts[:5], progress=False)
+    assert with_empty.results["final"]["dispersion"] == pytest.approx(without.results["final"]["dispersion"])
+    assert with_empty.data["n_skipped_no_tokens"] == 1
+    with pytest.warns(UserWarning), pytest.raises(RepgeomError, match="only 1 text"):
+        measure(loaded, [texts[0], "\x00", "\x00"], progress=False)
+
+
+def test_measure_does_not_change_the_callers_tokenizer(tiny_model_dir, texts):
+    loaded = load_model(tiny_model_dir("gpt2"))
+    loaded.tokenizer.padding_side = "left"
+    measure(loaded, texts[:3], padding_side="right", progress=False)
+    assert loaded.tokenizer.padding_side == "left"
+
+
+def test_one_tensor_is_reported_under_one_name(tiny_model_dir, texts):
+    with pytest.warns(UserWarning, match="resid_post:1 and final are the same tensor on this bert model"):
+        r = measure(tiny_model_dir("bert"), texts[:4], layers="final,resid_post:-1,embed,resid_pre:0",
+                    progress=False)
+    assert list(r.results) == ["embed", "final"]

@@ -94,3 +94,8 @@ def test_massive_dimension_is_measured_and_warned(tiny_model_dir, texts):
     assert raw.results["resid_post:0"]["dispersion"] < 1e-3  # cosine geometry sees only the planted dimension
     assert fixed.results["resid_post:0"]["dispersion"] > 0.5
     assert fixed.results["resid_post:0"]["massive_activations"]["top1_share"] < 0.2
+
+
+def test_whitening_needs_more_vectors_than_dimensions(tiny_model_dir, texts):
+    with pytest.raises(RepgeomError, match="needs more vectors than dimensions, got 5 vectors of dimension 32"):
+        measure(tiny_model_dir("gpt2"), texts[:5], preprocess="whiten", progress=False)
