@@ -309,5 +309,9 @@ def test_metrics_reject_wrong_number_of_views_and_empty_state():
         assert all(math.isnan(x) for x in metric.compute().values())
     with pytest.raises(RepgeomError):
         InfoNCE(n_views=3)
-    with pytest.raises(ValueError):
+    with pytest.raises(RepgeomError, match="variant must be one of"):
         LiDAR(variant="nope")
+    with pytest.raises(RepgeomError, match="≥ 2 for the thilak variant"):
+        LiDAR(n_views=1)
+    with pytest.raises(RepgeomError, match="variant must be one of"):
+        InfoNCE(variant="nope")
