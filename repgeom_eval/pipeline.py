@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 from . import __version__
 from .addresses import Address, HookPoint, parse_layers, resolve
 from .capture import Capture
-from .data import TextSet, from_texts, load_texts
+from .data import Record, TextSet, TextSource, open_source
+from .distributed import Distributed
 from .errors import NonFiniteError, RepgeomError
 from .io import write_json, write_jsonl
 from .metric import Consumes, LayerBatch, Metric
@@ -29,6 +30,9 @@ from .plugin_host import PluginHost, get_host
 from .pooling import check_pooling, pool
 from .preprocess import METHODS as PREPROCESS_METHODS
 from .preprocess import Preprocessor, VectorStats
+from .runstate import RunDir, model_fingerprint
+
+DEFAULT_SHARD_SIZE = 1024  # texts read, batched and checkpointed together
 
 
 @dataclass
@@ -167,7 +171,7 @@ def _check_finite(addr: Address, h: torch.Tensor, mask: torch.Tensor, ids: list[
 
 def measure(
     model: str | LoadedModel,
-    data: str | Path | Sequence[str] | TextSet,
+    data: str | Path | Sequence[str] | TextSet | TextSource,
     *,
     layers: str | Sequence[str] = "final",
     metrics: Sequence[str] = ("dispersion",),
@@ -185,20 +189,29 @@ def measure(
     preprocess_stats: str | Path | None = None,
     save_preprocess_stats: str | Path | None = None,
     massive_share_warning: float = 0.5,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
     progress: bool = True,
     host: PluginHost | None = None,
 ) -> MeasureResult:
     """Measure ``metrics`` at every address in ``layers`` over ``data`` with one forward pass per batch.
 
     ``model`` is a hub id, a local directory, a ``.gguf`` file or an already loaded :class:`LoadedModel`;
-    ``data`` is a ``.jsonl``/``.txt`` path, a list of strings or a :class:`TextSet`. ``pooling`` overrides every
-    metric's default pooling (``None``: each metric's own, e.g. ``last`` for dispersion). ``seed`` drives the
-    augmented views of the multi-view metrics, which run in the same forward passes as the originals.
+    ``data`` is a ``.jsonl``/``.txt`` path, an ``hf:NAME?split=...`` dataset stream, a list of strings or a
+    :class:`TextSet`. ``pooling`` overrides every metric's default pooling (``None``: each metric's own, e.g.
+    ``last`` for dispersion). ``seed`` drives the augmented views of the multi-view metrics, which run in the same
+    forward passes as the originals.
 
     ``preprocess`` (``none``, ``center``, ``standardize``, ``whiten``) transforms every vector a metric sees, with
     statistics from ``preprocess_stats`` (a file written through ``save_preprocess_stats``) or, if none is given,
     from the same data in an extra forward pass. A warning names each address where one hidden dimension carries
     at least ``massive_share_warning`` of the squared norm of the mean-pooled vectors.
+
+    Texts are read and processed ``shard_size`` at a time (memory: one shard plus the metric states). With
+    ``run_dir`` the states are checkpointed after every shard, and ``resume=True`` continues a killed run. Under
+    ``torchrun``/``accelerate launch`` the batches of each shard are spread over the processes and the states are
+    merged on rank 0, which alone gets the results (other ranks get ``results == {}``).
     """
     t_start = time.perf_counter()
     host = host or get_host()
@@ -208,6 +221,10 @@ def measure(
         raise RepgeomError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if batch_size < 1:
         raise RepgeomError(f"batch size must be positive, got {batch_size}")
+    if shard_size < 1:
+        raise RepgeomError(f"shard size must be positive, got {shard_size}")
+    if resume and not run_dir:
+        raise RepgeomError("resume needs the run directory of the run to continue (--run-dir DIR)")
     if isinstance(metrics, str):
         metrics = [m.strip() for m in metrics.split(",") if m.strip()]
     if not metrics:
@@ -217,20 +234,30 @@ def measure(
         raise RepgeomError(f"unknown preprocess {preprocess!r} (valid: {', '.join(PREPROCESS_METHODS)})")
     prep = Preprocessor.load(preprocess_stats, preprocess) if preprocess_stats and preprocess != "none" \
         else Preprocessor()
-
-    # -- data ----------------------------------------------------------------------------------------------------
-    if isinstance(data, TextSet):
-        texts = data
-    elif isinstance(data, (str, Path)):
-        texts = load_texts(data, text_field=text_field)
-    else:
-        texts = from_texts(list(data))
+    source = open_source(data, text_field=text_field)  # validates a file whole before the model is loaded
 
     # -- model and addresses -------------------------------------------------------------------------------------
+    dist = Distributed.from_env(device)
+    try:
+        return _measure(model, source, dist, host, specs, prep, t_start, layers=layers, pooling=pooling,
+                        batch_size=batch_size, max_length=max_length, padding_side=padding_side, dtype=dtype,
+                        device=dist.device(device), per_text=per_text, text_field=text_field, seed=seed,
+                        preprocess=preprocess, preprocess_stats=preprocess_stats,
+                        save_preprocess_stats=save_preprocess_stats, massive_share_warning=massive_share_warning,
+                        shard_size=shard_size, run_dir=run_dir, resume=resume, progress=progress)
+    finally:
+        dist.close()
+
+
+def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, specs: list[MetricSpec],
+             prep: Preprocessor, t_start: float, *, layers, pooling, batch_size, max_length, padding_side, dtype,
+             device, per_text, text_field, seed, preprocess, preprocess_stats, save_preprocess_stats,
+             massive_share_warning, shard_size, run_dir, resume, progress) -> MeasureResult:
     t0 = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device, host=host)
     t_load = time.perf_counter() - t0
     n_layers = loaded.info.n_layers
+    show = progress and dist.is_main
 
     def selector(name: str):
         return host.layer_selectors.get(name) if name in host.layer_selectors else None
@@ -239,121 +266,327 @@ def measure(
     addresses.sort(key=lambda a: a.depth_key(n_layers))
     points = _one_name_per_tensor(resolve(addresses, loaded), loaded.info.model_type)
     addresses = list(points)
-    states: dict[Address, list[tuple[MetricSpec, Metric]]] = {
-        addr: [(spec, spec.cls(**spec.kwargs)) for spec in specs] for addr in addresses
-    }
-    first_metrics = next(iter(states.values()))
 
-    # -- what to run: the originals, and augmented views for multi-view metrics -----------------------------------
-    n_views = max([int(m.n_views) for spec, m in first_metrics  # type: ignore[attr-defined]
+    tok = loaded.tokenizer  # never mutated: padding_side is passed per call
+    context = _context_length(loaded, max_length)
+    run = _RunState(addresses, specs, per_text, context)
+    n_views = max([int(m.n_views) for spec, m in run.first_metrics()  # type: ignore[attr-defined]
                    if spec.cls.consumes == Consumes.VIEWS] or [0])
     need_originals = any(spec.cls.consumes != Consumes.VIEWS for spec in specs)
-    items: list[_Item] = []
-    strings: list[str] = []
-    if need_originals:
-        items += [_Item(i, -1) for i in range(len(texts.texts))]
-        strings += texts.texts
-    t0 = time.perf_counter()
     augmenter = None
     if n_views:
         from .augment import Augmenter
 
         augmenter = Augmenter(seed=seed)
-        for i, text in enumerate(tqdm(texts.texts, desc="augment", unit="text", disable=not progress, leave=False)):
-            for v in range(n_views):
-                items.append(_Item(i, v))
-                strings.append(augmenter.view(text, i, v))
-    t_augment = time.perf_counter() - t0
 
-    # -- tokenize once for lengths: sort by length (less padding), count truncation -------------------------------
-    tok = loaded.tokenizer  # never mutated: padding_side is passed per call
-    context = _context_length(loaded, max_length)
-    t0 = time.perf_counter()
-    lengths = [len(x) for x in tok(strings, add_special_tokens=True, verbose=False)["input_ids"]]
-    empty = {it.text for it, n in zip(items, lengths) if n == 0}
-    if empty:
-        warnings.warn(f"{len(empty)} text(s) tokenize to no tokens and are skipped (ids: "
-                      f"{[texts.ids[i] for i in sorted(empty)[:5]]})", stacklevel=2)
-        keep = [k for k, it in enumerate(items) if it.text not in empty]
-        items, strings, lengths = [items[k] for k in keep], [strings[k] for k in keep], [lengths[k] for k in keep]
-        if len(texts.texts) - len(empty) < 2:
-            raise RepgeomError(f"only {len(texts.texts) - len(empty)} text(s) have any tokens; at least 2 are needed")
-    text_lengths = {it.text: n for it, n in zip(items, lengths) if it.view < 0}
-    n_truncated = sum(n > context for it, n in zip(items, lengths) if it.view < 0)
-    if n_truncated:
-        warnings.warn(f"{n_truncated} of {len(texts.texts)} texts are longer than {context} tokens and were "
-                      "truncated (set --max-length to change the limit)", stacklevel=2)
-    order = sorted(range(len(items)), key=lambda i: -lengths[i])
-    t_tok = time.perf_counter() - t0
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    ckpt = None
+    if run_dir:
+        key = {"model": model_fingerprint(loaded.info.name, loaded.info.source, loaded.model.config),
+               "model_name": loaded.info.name, "data": source.fingerprint, "data_path": source.source,
+               "addresses": [str(a) for a in addresses],
+               "metrics": {spec.name: spec.config(m) for spec, m in run.first_metrics()},
+               "max_length": context, "dtype": loaded.info.dtype, "batch_size": batch_size,
+               "shard_size": shard_size, "padding_side": padding_side, "seed": seed,
+               "preprocess": preprocess, "preprocess_stats": str(preprocess_stats) if preprocess_stats else None,
+               "text_field": text_field, "world_size": dist.world}
+        ckpt = RunDir(run_dir, key, dist.rank, dist.world, resume, dist.is_main)
+        dist.barrier()  # rank 0 has created the directory
+        saved = ckpt.load()
+        if saved is not None:
+            run.load(saved)
+            if run.prep_transforms is not None:
+                prep = Preprocessor(preprocess, run.prep_transforms, "same data (checkpoint)")
 
-    # -- one forward per batch, every address and metric fed from it ----------------------------------------------
-    view_poolings = sorted({spec.pooling for spec in specs if spec.cls.consumes == Consumes.VIEWS})
-    buffers = {(addr, p): _ViewBuffer(n_views) for addr in addresses for p in view_poolings}
-    energy = {addr: torch.zeros(0, dtype=torch.float64) for addr in addresses}  # Σx² per dim, mean-pooled
-    timer = {"forward": 0.0, "metrics": 0.0}
-    t_stats = 0.0
+    def plan(shard: list[Record]) -> _ShardPlan:
+        return _plan_shard(shard, tok, context, batch_size, n_views, need_originals, augmenter)
+
+    timer = {"forward": 0.0, "metrics": 0.0, "augment_tokenize": 0.0}
     dev = loaded.device
+    per_item = (1 if need_originals else 0) + n_views
+    expected = None if source.n_texts is None else -(-source.n_texts * per_item // dist.world)
 
-    def run_pass(desc: str, on_address) -> None:
-        """One forward per batch over every item; ``on_address(addr, h, mask, batch_items)`` per address."""
+    def run_pass(desc: str, on_address, start_shard: int, after_shard=None) -> None:
+        """One forward per owned batch of every shard from ``start_shard`` on."""
         with Capture(loaded.model, points, stop_early=True) as cap, tqdm(
-            total=len(order), unit="seq", desc=desc, disable=not progress, leave=False
+            total=expected, unit="seq", desc=desc, disable=not show, leave=False
         ) as bar:
-            for start in range(0, len(order), batch_size):
-                rows = order[start:start + batch_size]
+            for shard_no, shard in enumerate(source.shards(shard_size)):
+                if shard_no < start_shard:
+                    continue  # done before the checkpoint: read past it, no forward pass
                 t0 = time.perf_counter()
-                enc = tok([strings[i] for i in rows], padding=True, truncation=True, max_length=context,
-                          padding_side=padding_side, return_tensors="pt", verbose=False)
-                enc = {k: v.to(dev) for k, v in enc.items()}
-                mask = enc["attention_mask"].bool()
-                if loaded.spec.position_ids_from_mask:
-                    enc["position_ids"] = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-                captured = cap.run(**enc, use_cache=False) if loaded.spec.causal else cap.run(**enc)
-                timer["forward"] += time.perf_counter() - t0
+                sp = plan(shard)
+                timer["augment_tokenize"] += time.perf_counter() - t0
+                for u, unit in enumerate(sp.units):
+                    if not dist.owns(u):
+                        continue
+                    for start in range(0, len(unit), batch_size):
+                        rows = unit[start:start + batch_size]
+                        _forward_batch(cap, loaded, tok, sp, rows, context, padding_side, dev, timer, on_address,
+                                       addresses)
+                        bar.update(len(rows))
+                if after_shard is not None:
+                    after_shard(shard_no, sp)
 
-                t0 = time.perf_counter()
-                batch_items = [items[i] for i in rows]
-                batch_ids = [texts.ids[it.text] for it in batch_items]
-                for addr in addresses:
-                    h = captured[addr]
-                    if h.dtype in (torch.float16, torch.bfloat16):
-                        h = h.float()
-                    _check_finite(addr, h, mask, batch_ids)
-                    on_address(addr, h, mask, batch_items)
-                timer["metrics"] += time.perf_counter() - t0
-                bar.update(len(rows))
-
-    if preprocess != "none" and not preprocess_stats:
+    # -- preprocessing statistics from the same data: one extra pass --------------------------------------------
+    t_stats = 0.0
+    if preprocess != "none" and not preprocess_stats and not prep.active:
         stats: dict[str, VectorStats] = {}
         kinds = _preprocess_kinds(specs)
         t0 = time.perf_counter()
         run_pass("preprocess statistics",
-                 lambda addr, h, mask, its: _collect_stats(addr, h, mask, its, kinds, stats, preprocess == "whiten"))
-        prep = Preprocessor.from_stats(preprocess, stats, "same data")
+                 lambda addr, h, mask, its: _collect_stats(addr, h, mask, its, kinds, stats, preprocess == "whiten"),
+                 0)
+        merged: dict[str, VectorStats] = {}
+        for part in dist.all_gather(stats):
+            for k, st in part.items():
+                merged[k] = merged[k].merge(st) if k in merged else st
+        prep = Preprocessor.from_stats(preprocess, merged, "same data")
+        run.prep_transforms = prep.transforms
         timer["forward"] = timer["metrics"] = 0.0
         t_stats = time.perf_counter() - t0
-    if save_preprocess_stats and prep.active:
+    if save_preprocess_stats and prep.active and dist.is_main:
         prep.save(save_preprocess_stats)
+
+    # -- the measuring pass: every address and metric fed from one forward per batch -----------------------------
+    buffers = {(addr, p): _ViewBuffer(n_views) for addr in addresses
+               for p in sorted({spec.pooling for spec in specs if spec.cls.consumes == Consumes.VIEWS})}
 
     def measure_address(addr, h, mask, batch_items) -> None:
         orig = [r for r, it in enumerate(batch_items) if it.view < 0]
         if orig:
             sel = torch.tensor(orig, device=h.device)
             mean_pooled = pool(h[sel].double(), mask[sel], "mean")[0]
-            e = (mean_pooled * mean_pooled).sum(0).cpu()
-            energy[addr] = e if energy[addr].numel() == 0 else energy[addr] + e
-        _feed(addr, h, mask, batch_items, states[addr], buffers, prep)
+            run.add_energy(addr, (mean_pooled * mean_pooled).sum(0).cpu())
+        _feed(addr, h, mask, batch_items, run.states[addr], buffers, prep)
 
-    run_pass("measure", measure_address)
-    t_forward, t_metrics = timer["forward"], timer["metrics"]
-    assert all(len(b) == 0 for b in buffers.values()), "some augmented views never arrived"
+    def after_shard(shard_no: int, sp: "_ShardPlan") -> None:
+        assert all(len(b) == 0 for b in buffers.values()), "some augmented views never arrived"
+        run.count_shard(shard_no, sp)
+        if ckpt is not None:
+            ckpt.save(run.state())
 
-    # -- compute and report ---------------------------------------------------------------------------------------
+    run_pass("measure", measure_address, run.next_shard, after_shard)
+    counts = source.counts()
+    if ckpt is not None and dist.is_main:
+        run.complete = True
+        ckpt.save(run.state())
+
+    # -- merge the processes' states, then compute and report (rank 0) -------------------------------------------
     t0 = time.perf_counter()
+    run.merge_ranks(dist)
+    if run.n_empty and dist.is_main:
+        warnings.warn(f"{run.n_empty} text(s) tokenize to no tokens and are skipped (ids: {run.empty_ids})",
+                      stacklevel=3)
+    n_usable = counts["n_texts"] - run.n_empty
+    if n_usable < 2:
+        raise RepgeomError(f"only {n_usable} text(s) have any tokens; at least 2 are needed")
+    if run.n_truncated and dist.is_main:
+        warnings.warn(f"{run.n_truncated} of {counts['n_texts']} texts are longer than {context} tokens and were "
+                      "truncated (set --max-length to change the limit)", stacklevel=3)
+    results: dict[str, dict[str, Any]] = {}
+    diagnostics: dict[str, dict[str, Any]] = {}
+    summary: dict[str, Any] = {}
+    per_text_rows: list[dict[str, Any]] = []
+    if dist.is_main:
+        results, diagnostics, summary, per_text_rows = _report(run, specs, per_text, massive_share_warning, context)
+    t_metrics = timer["metrics"] + time.perf_counter() - t0
+
+    total = time.perf_counter() - t_start
+    config = {
+        "layers": [str(a) for a in addresses],
+        "layer_spec": layers if isinstance(layers, str) else list(layers),
+        "metrics": {spec.name: spec.config(metric) for spec, metric in run.first_metrics()},
+        "pooling": pooling,
+        "batch_size": batch_size,
+        "max_length": context,
+        "padding_side": padding_side,
+        "dtype": loaded.info.dtype,
+        "device": str(loaded.device),
+        "per_text": per_text,
+        "text_field": text_field,
+        "shard_size": shard_size,
+        "run_dir": str(run_dir) if run_dir else None,
+        "resumed_from_shard": run.resumed_from,
+        "distributed": dist.config(),
+        "augmentation": augmenter.config() | {"n_views": n_views} if augmenter else None,
+        "preprocess": prep.config(),
+        "versions": {"repgeom_eval": __version__, "torch": torch.__version__,
+                     "transformers": _version("transformers"), "python": platform.python_version()},
+    }
+    data_summary = counts | {"n_tokens": run.n_tokens, "n_truncated": run.n_truncated,
+                             "n_views_per_text": n_views, "n_skipped_no_tokens": run.n_empty}
+    timings = {"load_model_s": t_load, "augment_tokenize_s": timer["augment_tokenize"],
+               "preprocess_stats_s": t_stats, "forward_s": timer["forward"], "metrics_s": t_metrics,
+               "total_s": total,
+               "sequences_per_s": run.n_sequences / max(timer["forward"] + timer["metrics"], 1e-9)}
+    return MeasureResult(loaded.info.to_dict(), data_summary, config, results, diagnostics, timings, per_text_rows,
+                         summary)
+
+
+@dataclass
+class _ShardPlan:
+    """One shard, ready to run: its sequences (originals and views), their token counts, and its batches."""
+
+    items: list[_Item]
+    strings: list[str]
+    lengths: list[int]
+    units: list[list[int]]  # batches (rows into items); unit u runs on rank u % world
+    ids: dict[int, Any]  # text index → record id
+    empty: list[int]  # text indices with no tokens
+
+
+def _plan_shard(shard: list[Record], tok, context: int, batch_size: int, n_views: int, need_originals: bool,
+                augmenter) -> _ShardPlan:
+    """Augment, tokenize once for lengths, and cut the shard into batches.
+
+    Originals are sorted by length (less padding) and cut into batches; the views of each text stay together, so
+    a text's views are all pooled by the same process. The plan depends only on the shard, never on the number of
+    processes: every batch is padded the same way whether it runs alone or on one rank of many.
+    """
+    items: list[_Item] = []
+    strings: list[str] = []
+    for rec in shard:
+        if need_originals:
+            items.append(_Item(rec.index, -1))
+            strings.append(rec.text)
+        for v in range(n_views):
+            items.append(_Item(rec.index, v))
+            strings.append(augmenter.view(rec.text, rec.index, v))
+    lengths = [len(x) for x in tok(strings, add_special_tokens=True, verbose=False)["input_ids"]] if strings else []
+    empty = sorted({it.text for it, n in zip(items, lengths) if n == 0})
+    drop = set(empty)
+    keep = [k for k, it in enumerate(items) if it.text not in drop]
+    items, strings, lengths = [items[k] for k in keep], [strings[k] for k in keep], [lengths[k] for k in keep]
+
+    originals = sorted((k for k, it in enumerate(items) if it.view < 0), key=lambda k: -lengths[k])
+    units = [originals[i:i + batch_size] for i in range(0, len(originals), batch_size)]
+    if n_views:
+        by_text: dict[int, list[int]] = {}
+        for k, it in enumerate(items):
+            if it.view >= 0:
+                by_text.setdefault(it.text, []).append(k)
+        texts = sorted(by_text, key=lambda t: -max(lengths[k] for k in by_text[t]))
+        per_batch = max(1, batch_size // n_views)
+        for i in range(0, len(texts), per_batch):
+            rows = [k for t in texts[i:i + per_batch] for k in by_text[t]]
+            units.append(sorted(rows, key=lambda k: -lengths[k]))
+    return _ShardPlan(items, strings, lengths, units, {rec.index: rec.id for rec in shard}, empty)
+
+
+def _forward_batch(cap: Capture, loaded: LoadedModel, tok, sp: _ShardPlan, rows: list[int], context: int,
+                   padding_side: str, dev, timer: dict[str, float], on_address, addresses: list[Address]) -> None:
+    t0 = time.perf_counter()
+    enc = tok([sp.strings[i] for i in rows], padding=True, truncation=True, max_length=context,
+              padding_side=padding_side, return_tensors="pt", verbose=False)
+    enc = {k: v.to(dev) for k, v in enc.items()}
+    mask = enc["attention_mask"].bool()
+    if loaded.spec.position_ids_from_mask:
+        enc["position_ids"] = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+    captured = cap.run(**enc, use_cache=False) if loaded.spec.causal else cap.run(**enc)
+    timer["forward"] += time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    batch_items = [sp.items[i] for i in rows]
+    batch_ids = [sp.ids[it.text] for it in batch_items]
+    for addr in addresses:
+        h = captured[addr]
+        if h.dtype in (torch.float16, torch.bfloat16):
+            h = h.float()
+        _check_finite(addr, h, mask, batch_ids)
+        on_address(addr, h, mask, batch_items)
+    timer["metrics"] += time.perf_counter() - t0
+
+
+class _RunState:
+    """Everything a run accumulates: metric states per address, energy per address, and counts.
+
+    Exactly what a checkpoint saves and what the processes merge; all of it is O(D²) per address at most, except
+    the per-text bookkeeping asked for with ``per_text``.
+    """
+
+    def __init__(self, addresses: list[Address], specs: list[MetricSpec], per_text: bool, context: int):
+        self.addresses, self.specs, self.per_text, self.context = addresses, specs, per_text, context
+        self.states: dict[Address, list[tuple[MetricSpec, Metric]]] = {
+            addr: [(spec, spec.cls(**spec.kwargs)) for spec in specs] for addr in addresses}
+        self.energy = {addr: torch.zeros(0, dtype=torch.float64) for addr in addresses}
+        self.next_shard = 0
+        self.resumed_from = None
+        self.complete = False
+        self.n_tokens = self.n_truncated = self.n_empty = self.n_sequences = 0
+        self.empty_ids: list[Any] = []
+        self.text_info: dict[int, tuple[Any, int | None]] = {}  # per_text only: index → (id, tokens untruncated)
+        self.prep_transforms: dict[str, dict[str, torch.Tensor]] | None = None
+
+    def first_metrics(self) -> list[tuple[MetricSpec, Metric]]:
+        return next(iter(self.states.values()))
+
+    def add_energy(self, addr: Address, e: torch.Tensor) -> None:
+        self.energy[addr] = e if self.energy[addr].numel() == 0 else self.energy[addr] + e
+
+    def count_shard(self, shard_no: int, sp: _ShardPlan) -> None:
+        """Counts that every process computes identically from the plan (so they are never summed over ranks)."""
+        self.next_shard = shard_no + 1
+        self.n_empty += len(sp.empty)
+        self.empty_ids += [sp.ids[t] for t in sp.empty][: max(0, 5 - len(self.empty_ids))]
+        for it, n in zip(sp.items, sp.lengths):
+            if it.view < 0:
+                self.n_tokens += min(n, self.context)
+                self.n_truncated += n > self.context
+                if self.per_text:
+                    self.text_info[it.text] = (sp.ids[it.text], n)
+        if self.per_text:
+            self.text_info.update({t: (sp.ids[t], None) for t in sp.empty})
+        self.n_sequences += len(sp.items)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "next_shard": self.next_shard, "complete": self.complete,
+            "metrics": {str(a): {spec.name: m.state_dict() for spec, m in ms} for a, ms in self.states.items()},
+            "energy": {str(a): e for a, e in self.energy.items()},
+            "counts": [self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences],
+            "empty_ids": list(self.empty_ids),
+            "text_info": {i: list(v) for i, v in self.text_info.items()},
+            "prep": self.prep_transforms,
+        }
+
+    def load(self, saved: dict[str, Any]) -> None:
+        for addr, ms in self.states.items():
+            for spec, m in ms:
+                m.load_state_dict(saved["metrics"][str(addr)][spec.name])
+        self.energy = {a: saved["energy"][str(a)] for a in self.addresses}
+        self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences = saved["counts"]
+        self.empty_ids = list(saved["empty_ids"])
+        self.text_info = {int(i): (rid, n) for i, (rid, n) in saved["text_info"].items()}
+        self.next_shard = self.resumed_from = saved["next_shard"]
+        self.prep_transforms = saved.get("prep")
+
+    # -- processes -----------------------------------------------------------------------------------------------
+    def merge_ranks(self, dist: Distributed) -> None:
+        """Fold every other rank's metric states and energy into rank 0's (in rank order)."""
+        if not dist.active:
+            return
+        parts = dist.gather({"metrics": self.state()["metrics"], "energy": self.energy})
+        if parts is None:
+            return
+        for part in parts[1:]:
+            for addr, ms in self.states.items():
+                for spec, m in ms:
+                    other = spec.cls(**spec.kwargs)
+                    other.load_state_dict(part["metrics"][str(addr)][spec.name])
+                    m.merge(other)
+                if part["energy"][addr].numel():
+                    self.add_energy(addr, part["energy"][addr])
+
+
+def _report(run: _RunState, specs: list[MetricSpec], per_text: bool, massive_share_warning: float,
+            context: int) -> tuple[dict, dict, dict, list]:
+    """compute() every metric; diagnostics, the massive-dimension warning, summaries and per-text rows."""
     results: dict[str, dict[str, Any]] = {}
     diagnostics: dict[str, dict[str, Any]] = {}
     per_text_cols: dict[int, dict[str, Any]] = {}
-    for addr, metric_list in states.items():
+    for addr, metric_list in run.states.items():
         key = str(addr)
         results[key] = {}
         for spec, metric in metric_list:
@@ -365,7 +598,7 @@ def measure(
             for score_name, (idx, values) in (pt or {}).items():
                 for i, v in zip(idx.tolist(), values.tolist()):
                     per_text_cols.setdefault(i, {}).setdefault(key, {})[score_name] = v
-    for addr, e in energy.items():
+    for addr, e in run.energy.items():
         if e.numel() == 0 or float(e.sum()) == 0:
             continue
         shares = e / e.sum()
@@ -376,50 +609,20 @@ def measure(
             warnings.warn(
                 f"{addr}: hidden dimension {int(top[0])} carries {float(shares[top[0]]):.0%} of the squared norm of "
                 "the mean-pooled vectors, so cosine-based metrics there mostly measure that one dimension; "
-                "see the massive_activations metric, or try --preprocess standardize", stacklevel=2)
+                "see the massive_activations metric, or try --preprocess standardize", stacklevel=4)
     summary: dict[str, Any] = {}
     for spec in specs:
         across = spec.cls.across_layers({k: results[k][spec.name] for k in results}, list(range(len(results))))
         if across is not None:
             summary[spec.name] = across
-    t_metrics += time.perf_counter() - t0
-
-    per_text_rows = []
+    rows = []
     if per_text:
-        for i in range(len(texts.texts)):
-            n_tok = text_lengths.get(i)
-            per_text_rows.append({"index": i, "id": texts.ids[i],
-                                  "n_tokens": None if n_tok is None else min(n_tok, context),
-                                  "truncated": None if n_tok is None else n_tok > context,
-                                  "scores": per_text_cols.get(i, {})})
-    total = time.perf_counter() - t_start
-    config = {
-        "layers": [str(a) for a in addresses],
-        "layer_spec": layers if isinstance(layers, str) else list(layers),
-        "metrics": {spec.name: spec.config(metric) for spec, metric in first_metrics},
-        "pooling": pooling,
-        "batch_size": batch_size,
-        "max_length": context,
-        "padding_side": padding_side,
-        "dtype": loaded.info.dtype,
-        "device": str(loaded.device),
-        "per_text": per_text,
-        "text_field": text_field,
-        "augmentation": augmenter.config() | {"n_views": n_views} if augmenter else None,
-        "preprocess": prep.config(),
-        "versions": {"repgeom_eval": __version__, "torch": torch.__version__,
-                     "transformers": _version("transformers"), "python": platform.python_version()},
-    }
-    original_lengths = list(text_lengths.values())
-    data_summary = texts.summary() | {"n_tokens": int(sum(min(n, context) for n in original_lengths)),
-                                      "n_truncated": int(n_truncated), "n_views_per_text": n_views,
-                                      "n_skipped_no_tokens": len(empty)}
-    timings = {"load_model_s": t_load, "augment_s": t_augment, "tokenize_s": t_tok, "preprocess_stats_s": t_stats,
-               "forward_s": t_forward,
-               "metrics_s": t_metrics, "total_s": total,
-               "sequences_per_s": len(order) / max(t_forward + t_metrics, 1e-9)}
-    return MeasureResult(loaded.info.to_dict(), data_summary, config, results, diagnostics, timings, per_text_rows,
-                         summary)
+        for i in sorted(run.text_info):
+            rid, n_tok = run.text_info[i]
+            rows.append({"index": i, "id": rid, "n_tokens": None if n_tok is None else min(n_tok, context),
+                         "truncated": None if n_tok is None else n_tok > context,
+                         "scores": per_text_cols.get(i, {})})
+    return results, diagnostics, summary, rows
 
 
 def _feed(

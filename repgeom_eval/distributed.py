@@ -1,0 +1,109 @@
+"""Data-parallel measurement on ``torch.distributed``: shard the work by rank, merge metric states exactly.
+
+Started by ``torchrun --nproc-per-node N -m repgeom_eval measure ...`` or ``accelerate launch --num_processes N -m
+repgeom_eval measure ...``: both set ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, and the process group
+is created here (gloo on CPU, nccl on GPU) unless the caller already created one. Every rank reads the same shards
+and plans the same batches; batch ``b`` of a shard runs on rank ``b % world``, so each batch is padded exactly as in
+a single-process run and the hidden states are the same. States are merged on rank 0 with
+:meth:`repgeom_eval.Metric.merge` (sums add, ``cat`` states concatenate): metrics that need every vector gather
+only their pooled vectors, never hidden states.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import RepgeomError
+
+
+@dataclass
+class Distributed:
+    """This process's place in the run. ``world == 1``: a plain single-process run (every method is a no-op)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    created_group: bool = False  # we created the process group, so we destroy it
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device: str | torch.device | None = "cpu") -> "Distributed":
+        """Join the process group that torchrun / accelerate describe in the environment, if any."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                       dist.get_backend())
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world <= 1:
+            return cls()
+        if not dist.is_available():
+            raise RepgeomError("WORLD_SIZE > 1 but this torch build has no torch.distributed support")
+        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RepgeomError(f"WORLD_SIZE={world} is set but {', '.join(missing)} is not: start distributed runs "
+                               "with torchrun or accelerate launch")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        gpu = str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        backend = "nccl" if gpu else "gloo"
+        if gpu:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend)
+        return cls(dist.get_rank(), dist.get_world_size(), local_rank, backend, created_group=True)
+
+    def device(self, device: str | torch.device | None) -> str | torch.device | None:
+        """One GPU per rank: ``cuda`` becomes ``cuda:LOCAL_RANK``."""
+        if self.active and str(device) in ("cuda", "auto") and torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    def owns(self, unit: int) -> bool:
+        return unit % self.world == self.rank
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (in rank order); ``None`` on the other ranks."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank (in rank order)."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.created_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.created_group = False
+
+    def config(self) -> dict[str, Any]:
+        return {"world_size": self.world, "backend": self.backend}

@@ -1,0 +1,124 @@
+"""Resumable runs: metric states checkpointed after every shard under a run directory.
+
+A run directory holds ``run.json`` (the run's key: model content hash, data hash, addresses, metrics and every
+parameter that changes the numbers) and one ``state.rankR-of-W.pt`` per process, rewritten atomically after each
+shard. ``--resume`` reloads the state and skips the shards it covers; the saved float64 states are exact, and the
+remaining shards are batched as before, so a resumed run gives the same numbers as an uninterrupted one. A key that
+does not match, or a file that cannot be read, is reported and never silently reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import RepgeomError
+from .io import atomic_open, jsonable
+
+STATE_VERSION = 1
+_FULL_HASH_LIMIT = 1 << 30  # files above 1 GiB are hashed by 64 sampled blocks of 1 MiB plus their size
+
+
+def file_fingerprint(path: Path) -> str:
+    """sha256 of a file's content (sampled above 1 GiB: reading a 15 GB checkpoint whole would take minutes)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as fh:
+        if size <= _FULL_HASH_LIMIT:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        else:
+            for i in range(64):
+                fh.seek((size - (1 << 20)) * i // 63)
+                digest.update(fh.read(1 << 20))
+    return digest.hexdigest()
+
+
+def model_fingerprint(name: str, source: str, config: Any = None) -> str:
+    """A content hash of a local model (directory or .gguf file); the hub revision for a hub id."""
+    path = Path(os.path.expanduser(name))
+    if path.is_file():
+        return "sha256:" + file_fingerprint(path)
+    if path.is_dir():
+        digest = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(f"{f.relative_to(path)}\0{file_fingerprint(f)}\0".encode())
+        return "sha256:" + digest.hexdigest()
+    revision = getattr(config, "_commit_hash", None)
+    return f"hub:{name}@{revision or 'unknown-revision'}"
+
+
+class RunDir:
+    """The checkpoint files of one run, for one process."""
+
+    def __init__(self, path: str | Path, key: dict[str, Any], rank: int = 0, world: int = 1, resume: bool = False,
+                 is_main: bool = True):
+        self.path = Path(path)
+        self.key = jsonable(key)
+        self.rank, self.world, self.resume = rank, world, resume
+        if self.path.exists() and not self.path.is_dir():
+            raise RepgeomError(f"run directory {str(self.path)!r} is a file; pass a directory")
+        self.state_file = self.path / f"state.rank{rank}-of-{world}.pt"
+        key_file = self.path / "run.json"
+        if key_file.exists():
+            try:
+                old = json.loads(key_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise RepgeomError(f"{key_file}: unreadable run key ({exc}); delete the run directory to start "
+                                   "over") from None
+            self._check_key(old, key_file)
+        others = sorted(p.name for p in self.path.glob("state.rank*-of-*.pt")) if self.path.is_dir() else []
+        if others and not resume:
+            raise RepgeomError(f"run directory {str(self.path)!r} already holds a checkpoint ({others[0]}); pass "
+                               "--resume to continue that run, or choose a new --run-dir")
+        stale = [n for n in others if not n.endswith(f"-of-{world}.pt")]
+        if stale and resume:
+            raise RepgeomError(f"run directory {str(self.path)!r} was checkpointed with a different number of "
+                               f"processes ({stale[0]}); resume it with the same world size as before")
+        if is_main:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RepgeomError(f"cannot create run directory {str(self.path)!r}: {exc.strerror}") from None
+            if not key_file.exists():
+                with atomic_open(key_file) as fh:
+                    json.dump(self.key, fh, indent=2)
+
+    def _check_key(self, old: dict[str, Any], where: Path) -> None:
+        if old == self.key:
+            return
+        differ = sorted(k for k in set(old) | set(self.key) if old.get(k) != self.key.get(k))
+        detail = "; ".join(f"{k}: {_short(old.get(k))} then, {_short(self.key.get(k))} now" for k in differ[:4])
+        raise RepgeomError(f"run directory {str(self.path)!r} belongs to a different run ({detail}); use a new "
+                           f"--run-dir, or delete {where.name} and the state files to start over")
+
+    def load(self) -> dict[str, Any] | None:
+        """The saved state of this rank, or None if there is none (a fresh run)."""
+        if not self.resume or not self.state_file.exists():
+            return None
+        try:
+            state = torch.load(self.state_file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file raises many kinds of errors
+            raise RepgeomError(f"checkpoint {self.state_file} is corrupt or not a repgeom checkpoint "
+                               f"({type(exc).__name__}: {str(exc)[:120]}); delete it to redo its shards") from None
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise RepgeomError(f"checkpoint {self.state_file} has an unknown format; delete it to redo its shards")
+        if state.get("key") != self.key:
+            raise RepgeomError(f"checkpoint {self.state_file} was written for another run than {self.path}/run.json "
+                               "describes; delete the run directory to start over")
+        return state
+
+    def save(self, state: dict[str, Any]) -> None:
+        """Write this rank's state atomically (a kill mid-write leaves the previous checkpoint intact)."""
+        with atomic_open(self.state_file, "wb") as fh:
+            torch.save({**state, "version": STATE_VERSION, "key": self.key}, fh)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
