@@ -32,8 +32,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def configure(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--data", "-d", required=True, help=".jsonl with a text field per line, or .txt with one text "
-                                                         "per line")
+    p.add_argument("--data", "-d", required=True,
+                   help=".jsonl with a text field per line, .txt with one text per line, or a Hugging Face "
+                        "datasets stream hf:NAME?split=train (e.g. hf:json?data_files=big.jsonl); read in shards")
     p.add_argument("--text-field", default="text", help="field of each .jsonl record to read (default: text)")
     p.add_argument("--layers", "-l", nargs="+", default=["final"],
                    help="layer addresses: resid_post:11, mlp_in:-1, resid_mid:*, resid_post:[0,5,-1], embed, "
@@ -62,6 +63,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", default=None, help="results JSON (written atomically)")
     p.add_argument("--per-text", default=None, metavar="OUT.jsonl",
                    help="also write per-text scores (c_i, token dispersion) to this JSONL file")
+    p.add_argument("--shard-size", type=int, default=1024,
+                   help="texts read, batched and checkpointed together (memory: one shard + metric states)")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="checkpoint the metric states here after every shard, so a killed run can --resume")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run checkpointed in --run-dir (same model, data and options)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--json", action="store_true", help="print the results JSON to stdout instead of a table")
 
@@ -85,9 +92,11 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, max_length=args.max_length, padding_side=args.padding_side, dtype=args.dtype,
         device=args.device, per_text=bool(args.per_text), metric_params=params, text_field=args.text_field, seed=args.seed,
         preprocess=args.preprocess, preprocess_stats=args.preprocess_stats,
-        save_preprocess_stats=args.save_preprocess_stats,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        save_preprocess_stats=args.save_preprocess_stats, shard_size=args.shard_size, run_dir=args.run_dir,
+        resume=args.resume, progress=not args.no_progress and sys.stderr.isatty(),
     )
+    if not result.is_main:
+        return 0  # a rank > 0 of a distributed run: the merged results and the files belong to rank 0
     if args.output or args.per_text:
         if args.output:
             result.write(args.output, args.per_text)

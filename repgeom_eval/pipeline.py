@@ -47,6 +47,7 @@ class MeasureResult:
     timings: dict[str, float]
     per_text: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)  # metric → result of Metric.across_layers
+    is_main: bool = True  # False on ranks > 0 of a distributed run: their results are merged into rank 0's
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "data": self.data, "config": self.config, "results": self.results,
@@ -306,6 +307,8 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
     per_item = (1 if need_originals else 0) + n_views
     expected = None if source.n_texts is None else -(-source.n_texts * per_item // dist.world)
 
+    processed = [0]  # sequences this process ran through the model in the current pass
+
     def run_pass(desc: str, on_address, start_shard: int, after_shard=None) -> None:
         """One forward per owned batch of every shard from ``start_shard`` on."""
         with Capture(loaded.model, points, stop_early=True) as cap, tqdm(
@@ -324,6 +327,7 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
                         rows = unit[start:start + batch_size]
                         _forward_batch(cap, loaded, tok, sp, rows, context, padding_side, dev, timer, on_address,
                                        addresses)
+                        processed[0] += len(rows)
                         bar.update(len(rows))
                 if after_shard is not None:
                     after_shard(shard_no, sp)
@@ -344,6 +348,7 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
         prep = Preprocessor.from_stats(preprocess, merged, "same data")
         run.prep_transforms = prep.transforms
         timer["forward"] = timer["metrics"] = 0.0
+        processed[0] = 0
         t_stats = time.perf_counter() - t0
     if save_preprocess_stats and prep.active and dist.is_main:
         prep.save(save_preprocess_stats)
@@ -363,12 +368,14 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
     def after_shard(shard_no: int, sp: "_ShardPlan") -> None:
         assert all(len(b) == 0 for b in buffers.values()), "some augmented views never arrived"
         run.count_shard(shard_no, sp)
+        run.n_processed += processed[0]
+        processed[0] = 0
         if ckpt is not None:
             ckpt.save(run.state())
 
     run_pass("measure", measure_address, run.next_shard, after_shard)
     counts = source.counts()
-    if ckpt is not None and dist.is_main:
+    if ckpt is not None:
         run.complete = True
         ckpt.save(run.state())
 
@@ -408,7 +415,7 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
         "shard_size": shard_size,
         "run_dir": str(run_dir) if run_dir else None,
         "resumed_from_shard": run.resumed_from,
-        "distributed": dist.config(),
+        "distributed": dist.config() | {"sequences_by_rank": run.processed_by_rank},
         "augmentation": augmenter.config() | {"n_views": n_views} if augmenter else None,
         "preprocess": prep.config(),
         "versions": {"repgeom_eval": __version__, "torch": torch.__version__,
@@ -421,7 +428,7 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
                "total_s": total,
                "sequences_per_s": run.n_sequences / max(timer["forward"] + timer["metrics"], 1e-9)}
     return MeasureResult(loaded.info.to_dict(), data_summary, config, results, diagnostics, timings, per_text_rows,
-                         summary)
+                         summary, is_main=dist.is_main)
 
 
 @dataclass
@@ -514,6 +521,8 @@ class _RunState:
         self.resumed_from = None
         self.complete = False
         self.n_tokens = self.n_truncated = self.n_empty = self.n_sequences = 0
+        self.n_processed = 0  # sequences this process ran (the others ran the rest of the n_sequences)
+        self.processed_by_rank: list[int] = []
         self.empty_ids: list[Any] = []
         self.text_info: dict[int, tuple[Any, int | None]] = {}  # per_text only: index → (id, tokens untruncated)
         self.prep_transforms: dict[str, dict[str, torch.Tensor]] | None = None
@@ -545,7 +554,7 @@ class _RunState:
             "next_shard": self.next_shard, "complete": self.complete,
             "metrics": {str(a): {spec.name: m.state_dict() for spec, m in ms} for a, ms in self.states.items()},
             "energy": {str(a): e for a, e in self.energy.items()},
-            "counts": [self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences],
+            "counts": [self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed],
             "empty_ids": list(self.empty_ids),
             "text_info": {i: list(v) for i, v in self.text_info.items()},
             "prep": self.prep_transforms,
@@ -556,7 +565,7 @@ class _RunState:
             for spec, m in ms:
                 m.load_state_dict(saved["metrics"][str(addr)][spec.name])
         self.energy = {a: saved["energy"][str(a)] for a in self.addresses}
-        self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences = saved["counts"]
+        self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed = saved["counts"]
         self.empty_ids = list(saved["empty_ids"])
         self.text_info = {int(i): (rid, n) for i, (rid, n) in saved["text_info"].items()}
         self.next_shard = self.resumed_from = saved["next_shard"]
@@ -566,10 +575,13 @@ class _RunState:
     def merge_ranks(self, dist: Distributed) -> None:
         """Fold every other rank's metric states and energy into rank 0's (in rank order)."""
         if not dist.active:
+            self.processed_by_rank = [self.n_processed]
             return
-        parts = dist.gather({"metrics": self.state()["metrics"], "energy": self.energy})
+        parts = dist.gather({"metrics": self.state()["metrics"], "energy": self.energy,
+                             "processed": self.n_processed})
         if parts is None:
             return
+        self.processed_by_rank = [part["processed"] for part in parts]
         for part in parts[1:]:
             for addr, ms in self.states.items():
                 for spec, m in ms:

@@ -1,0 +1,88 @@
+"""Data-parallel measurement: torchrun with 2 CPU processes (gloo) gives the single-process numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from repgeom_eval.distributed import Distributed
+
+METRICS = ["dispersion", "token_dispersion", "prompt_entropy", "curvature", "condensation", "effective_rank",
+           "dataset_entropy", "massive_activations", "infonce", "lidar"]
+
+
+def _env() -> dict[str, str]:
+    # One thread per process in both runs: torchrun's default, and GEMM results do not depend on thread counts.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _measure_args(model: str, data: Path, out: Path) -> list[str]:
+    return ["measure", "--model", model, "--data", str(data), "--layers", "embed,resid_post:0,final",
+            "--metrics", *METRICS, "--metric-param", "lidar.n_views=4", "--batch-size", "4", "--shard-size", "10",
+            "--output", str(out), "--per-text", str(out.with_suffix(".jsonl")), "--no-progress"]
+
+
+def _flat(results: dict) -> dict[str, float]:
+    out = {}
+    for addr, per_metric in results.items():
+        for metric, value in per_metric.items():
+            items = value.items() if isinstance(value, dict) else [("", value)]
+            for k, v in items:
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[f"{addr}/{metric}/{k}"] = float(v)
+    return out
+
+
+def test_two_processes_equal_one(tmp_path, tiny_model_dir, texts):
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "id": f"t{i}"}) + "\n" for i, t in enumerate(texts[:30])))
+    model = tiny_model_dir("llama")
+    single, multi = tmp_path / "single.json", tmp_path / "multi.json"
+    one = subprocess.run([sys.executable, "-m", "repgeom_eval", *_measure_args(model, data, single)],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert one.returncode == 0, one.stderr
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    two = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29561", "-m", "repgeom_eval",
+                          *_measure_args(model, data, multi)], capture_output=True, text=True, env=_env(),
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = json.loads(single.read_text()), json.loads(multi.read_text())
+    dist_a, dist_b = a["config"]["distributed"], b["config"]["distributed"]
+    assert dist_b["world_size"] == 2 and dist_b["backend"] == "gloo"
+    # The work was really split: both ranks ran sequences, and together exactly what one process ran.
+    assert len(dist_b["sequences_by_rank"]) == 2 and min(dist_b["sequences_by_rank"]) > 0
+    assert sum(dist_b["sequences_by_rank"]) == sum(dist_a["sequences_by_rank"]) == 30 * (1 + 4)
+    assert a["data"] == b["data"]
+    fa, fb = _flat(a["results"]), _flat(b["results"])
+    assert fa.keys() == fb.keys() and len(fa) > 30
+    for key, va in fa.items():  # the same batches run on both sides: only the order of the sums differs
+        assert math.isclose(va, fb[key], rel_tol=1e-9, abs_tol=1e-12), (key, va, fb[key])
+    rows_a = single.with_suffix(".jsonl").read_text().splitlines()
+    rows_b = multi.with_suffix(".jsonl").read_text().splitlines()
+    assert len(rows_a) == len(rows_b) == 30
+    for ra, rb in zip(map(json.loads, rows_a), map(json.loads, rows_b)):
+        assert ra["id"] == rb["id"] and ra["n_tokens"] == rb["n_tokens"]
+        assert ra["scores"]["final"]["dispersion"] == pytest.approx(rb["scores"]["final"]["dispersion"], rel=1e-9)
+
+
+def test_single_process_is_a_no_op(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    d = Distributed.from_env("cpu")
+    assert not d.active and d.is_main and d.gather({"x": 1}) == [{"x": 1}] and d.all_gather(3) == [3]
+    assert all(d.owns(u) for u in range(5))
+
+
+def test_half_configured_environment_is_refused(monkeypatch):
+    from repgeom_eval.errors import RepgeomError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RepgeomError, match="torchrun or accelerate launch"):
+        Distributed.from_env("cpu")
