@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
+from repgeom_eval.errors import check_param, is_count
 
 
 class MassiveActivations(Metric):
@@ -21,6 +22,7 @@ class MassiveActivations(Metric):
 
     def __init__(self, top_k: int = 5):
         super().__init__()
+        check_param("massive_activations", "top_k", top_k, is_count(top_k), "an integer ≥ 1")
         self.top_k = top_k
         self.add_state("energy", torch.zeros(0, dtype=torch.float64), "sum")
         self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.errors import RepgeomError, check_param, is_count, is_real
 from repgeom_eval.functional.contrastive import (
     INFONCE_VARIANTS,
     LIDAR_VARIANTS,
@@ -89,6 +89,7 @@ class InfoNCE(_TwoViewMetric):
             raise RepgeomError(f"infonce uses exactly 2 views per text, got n_views={n_views}")
         if variant not in INFONCE_VARIANTS:
             raise RepgeomError(f"variant must be one of {INFONCE_VARIANTS}, got {variant!r}")
+        check_param("infonce", "tau", tau, is_real(tau) and tau > 0, "a finite number > 0")
         self.n_views, self.tau, self.variant = n_views, tau, variant
         self._init_views()
 
@@ -115,6 +116,9 @@ class DiME(_TwoViewMetric):
         super().__init__()
         if n_views != 2:
             raise RepgeomError(f"dime uses exactly 2 views per text, got n_views={n_views}")
+        check_param("dime", "n_iters", n_iters, is_count(n_iters), "an integer ≥ 1")
+        check_param("dime", "seed", seed, is_count(seed, 0), "an integer ≥ 0")
+        check_param("dime", "alpha", alpha, is_real(alpha) and alpha > 0, "a finite number > 0")
         self.n_views, self.n_iters, self.seed, self.alpha = n_views, n_iters, seed, alpha
         self._init_views()
 
@@ -153,6 +157,8 @@ class LiDAR(Metric):
             raise RepgeomError(f"variant must be one of {LIDAR_VARIANTS}, got {variant!r}")
         if not isinstance(n_views, int) or isinstance(n_views, bool) or n_views < (2 if variant == "thilak" else 1):
             raise RepgeomError(f"lidar needs an integer n_views ≥ 1 (≥ 2 for the thilak variant), got {n_views!r}")
+        check_param("lidar", "delta", delta, is_real(delta) and delta > 0, "a finite number > 0")
+        check_param("lidar", "eps", eps, is_real(eps) and eps >= 0, "a finite number ≥ 0")
         self.n_views, self.delta, self.eps, self.variant = n_views, delta, eps, variant
         self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")
         # Sizes depend on D, known at the first update: empty defaults (merge treats an empty sum as zero).

@@ -39,3 +39,20 @@ class PluginError(RepgeomError):
 
 class NonFiniteError(RepgeomError):
     """NaN or inf in hidden states or inputs."""
+
+
+def check_param(metric: str, name: str, value: object, ok: bool, expected: str) -> None:
+    """Raise a RepgeomError naming the metric, the parameter, its value and what it must be, unless ``ok``."""
+    if not ok:
+        raise RepgeomError(f"{metric}: parameter {name}={value!r} is invalid; it must be {expected} "
+                           f"(set it with --metric-param {metric}.{name}=VALUE)")
+
+
+def is_real(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
+def is_count(value: object, minimum: int = 1) -> bool:
+    """An int (not a bool) ≥ ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
