@@ -610,18 +610,23 @@ def _report(run: _RunState, specs: list[MetricSpec], per_text: bool, massive_sha
             for score_name, (idx, values) in (pt or {}).items():
                 for i, v in zip(idx.tolist(), values.tolist()):
                     per_text_cols.setdefault(i, {}).setdefault(key, {})[score_name] = v
+    flagged = []
     for addr, e in run.energy.items():
         if e.numel() == 0 or float(e.sum()) == 0:
             continue
         shares = e / e.sum()
         top = torch.argsort(shares, descending=True)[:3]
-        info = {"top_dimensions": top.tolist(), "top_shares": [round(float(shares[i]), 6) for i in top]}
+        info = {"pooling": "mean", "top_dimensions": top.tolist(),
+                "top_shares": [round(float(shares[i]), 6) for i in top]}
         diagnostics.setdefault(str(addr), {})["energy"] = info
         if float(shares[top[0]]) >= massive_share_warning:
-            warnings.warn(
-                f"{addr}: hidden dimension {int(top[0])} carries {float(shares[top[0]]):.0%} of the squared norm of "
-                "the mean-pooled vectors, so cosine-based metrics there mostly measure that one dimension; "
-                "see the massive_activations metric, or try --preprocess standardize", stacklevel=4)
+            flagged.append(f"{addr} (dim {int(top[0])}: {float(shares[top[0]]):.0%})")
+    if flagged:  # one warning for the whole run, not one line per layer
+        warnings.warn(
+            f"one hidden dimension carries at least {massive_share_warning:.0%} of the squared norm of the "
+            f"mean-pooled vectors at {len(flagged)} address(es): {', '.join(flagged)}; cosine-based metrics there "
+            "mostly measure that dimension. See the massive_activations metric, or try --preprocess standardize",
+            stacklevel=4)
     summary: dict[str, Any] = {}
     for spec in specs:
         across = spec.cls.across_layers({k: results[k][spec.name] for k in results}, list(range(len(results))))
