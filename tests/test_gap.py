@@ -14,26 +14,16 @@ from repgeom_eval.entrypoints import gap_cmd
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.gap import (Vocabulary, dispersion_gap, open_output_embeddings, read_output_embeddings,
                               resolve_token_set, screen, spearman, vocabulary_difference)
-from repgeom_eval.plugins import token_sets as token_sets_plugin
 
 
 # -- fixtures ----------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def gap_host(monkeypatch):
-    """A process host with the built-in token sets and the `gap` command, registered through the entry points or,
-    until pyproject.toml and plugins/commands.py list them, added here."""
-    import importlib.metadata as md
+def gap_host():
+    """The process host: the built-in token sets and the `gap` command come through the entry points."""
+    from repgeom_eval.plugin_host import get_host
 
-    from repgeom_eval import plugin_host
-    from repgeom_eval.plugins import commands
-
-    if "gap" not in commands.COMMANDS:
-        monkeypatch.setitem(commands.COMMANDS, "gap", ("gap_cmd", "Rank checkpoints by the dispersion gap G."))
-    registered = {ep.name for ep in md.entry_points(group="repgeom_eval")}
-    extra = [] if "token_sets" in registered else [("token_sets", token_sets_plugin)]
-    host = plugin_host.PluginHost(extra_plugins=extra)
-    monkeypatch.setattr(plugin_host, "_HOST", host)
+    host = get_host()
     assert {"digits", "python_keywords", "general"} <= set(host.token_sets) and "gap" in host.commands
     return host
 

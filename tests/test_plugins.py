@@ -47,7 +47,8 @@ def test_builtins_come_through_the_entry_points(host):
     assert entry.plugin == "dispersion" and entry.distribution == "repgeom-eval"
     assert {"architectures", "layer_selectors", "dispersion", "commands"} <= {p.name for p in host.plugins}
     assert {"gpt2", "llama", "bert", "qwen2", "qwen3", "gpt_neox", "roberta"} <= set(host.architectures.names())
-    assert {"measure", "plugins", "demo", "addresses"} <= set(host.commands.names())
+    assert {"measure", "plugins", "demo", "addresses", "gap"} <= set(host.commands.names())
+    assert {"digits", "python_keywords", "general"} <= set(host.token_sets.names())
     assert not host.failures
     # nothing is registered behind the entry points' back
     empty = PluginHost(entry_points=[], strict=False)
