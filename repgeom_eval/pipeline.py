@@ -233,6 +233,10 @@ def measure(
     specs = instantiate_metrics(metrics, host, metric_params, per_text, pooling)
     if preprocess not in PREPROCESS_METHODS:
         raise RepgeomError(f"unknown preprocess {preprocess!r} (valid: {', '.join(PREPROCESS_METHODS)})")
+    if preprocess == "none" and (preprocess_stats or save_preprocess_stats):
+        flag = "--preprocess-stats" if preprocess_stats else "--save-preprocess-stats"
+        raise RepgeomError(f"{flag} has no effect without preprocessing; add --preprocess center, standardize or "
+                           "whiten (or drop the flag)")
     prep = Preprocessor.load(preprocess_stats, preprocess) if preprocess_stats and preprocess != "none" \
         else Preprocessor()
     source = open_source(data, text_field=text_field)  # validates a file whole before the model is loaded

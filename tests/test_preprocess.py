@@ -100,3 +100,11 @@ def test_massive_dimension_is_measured_and_warned(tiny_model_dir, texts):
 def test_whitening_needs_more_vectors_than_dimensions(tiny_model_dir, texts):
     with pytest.raises(RepgeomError, match="needs more vectors than dimensions, got 5 vectors of dimension 32"):
         measure(tiny_model_dir("gpt2"), texts[:5], preprocess="whiten", progress=False)
+
+
+@pytest.mark.parametrize("flag", ["preprocess_stats", "save_preprocess_stats"])
+def test_stats_files_without_preprocessing_are_refused(flag, tmp_path, texts):
+    # refused before the model is loaded: the path need not exist, the model is never opened
+    with pytest.raises(RepgeomError, match="has no effect without preprocessing; add --preprocess"):
+        measure(str(tmp_path / "no-model"), texts[:5], **{flag: tmp_path / "stats.pt"}, progress=False)
+    assert not (tmp_path / "stats.pt").exists()
