@@ -81,6 +81,7 @@ def parse_layers(
     selectors: Callable[[str], Callable[..., Iterable[str]] | None] | None = None,
     model_info: "ModelInfo | None" = None,
     _depth: int = 0,
+    selector_names: Iterable[str] = (),
 ) -> list[Address]:
     """Parse a layer specification into canonical addresses (deduplicated, order preserved).
 
@@ -89,10 +90,11 @@ def parse_layers(
         n_layers: number of blocks L of the model.
         selectors: looks up a named layer selector (returns ``None`` if unknown).
         model_info: passed to selectors.
+        selector_names: the registered selectors' names, offered as suggestions when a name is unknown.
     """
     out: list[Address] = []
     for item in _split_items(spec):
-        for addr in _parse_item(item, n_layers, selectors, model_info, _depth):
+        for addr in _parse_item(item, n_layers, selectors, model_info, _depth, tuple(selector_names)):
             if addr not in out:
                 out.append(addr)
     if not out:
@@ -100,7 +102,8 @@ def parse_layers(
     return out
 
 
-def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth: int) -> list[Address]:
+def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth: int,
+                selector_names: tuple[str, ...]) -> list[Address]:
     if item in ALIASES:
         return [Address(item)]
     if re.fullmatch(r"[+-]?\d+", item):
@@ -114,11 +117,11 @@ def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth
                 raise RepgeomError(f"layer selector {site!r} expands recursively")
             got = selector(model_info)
             got = [got] if isinstance(got, str) else list(got)  # a selector may return one spec string
-            return parse_layers(got, n_layers, selectors, model_info, depth + 1)
+            return parse_layers(got, n_layers, selectors, model_info, depth + 1, selector_names)
         if site in SITES:
             raise RepgeomError(f"layer address {site!r} needs a layer: {site}:3, {site}:-1, {site}:* or {site}:[0,-1]")
         raise UnknownNameError(
-            "layer address", site, list(SITES) + list(ALIASES) + ["<integer>"],
+            "layer address", site, list(SITES) + list(ALIASES) + list(selector_names) + ["<integer>"],
             "addresses look like resid_post:11, mlp_in:-1, resid_mid:*, embed, final or a bare hidden-state index",
         )
     if site not in SITES:

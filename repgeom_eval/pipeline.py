@@ -267,7 +267,7 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
     def selector(name: str):
         return host.layer_selectors.get(name) if name in host.layer_selectors else None
 
-    addresses = parse_layers(layers, n_layers, selector, loaded.info)
+    addresses = parse_layers(layers, n_layers, selector, loaded.info, selector_names=host.layer_selectors.names())
     addresses.sort(key=lambda a: a.depth_key(n_layers))
     points = _one_name_per_tensor(resolve(addresses, loaded), loaded.info.model_type)
     addresses = list(points)

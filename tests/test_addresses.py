@@ -8,10 +8,12 @@ from repgeom_eval.models import load_model
 
 
 def names(spec, n=4, host=None):
-    sel = None
+    sel, known = None, ()
     if host is not None:
         sel = lambda name: host.layer_selectors.get(name) if name in host.layer_selectors else None  # noqa: E731
-    return [str(a) for a in parse_layers(spec, n, sel, model_info=type("I", (), {"n_layers": n})())]
+        known = host.layer_selectors.names()
+    return [str(a) for a in parse_layers(spec, n, sel, model_info=type("I", (), {"n_layers": n})(),
+                                         selector_names=known)]
 
 
 def test_grammar():
@@ -55,6 +57,12 @@ def test_selectors(host):
 def test_bad_addresses_name_the_valid_choices(spec, message):
     with pytest.raises(RepgeomError, match=message):
         names(spec)
+
+
+@pytest.mark.parametrize("typo, suggestion", [("blcoks", "blocks"), ("knn_kyes", "knn_keys"), ("al", "all")])
+def test_selector_typos_get_a_suggestion(host, typo, suggestion):
+    with pytest.raises(UnknownNameError, match=f"did you mean '{suggestion}'"):
+        names(typo, host=host)
 
 
 def test_unknown_site_lists_valid_sites():
