@@ -85,3 +85,44 @@ def test_tokens_pooling_is_dispersion_over_all_token_vectors(tiny_model_dir, tex
             vecs.append(loaded.model(**enc, output_hidden_states=True).hidden_states[-1][0].double())
     expected = pairwise_dispersion(torch.cat(vecs)).item()
     assert result.results["final"]["dispersion"] == pytest.approx(expected, abs=1e-6)
+
+
+SUITE = ["prompt_entropy", "dataset_entropy", "effective_rank", "curvature", "vendi", "condensation"]
+
+
+def _flat(value, prefix=""):
+    """Every number in a (nested) metric result, keyed by its path; lists and strings are compared as they are."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: value}
+
+
+def assert_same_suite(a, b, tol):
+    assert a.results.keys() == b.results.keys()
+    for addr in a.results:
+        fa, fb = _flat(a.results[addr]), _flat(b.results[addr])
+        assert fa.keys() == fb.keys()
+        for key, value in fa.items():
+            if isinstance(value, float):
+                assert value == pytest.approx(fb[key], abs=tol, rel=tol), (addr, key)
+            elif isinstance(value, list) and value and isinstance(value[0], float):
+                assert value == pytest.approx(fb[key], abs=tol, rel=tol), (addr, key)
+            else:
+                assert value == fb[key], (addr, key)
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_metric_suite_ignores_batch_size_padding_side_and_dtype(kind, tiny_model_dir, texts):
+    path, sample = tiny_model_dir(kind), texts[:14]
+    kw = dict(layers="0,1,-1", metrics=SUITE)
+    ref = run(path, sample, batch_size=16, padding_side="right", **kw)
+    assert_same_suite(ref, run(path, sample, batch_size=1, padding_side="right", **kw), 1e-5)
+    assert_same_suite(ref, run(path, sample, batch_size=16, padding_side="left", **kw), 1e-5)
+    assert_same_suite(ref, run(path, sample, batch_size=5, dtype="float64", **kw), 1e-5)
+    for addr in ref.results:  # the comparison above saw real numbers, not NaN placeholders
+        for m in SUITE:
+            values = [v for v in _flat(ref.results[addr][m]).values() if isinstance(v, float)]
+            assert values and all(v == v for v in values), (addr, m)
