@@ -652,3 +652,30 @@ def test_pipeline_matches_hand_computation(tiny_model_dir, texts):
     assert summary["spearman"] == pytest.approx(spearman(m, range(3)))
     assert summary["kendall"] == pytest.approx(kendall_tau_b(m, range(3)))
     assert summary["mean_last_n"] == pytest.approx([np.mean(m[-n:]) for n in (1, 2, 3)])
+
+
+def _effective_rank_numpy(z: np.ndarray) -> dict[str, float]:
+    """Brute force with numpy's SVD, straight from the definitions (spec §3.4)."""
+    s = np.linalg.svd(z, compute_uv=False)
+    s = np.where(s > s.max() * max(z.shape) * np.finfo(np.float64).eps, s, 0.0)
+    p = s / s.sum() + 1e-7
+    rankme = math.exp(-(p * np.log(p)).sum())
+    q = s[s > 0] / s.sum()
+    erank = math.exp(-(q * np.log(q)).sum())
+    lam = s[s > 0] ** 2 / (s[s > 0] ** 2).sum()
+    return {"rankme": rankme, "erank": erank, "exp_entropy": math.exp(-(lam * np.log(lam)).sum())}
+
+
+@pytest.mark.parametrize("n, d, rank", [(9, 4, 4), (4, 9, 4), (20, 12, 5), (16, 16, 16), (3, 30, 2)])
+def test_effective_rank_equals_numpy_svd_on_random_inputs(n, d, rank):
+    g = np.random.default_rng(n * 100 + d)
+    z = g.standard_normal((n, rank)) @ g.standard_normal((rank, d)) * g.uniform(0.1, 5.0, size=(1, d))
+    want = _effective_rank_numpy(z)
+    got = effective_rank(torch.from_numpy(z))
+    streamed = EffectiveRank()  # the D×D (or N×N) Gram accumulator, fed in shards
+    for lo in range(0, n, 3):
+        streamed.update(pooled_batch(torch.from_numpy(z[lo:lo + 3]), lo))
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+        assert streamed.compute()[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    assert got["erank"] <= rank + 1e-9

@@ -315,3 +315,48 @@ def test_metrics_reject_wrong_number_of_views_and_empty_state():
         LiDAR(n_views=1)
     with pytest.raises(RepgeomError, match="variant must be one of"):
         InfoNCE(variant="nope")
+
+
+# -- zero and duplicate rows ---------------------------------------------------------------------------------------
+
+def _infonce_by_hand(a, b, tau=0.1):
+    """-mean_i log softmax_j(a_i·b_j/τ)[i], written out with plain loops."""
+    n = a.shape[0]
+    total = 0.0
+    for i in range(n):
+        logits = [float(a[i] @ b[j]) / tau for j in range(n)]
+        top = max(logits)
+        log_z = top + math.log(sum(math.exp(v - top) for v in logits))
+        total += log_z - logits[i]
+    return total / n
+
+
+def test_infonce_with_zero_and_duplicate_rows():
+    g = torch.Generator().manual_seed(11)
+    a, b = unit(torch.randn(6, 5, generator=g, dtype=torch.float64)), unit(torch.randn(6, 5, generator=g,
+                                                                                     dtype=torch.float64))
+    zero = torch.zeros(6, 5, dtype=torch.float64)
+    out = infonce(zero, zero)  # every logit 0: the loss is log N and the bound is 0, not NaN
+    assert out["raw"] == pytest.approx(math.log(6), abs=1e-12) and out["mi_lower_bound"] == pytest.approx(0, abs=1e-12)
+    a[1], b[1] = a[0], b[0]  # two texts with identical views: ties in the logits, still the plain formula
+    assert infonce(a, b)["raw"] == pytest.approx(_infonce_by_hand(a, b), abs=1e-9)
+    a[4] = 0.0  # one all-zero view
+    assert infonce(a, b)["raw"] == pytest.approx(_infonce_by_hand(a, b), abs=1e-9)
+
+
+def test_lidar_with_zero_and_duplicate_classes():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(8, 4, 5, generator=g, dtype=torch.float64)
+    for variant in ("thilak", "information_flow"):
+        dup = x.clone()
+        dup[1] = dup[0]  # a duplicated text: still a valid class, the direct formula agrees
+        zero_class = x.clone()
+        zero_class[2] = 0.0  # a text whose views are all zero vectors
+        for case in (dup, zero_class):
+            got = lidar(case, variant=variant)
+            want = _lidar_direct(case, variant=variant)[0]
+            for key, value in got.items():
+                assert math.isfinite(value) and value == pytest.approx(want[key], abs=1e-9), (variant, key)
+        # every view zero: no spread between or within classes, Σ = 0, the spectrum has no distribution → NaN
+        assert all(math.isnan(v) for v in lidar(torch.zeros(8, 4, 5, dtype=torch.float64), variant=variant).values())
+    assert 1.0 <= lidar(dup)["lidar"] <= min(5, 7) + 1e-6
