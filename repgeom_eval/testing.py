@@ -21,7 +21,8 @@ import torch
 
 from .metric import Consumes, LayerBatch, Metric
 
-TINY_KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt_neox_sequential", "bert", "roberta")
+TINY_KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "gpt_neox", "gpt_neox_sequential",
+              "bert", "roberta", "xlm-roberta")
 _SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "[CLS]", "[SEP]", "[MASK]"]
 
 
@@ -74,6 +75,12 @@ def tiny_config(kind: str, vocab_size: int, n_layers: int = 2, width: int = 32):
         return tf.Qwen2Config(**decoder)
     if kind == "qwen3":
         return tf.Qwen3Config(head_dim=width // 2, **decoder)
+    if kind == "gemma":
+        return tf.GemmaConfig(head_dim=width // 2, **decoder)
+    if kind == "phi3":
+        return tf.Phi3Config(**decoder)
+    if kind == "olmo":
+        return tf.OlmoConfig(**decoder)
     if kind in ("gpt_neox", "gpt_neox_sequential"):
         return tf.GPTNeoXConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=n_layers,
                                 num_attention_heads=2, max_position_embeddings=128, rotary_pct=0.5,
@@ -81,8 +88,9 @@ def tiny_config(kind: str, vocab_size: int, n_layers: int = 2, width: int = 32):
     if kind == "bert":
         return tf.BertConfig(hidden_size=width, num_hidden_layers=n_layers, num_attention_heads=2,
                              intermediate_size=2 * width, max_position_embeddings=128, pad_token_id=1, **common)
-    if kind == "roberta":
-        return tf.RobertaConfig(hidden_size=width, num_hidden_layers=n_layers, num_attention_heads=2,
+    if kind in ("roberta", "xlm-roberta"):
+        cls = tf.RobertaConfig if kind == "roberta" else tf.XLMRobertaConfig
+        return cls(hidden_size=width, num_hidden_layers=n_layers, num_attention_heads=2,
                                 intermediate_size=2 * width, max_position_embeddings=130, pad_token_id=1, **common)
     raise ValueError(f"unknown tiny model kind {kind!r} (valid: {', '.join(TINY_KINDS)})")
 
@@ -92,7 +100,7 @@ def make_tiny_model(kind: str, path: str | Path, n_layers: int = 2, width: int =
     import transformers as tf
 
     path = Path(path)
-    encoder = kind in ("bert", "roberta")
+    encoder = kind in ("bert", "roberta", "xlm-roberta")
     tokenizer = make_tokenizer(encoder=encoder)
     # Some AutoTokenizer classes (Qwen2) add a special token on load: leave head-room in the vocabulary.
     config = tiny_config(kind, len(tokenizer) + 16, n_layers=n_layers, width=width)

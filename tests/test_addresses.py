@@ -71,8 +71,8 @@ def test_unknown_site_lists_valid_sites():
     assert "resid_pre" in str(info.value) and "mlp_in" in str(info.value)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen3", "mistral", "gpt_neox_sequential", "bert",
-                                  "roberta"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "olmo",
+                                  "gpt_neox_sequential", "bert", "roberta", "xlm-roberta"])
 def test_every_site_resolves(kind, tiny_model_dir):
     loaded = load_model(tiny_model_dir(kind))
     addrs = available_addresses(loaded)

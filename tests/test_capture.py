@@ -1,4 +1,4 @@
-"""Every hook site against a manual computation on tiny GPT-2, Llama, Qwen, NeoX and BERT models."""
+"""Every hook site against a manual computation on tiny models of every architecture in the table."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from repgeom_eval.addresses import available_addresses, parse_layers, resolve
 from repgeom_eval.capture import Capture
 from repgeom_eval.models import load_model
 
-DECODERS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "gpt_neox_sequential"]
+DECODERS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "olmo", "gpt_neox_sequential"]
 
 
 def capture_all(loaded, text="The quick brown fox jumps over the lazy dog. It was not amused."):
@@ -63,7 +63,7 @@ def test_parallel_residual_neox(tiny_model_dir):
     assert close(got["mlp_in:0"], block.post_attention_layernorm(got["resid_pre:0"]))
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
 def test_post_ln_encoder_sites(kind, tiny_model_dir):
     loaded = load_model(tiny_model_dir(kind, n_layers=3))
     got, hs, _ = capture_all(loaded)
