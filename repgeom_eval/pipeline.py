@@ -416,6 +416,8 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
         "device": str(loaded.device),
         "per_text": per_text,
         "text_field": text_field,
+        "seed": seed,
+        "massive_share_warning": massive_share_warning,
         "shard_size": shard_size,
         "run_dir": str(run_dir) if run_dir else None,
         "resumed_from_shard": run.resumed_from,

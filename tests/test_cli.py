@@ -38,6 +38,7 @@ def test_measure_writes_the_documented_schema(tmp_path, data_file, tiny_model_di
     assert 0 < result["results"]["final"]["token_dispersion"] < 2
     config = result["config"]
     assert config["pooling"] is None and config["batch_size"] == 16 and config["max_length"] == 128
+    assert config["seed"] == 0 and config["massive_share_warning"] == 0.5
     assert config["layers"] == list(result["results"]) and config["padding_side"] == "right"
     assert config["metrics"] == {"dispersion": {"per_text": True, "pooling": "last"},
                                  "token_dispersion": {"per_text": True}}
