@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "repgeom-exa
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# Converted GGUF models are cached outside the user's ~/.cache, shared by the test processes of a run.
+os.environ.setdefault("REPGEOM_CACHE", str(Path(tempfile.gettempdir()) / f"repgeom-test-cache-{os.getuid()}"))
 
 
 @pytest.fixture(scope="session")

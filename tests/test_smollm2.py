@@ -30,6 +30,26 @@ def test_gguf_loads_as_llama_with_30_blocks(smollm2):
     assert smollm2.info.hidden_size == 576 and smollm2.info.source == "gguf"
 
 
+def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch):
+    monkeypatch.setenv("REPGEOM_CACHE", str(tmp_path / "cache"))
+    converted = load_model(str(smollm2_path()))  # parses and de-quantizes the GGUF, then saves the result
+    entries = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(entries) == 1 and (entries[0] / "config.json").is_file() and entries[0].name.startswith("SmolLM2")
+    cached = load_model(str(smollm2_path()))  # reads the saved directory
+    assert cached.info.source == "gguf" and cached.info.n_parameters == converted.info.n_parameters
+    texts = python_doc_paragraphs(2, max_chars=300)
+    enc = converted.tokenizer(texts, padding=True, return_tensors="pt")
+    assert enc["input_ids"].tolist() == cached.tokenizer(texts, padding=True, return_tensors="pt")["input_ids"].tolist()
+    with torch.no_grad():
+        a = converted.model(**enc, output_hidden_states=True).hidden_states
+        b = cached.model(**enc, output_hidden_states=True).hidden_states
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    monkeypatch.setenv("REPGEOM_GGUF_CACHE", "0")
+    from repgeom_eval.models import _gguf_cache_dir
+
+    assert _gguf_cache_dir(smollm2_path(), torch.float32) is None
+
+
 def test_sites_on_the_real_model(smollm2):
     enc = smollm2.tokenizer(python_doc_paragraphs(2, max_chars=400), padding=True, return_tensors="pt")
     addrs = parse_layers("resid_pre:29,attn_out:29,resid_mid:29,mlp_in:29,mlp_out:29,resid_post:29,final,12", 30)
