@@ -1,0 +1,118 @@
+"""Figures of the analyses, drawn from their JSON results (so ``repgeom report`` can redraw them from files).
+
+Every ``figure_*`` function takes a result dict (``AnalysisResult.to_dict()`` or the loaded JSON) and returns a
+matplotlib figure; :func:`save_png` writes it atomically, :func:`png_bytes` gives the bytes for embedding.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..io import atomic_open
+from ..plotting import _pyplot
+
+
+def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
+    plt = _pyplot()
+    try:
+        with atomic_open(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    return Path(path)
+
+
+def png_bytes(fig: Any, dpi: int = 100) -> bytes:
+    plt = _pyplot()
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def _model_name(result: dict[str, Any]) -> str:
+    name = (result.get("model") or {}).get("name", "")
+    return Path(str(name)).name
+
+
+def _nan(v: Any) -> float:
+    return float("nan") if v is None else float(v)
+
+
+# -- ppl-bins ---------------------------------------------------------------------------------------------------
+
+def ppl_plot_layers(result: dict[str, Any], max_panels: int = 3) -> list[str]:
+    """The last address, plus the addresses with the strongest positive and negative pooled Spearman."""
+    res = result["results"]
+    layers = res["layers"]
+    corr = res["pooled"]["correlation"]
+    chosen = [layers[-1]]
+    finite = [a for a in layers if corr[a]["spearman"] is not None and not math.isnan(_nan(corr[a]["spearman"]))]
+    if finite:
+        for pick in (max(finite, key=lambda a: corr[a]["spearman"]), min(finite, key=lambda a: corr[a]["spearman"])):
+            if pick not in chosen:
+                chosen.append(pick)
+    return chosen[:max_panels]
+
+
+def figure_ppl_vs_dispersion(result: dict[str, Any], layers: Sequence[str] | None = None) -> Any:
+    """Paper A Fig. 3: group mean perplexity vs group mean token dispersion, one panel per address."""
+    plt = _pyplot()
+    res = result["results"]
+    layers = list(layers or ppl_plot_layers(result))
+    fig, axes = plt.subplots(1, len(layers), figsize=(4.6 * len(layers), 3.8), squeeze=False)
+    by_source = {s: r for s, r in (res.get("by_source") or {}).items() if "groups" in r}
+    for ax, addr in zip(axes[0], layers):
+        pooled = res["pooled"]
+        c = pooled["correlation"][addr]
+        ax.scatter([g["mean_ppl"] for g in pooled["groups"]], [g["dispersion"][addr] for g in pooled["groups"]],
+                   s=14, c="black", marker="x" if by_source else "o", alpha=0.7,
+                   label=f"pooled: r={_nan(c['pearson']):.2f}, ρ={_nan(c['spearman']):.2f}")
+        for k, (s, r) in enumerate(by_source.items()):
+            cs = r["correlation"][addr]
+            ax.scatter([g["mean_ppl"] for g in r["groups"]], [g["dispersion"][addr] for g in r["groups"]], s=14,
+                       alpha=0.7, color=f"C{k}", label=f"{s}: r={_nan(cs['pearson']):.2f}, ρ={_nan(cs['spearman']):.2f}")
+        ax.set_xlabel("group mean perplexity")
+        ax.set_ylabel("group mean token dispersion")
+        ax.set_title(addr)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    cfg = result.get("config", {})
+    fig.suptitle(f"{_model_name(result)}: perplexity vs dispersion "
+                 f"(chunks of {cfg.get('chunk_len')} tokens, groups of {cfg.get('group_size')})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def figure_correlation_vs_depth(result: dict[str, Any]) -> Any:
+    """Paper A Fig. 5: Pearson and Spearman correlation of perplexity and dispersion at every address."""
+    plt = _pyplot()
+    res = result["results"]
+    layers = res["layers"]
+    xs = list(range(len(layers)))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(layers) + 3), 3.6))
+    corr = res["pooled"]["correlation"]
+    pre = "pooled " if res.get("by_source") else ""
+    ax.plot(xs, [_nan(corr[a]["pearson"]) for a in layers], color="black", marker="o", ms=3, label=f"{pre}Pearson")
+    ax.plot(xs, [_nan(corr[a]["spearman"]) for a in layers], color="dimgrey", ls=":", marker="s", ms=3,
+            label=f"{pre}Spearman")
+    for k, (s, r) in enumerate((res.get("by_source") or {}).items()):
+        if "correlation" in r:
+            ax.plot(xs, [_nan(r["correlation"][a]["spearman"]) for a in layers], color=f"C{k}", ls="--", lw=1,
+                    label=f"{s} Spearman")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_xticks(xs)
+    ax.set_xticklabels(layers, rotation=70, fontsize=7)
+    ax.set_ylabel("corr(perplexity, dispersion)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{_model_name(result)}: correlation by depth", fontsize=10)
+    fig.tight_layout()
+    return fig
