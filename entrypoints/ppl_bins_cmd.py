@@ -127,8 +127,6 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(escape(a), _fmt(c["pearson"]), _fmt(c["spearman"]),
                       *[_fmt(res["by_source"][s]["correlation"][a]["spearman"]) for s in sources])
     console.print(table)
-    for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     if args.output:
         console.print(f"results: {escape(args.output)}", soft_wrap=True)
     for f in figures:

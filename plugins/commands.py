@@ -24,6 +24,7 @@ COMMANDS = {
     "demo": ("demo_cmd", "Dispersion profile of SmolLM2-135M over text that ships with Python (no arguments)."),
     "gap": ("gap_cmd", "Rank checkpoints by the dispersion gap G of their output projection (no forward pass)."),
     "ppl-bins": ("ppl_bins_cmd", "Perplexity vs token dispersion over corpus chunks, Algorithm 1 binning (paper A)."),
+    "knn-keys": ("knn_keys_cmd", "Rank kNN-LM key addresses by the dispersion of last-token vectors (paper A Table 1)."),
 }
 
 

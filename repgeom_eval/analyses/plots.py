@@ -77,7 +77,8 @@ def figure_ppl_vs_dispersion(result: dict[str, Any], layers: Sequence[str] | Non
         for k, (s, r) in enumerate(by_source.items()):
             cs = r["correlation"][addr]
             ax.scatter([g["mean_ppl"] for g in r["groups"]], [g["dispersion"][addr] for g in r["groups"]], s=14,
-                       alpha=0.7, color=f"C{k}", label=f"{s}: r={_nan(cs['pearson']):.2f}, ρ={_nan(cs['spearman']):.2f}")
+                       alpha=0.7, color=f"C{k}",
+                       label=f"{s}: r={_nan(cs['pearson']):.2f}, ρ={_nan(cs['spearman']):.2f}")
         ax.set_xlabel("group mean perplexity")
         ax.set_ylabel("group mean token dispersion")
         ax.set_title(addr)
@@ -114,5 +115,30 @@ def figure_correlation_vs_depth(result: dict[str, Any]) -> Any:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(f"{_model_name(result)}: correlation by depth", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# -- knn-keys ---------------------------------------------------------------------------------------------------
+
+def figure_knn_keys(result: dict[str, Any]) -> Any:
+    """Mean ± std (over seeds) dispersion of last-token vectors per candidate key, against the sample size N."""
+    plt = _pyplot()
+    res = result["results"]
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    for k, name in enumerate(res["candidates"]):
+        rows = [r for r in res["table"] if r["address"] == name]
+        ax.errorbar([r["N"] for r in rows], [_nan(r["mean"]) for r in rows], yerr=[_nan(r["std"]) for r in rows],
+                    marker="o", ms=4, capsize=3, color=f"C{k}",
+                    label=name + (" (recommended)" if name == res["recommended"] else ""))
+    ax.set_xscale("log")
+    ax.set_xticks(sorted({r["N"] for r in res["table"]}))
+    ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("chunks per sample (N)")
+    ax.set_ylabel("dispersion of last-token keys")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{_model_name(result)}: kNN-LM key candidates "
+                 f"({result.get('config', {}).get('n_seeds')} seeds)", fontsize=10)
     fig.tight_layout()
     return fig
