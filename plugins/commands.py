@@ -26,6 +26,7 @@ COMMANDS = {
     "ppl-bins": ("ppl_bins_cmd", "Perplexity vs token dispersion over corpus chunks, Algorithm 1 binning (paper A)."),
     "knn-keys": ("knn_keys_cmd", "Rank kNN-LM key addresses by the dispersion of last-token vectors (paper A Table 1)."),
     "knnlm": ("knnlm_cmd", "A real kNN-LM: faiss datastore at a key address, perplexity with and without retrieval."),
+    "condensation": ("condensation_cmd", "Per-layer cosine histograms and the condensation trend by depth (paper C)."),
 }
 
 

@@ -142,3 +142,42 @@ def figure_knn_keys(result: dict[str, Any]) -> Any:
                  f"({result.get('config', {}).get('n_seeds')} seeds)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# -- condensation -----------------------------------------------------------------------------------------------
+
+def figure_condensation(result: dict[str, Any]) -> Any:
+    """Paper C Fig. 2: per model a layer × cosine heatmap of the cosine histograms (log density), and below, the
+    mean cosine against relative depth for every model, with Spearman ρ and Kendall τ in the legend."""
+    import numpy as np
+
+    plt = _pyplot()
+    res = result["results"]
+    models = res["models"]
+    edges = res["edges"]
+    n = len(models)
+    fig = plt.figure(figsize=(max(6.0, 3.6 * n), 6.8))
+    grid = fig.add_gridspec(2, n, height_ratios=[1.4, 1.0])
+    for k, (label, m) in enumerate(models.items()):
+        ax = fig.add_subplot(grid[0, k])
+        dens = np.asarray([[_nan(v) for v in row] for row in m["density"]], dtype=float)
+        img = ax.imshow(np.log10(dens + 1e-3), aspect="auto", origin="lower", cmap="viridis",
+                        extent=(edges[0], edges[-1], -0.5, len(m["layers"]) - 0.5))
+        step = max(1, len(m["layers"]) // 8)
+        ax.set_yticks(range(0, len(m["layers"]), step))
+        ax.set_yticklabels(m["layers"][::step], fontsize=7)
+        ax.set_xlabel("cosine similarity")
+        ax.set_title(label, fontsize=9)
+        fig.colorbar(img, ax=ax, fraction=0.05, pad=0.02).set_label("log10 density", fontsize=7)
+    ax = fig.add_subplot(grid[1, :])
+    for k, (label, m) in enumerate(models.items()):
+        ax.plot(m["relative_depth"], [_nan(v) for v in m["mean_cosine"]], marker="o", ms=3, color=f"C{k}",
+                label=f"{label}: ρ={_nan(m['spearman']):.2f}, τ={_nan(m['kendall']):.2f}")
+    ax.set_xlabel("relative depth (layer index / L)")
+    ax.set_ylabel("mean token cosine")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"embedding condensation by depth ({result.get('data', {}).get('n_texts')} texts, "
+                 f"≤ {result.get('config', {}).get('max_length')} tokens each)", fontsize=10)
+    fig.tight_layout()
+    return fig
