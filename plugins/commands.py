@@ -27,6 +27,7 @@ COMMANDS = {
     "knn-keys": ("knn_keys_cmd", "Rank kNN-LM key addresses by the dispersion of last-token vectors (paper A Table 1)."),
     "knnlm": ("knnlm_cmd", "A real kNN-LM: faiss datastore at a key address, perplexity with and without retrieval."),
     "condensation": ("condensation_cmd", "Per-layer cosine histograms and the condensation trend by depth (paper C)."),
+    "report": ("report_cmd", "One self-contained offline HTML page from the JSON outputs of the other commands."),
 }
 
 
