@@ -28,6 +28,7 @@ COMMANDS = {
     "knnlm": ("knnlm_cmd", "A real kNN-LM: faiss datastore at a key address, perplexity with and without retrieval."),
     "condensation": ("condensation_cmd", "Per-layer cosine histograms and the condensation trend by depth (paper C)."),
     "report": ("report_cmd", "One self-contained offline HTML page from the JSON outputs of the other commands."),
+    "clusters": ("clusters_cmd", "Contexts sharing an n-gram continuation: within/between-cluster distance (paper A)."),
 }
 
 

@@ -31,6 +31,8 @@ def outputs(tiny_model_dir, tmp_path_factory):
         "knnlm": ["knnlm", "--model", model, "--datastore", str(data), "--eval", str(data), "--chunk-len", "16",
                   "--neighbors", "8", "--lambda", "0", "0.25"],
         "condensation": ["condensation", *common, "--max-length", "16", "--bins", "10"],
+        "clusters": ["clusters", *common, "--ngram", "3", "--min-count", "3", "--contexts", "3", "--context-len",
+                     "6", "--clusters", "4"],
     }
     paths = {}
     for kind, argv in runs.items():
@@ -60,8 +62,8 @@ def test_page_is_self_contained(outputs, tmp_path, capsys):
     # offline: no script, no stylesheet link, no remote source; every figure is an embedded, valid PNG
     assert "<script" not in page and "<link" not in page and not re.search(r'src="(?!data:)', page)
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    # measure profile, ppl scatter + by-depth, knn-keys, condensation
-    assert len(images) == 5
+    # measure profile, ppl scatter + by-depth, knn-keys, condensation, clusters
+    assert len(images) == 6
     assert all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in images)
     assert "recommended key" in page and "(LM alone)" in page and "Kendall" in page
     # a directory stands for its *.json files

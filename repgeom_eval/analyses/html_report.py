@@ -242,6 +242,19 @@ def _condensation(doc: dict[str, Any]) -> list[str]:
             figure(plots.figure_condensation(doc), "condensation by depth")]
 
 
+@renderer("clusters")
+def _clusters(doc: dict[str, Any]) -> list[str]:
+    res = doc["results"]
+    cfg = doc.get("config", {})
+    rows = [[label, a, m["within"][i], m["between"][i], m["ratio"][i]]
+            for label, m in res["models"].items() for i, a in enumerate(m["layers"])]
+    top = ", ".join(f"{c['ngram']!r} ×{c['count']}" for c in res["clusters"][:5])
+    return [para(f"{len(res['clusters'])} clusters of {cfg.get('context_len')}-token contexts sharing a "
+                 f"{cfg.get('ngram')}-gram continuation; most frequent: {top}."),
+            table(["model", "address", "within", "between", "between / within"], rows),
+            figure(plots.figure_clusters(doc), "within- and between-cluster distance")]
+
+
 def _generic(doc: dict[str, Any]) -> list[str]:
     shown = {k: doc.get(k) for k in ("config", "results") if k in doc}
     text = json.dumps(shown, indent=1, default=str)

@@ -181,3 +181,37 @@ def figure_condensation(result: dict[str, Any]) -> Any:
                  f"≤ {result.get('config', {}).get('max_length')} tokens each)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# -- clusters ---------------------------------------------------------------------------------------------------
+
+def figure_clusters(result: dict[str, Any]) -> Any:
+    """Within- and between-cluster cosine distance against relative depth, one line per model; with several models
+    (a checkpoint series) a third panel shows both at the last address against the checkpoint."""
+    plt = _pyplot()
+    models = result["results"]["models"]
+    series = len(models) > 1
+    fig, axes = plt.subplots(1, 3 if series else 2, figsize=(13.5 if series else 9.5, 3.6), squeeze=False)
+    for k, (label, m) in enumerate(models.items()):
+        for ax, key in zip(axes[0], ("within", "between")):
+            ax.plot(m["relative_depth"], [_nan(v) for v in m[key]], marker="o", ms=3, color=f"C{k}", label=label)
+    for ax, key in zip(axes[0], ("within-cluster", "between-cluster")):
+        ax.set_xlabel("relative depth (layer index / L)")
+        ax.set_ylabel(f"{key} cosine distance")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if series:
+        ax = axes[0, 2]
+        xs = list(range(len(models)))
+        ax.plot(xs, [_nan(m["within"][-1]) for m in models.values()], marker="o", label="within")
+        ax.plot(xs, [_nan(m["between"][-1]) for m in models.values()], marker="s", label="between")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(list(models), rotation=30, fontsize=7)
+        ax.set_ylabel(f"distance at {next(iter(models.values()))['layers'][-1]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    cfg = result.get("config", {})
+    fig.suptitle(f"{len(result['results']['clusters'])} clusters of contexts sharing a {cfg.get('ngram')}-gram "
+                 f"continuation ({cfg.get('context_len')}-token contexts)", fontsize=10)
+    fig.tight_layout()
+    return fig
