@@ -29,6 +29,7 @@ COMMANDS = {
     "condensation": ("condensation_cmd", "Per-layer cosine histograms and the condensation trend by depth (paper C)."),
     "report": ("report_cmd", "One self-contained offline HTML page from the JSON outputs of the other commands."),
     "clusters": ("clusters_cmd", "Contexts sharing an n-gram continuation: within/between-cluster distance (paper A)."),
+    "perturb": ("perturb_cmd", "Prompt entropy and dispersion under repetition, random tokens, length (paper B)."),
 }
 
 

@@ -33,6 +33,7 @@ def outputs(tiny_model_dir, tmp_path_factory):
         "condensation": ["condensation", *common, "--max-length", "16", "--bins", "10"],
         "clusters": ["clusters", *common, "--ngram", "3", "--min-count", "3", "--contexts", "3", "--context-len",
                      "6", "--clusters", "4"],
+        "perturb": ["perturb", *common, "--p", "0", "1", "--lengths", "8", "16", "--n-prompts", "3"],
     }
     paths = {}
     for kind, argv in runs.items():
@@ -62,8 +63,8 @@ def test_page_is_self_contained(outputs, tmp_path, capsys):
     # offline: no script, no stylesheet link, no remote source; every figure is an embedded, valid PNG
     assert "<script" not in page and "<link" not in page and not re.search(r'src="(?!data:)', page)
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    # measure profile, ppl scatter + by-depth, knn-keys, condensation, clusters
-    assert len(images) == 6
+    # measure profile, ppl scatter + by-depth, knn-keys, condensation, clusters, perturb
+    assert len(images) == 7
     assert all(base64.b64decode(i)[:8] == b"\x89PNG\r\n\x1a\n" for i in images)
     assert "recommended key" in page and "(LM alone)" in page and "Kendall" in page
     # a directory stands for its *.json files

@@ -255,6 +255,17 @@ def _clusters(doc: dict[str, Any]) -> list[str]:
             figure(plots.figure_clusters(doc), "within- and between-cluster distance")]
 
 
+@renderer("perturb")
+def _perturb(doc: dict[str, Any]) -> list[str]:
+    res = doc["results"]
+    last = res["layers"][-1]
+    rows = [[sweep, v, r["prompt_entropy"][j][-1], r["token_dispersion"][j][-1]]
+            for sweep, r in res["sweeps"].items() for j, v in enumerate(r["values"])]
+    return [para(f"{doc.get('data', {}).get('n_prompts')} prompts; values at {last} (every address in the figure)."),
+            table(["sweep", "value", "prompt entropy", "token dispersion"], rows),
+            figure(plots.figure_perturb(doc), "prompt perturbations")]
+
+
 def _generic(doc: dict[str, Any]) -> list[str]:
     shown = {k: doc.get(k) for k in ("config", "results") if k in doc}
     text = json.dumps(shown, indent=1, default=str)

@@ -215,3 +215,34 @@ def figure_clusters(result: dict[str, Any]) -> Any:
                  f"continuation ({cfg.get('context_len')}-token contexts)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# -- perturb ----------------------------------------------------------------------------------------------------
+
+def figure_perturb(result: dict[str, Any]) -> Any:
+    """Paper B §5: prompt entropy (top) and token dispersion (bottom) against depth, one panel per sweep, one line
+    per perturbation strength (darker = stronger)."""
+    plt = _pyplot()
+    res = result["results"]
+    layers = res["layers"]
+    sweeps = res["sweeps"]
+    xs = [i / max(1, len(layers) - 1) for i in range(len(layers))]
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(4.4 * len(sweeps), 6.4), squeeze=False, sharex=True)
+    for col, (sweep, r) in enumerate(sweeps.items()):
+        n = len(r["values"])
+        for j, v in enumerate(r["values"]):
+            color = plt.cm.viridis(0.85 * (1 - j / max(1, n - 1)))
+            label = f"L={v:g}" if sweep == "length" else f"p={v:g}"
+            for row, key in enumerate(("prompt_entropy", "token_dispersion")):
+                axes[row, col].plot(xs, [_nan(y) for y in r[key][j]], color=color, marker="o", ms=2.5, label=label)
+        axes[0, col].set_title(sweep, fontsize=10)
+        axes[1, col].set_xlabel("relative depth")
+        axes[0, col].legend(fontsize=7)
+    axes[0, 0].set_ylabel("prompt entropy (normalized)")
+    axes[1, 0].set_ylabel("token dispersion")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{_model_name(result)}: prompt perturbations ({result.get('data', {}).get('n_prompts')} prompts)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
