@@ -23,6 +23,13 @@ COMMANDS = {
     "addresses": ("addresses_cmd", "Show the layer addresses a model supports and the module each one hooks."),
     "demo": ("demo_cmd", "Dispersion profile of SmolLM2-135M over text that ships with Python (no arguments)."),
     "gap": ("gap_cmd", "Rank checkpoints by the dispersion gap G of their output projection (no forward pass)."),
+    "ppl-bins": ("ppl_bins_cmd", "Perplexity vs token dispersion over corpus chunks, Algorithm 1 binning (paper A)."),
+    "knn-keys": ("knn_keys_cmd", "Rank kNN-LM key addresses by the dispersion of last-token vectors (paper A Table 1)."),
+    "knnlm": ("knnlm_cmd", "A real kNN-LM: faiss datastore at a key address, perplexity with and without retrieval."),
+    "condensation": ("condensation_cmd", "Per-layer cosine histograms and the condensation trend by depth (paper C)."),
+    "report": ("report_cmd", "One self-contained offline HTML page from the JSON outputs of the other commands."),
+    "clusters": ("clusters_cmd", "Contexts sharing an n-gram continuation: within/between-cluster distance (paper A)."),
+    "perturb": ("perturb_cmd", "Prompt entropy and dispersion under repetition, random tokens, length (paper B)."),
 }
 
 

@@ -83,9 +83,18 @@ def test_measure_on_real_text(smollm2, tmp_path):
 def test_demo_command_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "repgeom_eval", "demo", "--output-dir", str(out), "--n-texts", "8",
-                           "--max-length", "32"], capture_output=True, text=True, timeout=600)
+                           "--max-length", "32", "--ppl-chunks", "12", "--chunk-len", "32", "--group-size", "3"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out / "results.json").read_text())
     assert len(result["results"]) == 31 and result["model"]["n_layers"] == 30
-    assert (out / "dispersion_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "final" in proc.stdout
+    for png in ("dispersion_profile", "ppl_bins_scatter", "ppl_bins_by_depth", "condensation"):
+        assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    law = json.loads((out / "ppl_bins.json").read_text())
+    assert law["kind"] == "ppl-bins" and law["results"]["pooled"]["n_chunks"] == 12
+    assert len(law["results"]["layers"]) == 31 and law["results"]["pooled"]["n_selected"] == 4
+    cond = json.loads((out / "condensation.json").read_text())
+    assert cond["kind"] == "condensation" and len(next(iter(cond["results"]["models"].values()))["density"]) == 31
+    page = (out / "report.html").read_text()
+    assert page.count("<section") == 3 and page.count("data:image/png;base64,") == 4
+    assert "final" in proc.stdout and "Spearman" in proc.stdout and "report.html" in proc.stdout

@@ -1,0 +1,140 @@
+"""``repgeom ppl-bins``: perplexity vs token dispersion over chunks of a corpus (paper A Fig. 3 and Fig. 5)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .measure_cmd import add_model_args
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_corpus_args(p: argparse.ArgumentParser, chunk_len: int = 512) -> None:
+    p.add_argument("--data", "-d", required=True,
+                   help=".jsonl with a text field (and optionally a source field) per line, or .txt with one "
+                        "document per line")
+    p.add_argument("--text-field", default="text", help="field of each .jsonl record to read (default: text)")
+    p.add_argument("--chunk-len", type=positive_int, default=chunk_len,
+                   help=f"tokens per chunk (default: {chunk_len})")
+    p.add_argument("--packing", choices=["concat", "document"], default="concat",
+                   help="concat: join each source's documents into one token stream and cut it (paper A's "
+                        "Wikitext protocol, default); document: cut each document on its own")
+
+
+def add_output_args(p: argparse.ArgumentParser, plots: bool = True) -> None:
+    p.add_argument("--output", "-o", default=None, help="results JSON (written atomically)")
+    if plots:
+        p.add_argument("--plot-dir", default=None,
+                       help="write the figures (PNG) here; default: next to --output, none without it")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def plot_dir(args: argparse.Namespace) -> Path | None:
+    if getattr(args, "plot_dir", None):
+        d = Path(args.plot_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+    if args.output:
+        return Path(args.output).resolve().parent
+    return None
+
+
+def stem(args: argparse.Namespace, default: str) -> str:
+    return Path(args.output).stem if args.output else default
+
+
+def progress(args: argparse.Namespace) -> bool:
+    return not args.no_progress and sys.stderr.isatty()
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from repgeom_eval.analyses.ppl_bins import DEFAULT_BINS, DEFAULT_CONFOUND_RATIO, DEFAULT_GROUP_SIZE, DEFAULT_SEED
+
+    add_model_args(p)
+    add_corpus_args(p)
+    p.add_argument("--source-field", default="source",
+                   help="field naming each record's domain; correlations are then also given per source")
+    p.add_argument("--layers", "-l", nargs="+", default=["all"],
+                   help="layer addresses (default: all = every hidden state)")
+    p.add_argument("--n-chunks", type=positive_int, default=None,
+                   help="chunks to sample (seeded; paper A: 100000). Default: every chunk of the corpus")
+    p.add_argument("--group-size", type=positive_int, default=DEFAULT_GROUP_SIZE,
+                   help=f"chunks per perplexity group (default: {DEFAULT_GROUP_SIZE})")
+    p.add_argument("--bins", type=positive_int, default=DEFAULT_BINS,
+                   help=f"perplexity targets of the uniform selection (default: {DEFAULT_BINS})")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"chunk sampling seed (default: {DEFAULT_SEED})")
+    p.add_argument("--max-ppl", type=float, default=None,
+                   help="drop groups with mean perplexity at or above this (paper A's plot used 25); default: keep all")
+    p.add_argument("--confound-ratio", type=float, default=DEFAULT_CONFOUND_RATIO,
+                   help="flag pooling sources whose median perplexities differ by this factor "
+                        f"(default: {DEFAULT_CONFOUND_RATIO})")
+    p.add_argument("--batch-size", "-b", type=positive_int, default=4)
+    p.add_argument("--per-chunk", default=None, metavar="OUT.jsonl",
+                   help="also write every chunk's perplexity and dispersions")
+    add_output_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from repgeom_eval.analyses.plots import figure_correlation_vs_depth, figure_ppl_vs_dispersion, save_png
+    from repgeom_eval.analyses.ppl_bins import ppl_bins
+    from repgeom_eval.io import check_writable
+
+    for path in (args.output, args.per_chunk):
+        if path:
+            check_writable(path)
+    result = ppl_bins(args.model, args.data, layers=args.layers, chunk_len=args.chunk_len, n_chunks=args.n_chunks,
+                      group_size=args.group_size, n_bins=args.bins, packing=args.packing, seed=args.seed,
+                      max_ppl=args.max_ppl, confound_ratio=args.confound_ratio, text_field=args.text_field,
+                      source_field=args.source_field, batch_size=args.batch_size, dtype=args.dtype,
+                      device=args.device, per_chunk_path=args.per_chunk, progress=progress(args))
+    if args.output:
+        result.write(args.output)
+    out = result.to_dict()
+    figures = []
+    where = plot_dir(args)
+    if where is not None:
+        base = stem(args, "ppl_bins")
+        figures.append(save_png(figure_ppl_vs_dispersion(out), where / f"{base}_scatter.png"))
+        figures.append(save_png(figure_correlation_vs_depth(out), where / f"{base}_by_depth.png"))
+
+    console = Console(width=max(Console().width, 100))
+    res = result.results
+    pooled = res["pooled"]
+    sources = [s for s, r in res.get("by_source", {}).items() if "correlation" in r]
+    table = Table(title=escape(f"{out['model']['name']} · {pooled['n_chunks']} chunks · {pooled['n_selected']} of "
+                               f"{pooled['n_groups']} groups · corr(perplexity, dispersion)"))
+    table.add_column("address", style="bold")
+    table.add_column("Pearson", justify="right")
+    table.add_column("Spearman", justify="right")
+    for s in sources:
+        table.add_column(escape(f"{s} ρ"), justify="right")
+    for a in res["layers"]:
+        c = pooled["correlation"][a]
+        table.add_row(escape(a), _fmt(c["pearson"]), _fmt(c["spearman"]),
+                      *[_fmt(res["by_source"][s]["correlation"][a]["spearman"]) for s in sources])
+    console.print(table)
+    if args.output:
+        console.print(f"results: {escape(args.output)}", soft_wrap=True)
+    for f in figures:
+        console.print(f"plot:    {escape(str(f))}", soft_wrap=True)
+    return 0
+
+
+def _fmt(v: float | None) -> str:
+    import math
+
+    return "nan" if v is None or math.isnan(v) else f"{v:+.3f}"

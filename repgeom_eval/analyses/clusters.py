@@ -1,0 +1,185 @@
+"""Clusters of contexts that share a continuation (paper A §2.3): within- and between-cluster distances by depth.
+
+A cluster is an n-gram (default n = 10) that occurs at least ``min_count`` times in the corpus; its members are
+the ``context_len`` tokens (default 100) that precede up to ``contexts`` (default 100) of its occurrences, drawn with
+``random.Random(seed)``. Each member is represented by the hidden state at its last token — the vector from which
+the model predicts the shared continuation. The ``n_clusters`` most frequent n-grams (default 500) are kept.
+
+Per address (paper A's definitions; the centroid is this project's choice, the paper does not say):
+
+* within-cluster distance = mean over clusters of the mean cosine distance 1 − cos(x_i, c) of the members to the
+  cluster centroid c = mean of the members' unit vectors;
+* between-cluster distance = mean pairwise cosine distance of the centroids (:func:`dispersion`, O(K·d)).
+
+Only occurrences with a full left context inside one document count. Several models (a series of checkpoints) are
+measured on the same contexts, which requires the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import RepgeomError
+from ..functional.dispersion import dispersion, unit
+from ..models import LoadedModel, load_model
+from .corpus import Chunk, check_context, load_documents, tokenize_documents
+from .forward import parse_addresses
+from .knn_keys import last_token_vectors
+from .output import AnalysisResult
+
+KIND = "clusters"
+DEFAULT_NGRAM = 10
+DEFAULT_MIN_COUNT = 100
+DEFAULT_CONTEXTS = 100
+DEFAULT_CONTEXT_LEN = 100
+DEFAULT_CLUSTERS = 500
+
+
+@dataclass(frozen=True)
+class Cluster:
+    ngram: tuple[int, ...]
+    count: int  # eligible occurrences in the corpus
+    contexts: tuple[tuple[int, ...], ...]  # the sampled left contexts
+
+
+def find_clusters(token_docs: Sequence[Sequence[int]], ngram: int = DEFAULT_NGRAM,
+                  min_count: int = DEFAULT_MIN_COUNT, contexts: int = DEFAULT_CONTEXTS,
+                  context_len: int = DEFAULT_CONTEXT_LEN, n_clusters: int = DEFAULT_CLUSTERS,
+                  seed: int = 0) -> list[Cluster]:
+    """The ``n_clusters`` most frequent n-grams with ≥ ``min_count`` occurrences that have ``context_len`` tokens of
+    left context in their document (ties: first occurrence first), each with up to ``contexts`` sampled contexts."""
+    for name, v in (("n-gram length", ngram), ("minimum count", min_count), ("contexts per cluster", contexts),
+                    ("context length", context_len), ("number of clusters", n_clusters)):
+        if v < 1:
+            raise RepgeomError(f"{name} must be positive, got {v}")
+    counts: Counter[tuple[int, ...]] = Counter()
+    for ids in token_docs:
+        for i in range(context_len, len(ids) - ngram + 1):
+            counts[tuple(ids[i:i + ngram])] += 1
+    frequent = [g for g, c in counts.items() if c >= min_count]  # Counter keeps first-seen order
+    frequent.sort(key=lambda g: -counts[g])
+    chosen = set(frequent[:n_clusters])
+    where: dict[tuple[int, ...], list[tuple[int, int]]] = {g: [] for g in chosen}
+    for d, ids in enumerate(token_docs):
+        for i in range(context_len, len(ids) - ngram + 1):
+            g = tuple(ids[i:i + ngram])
+            if g in chosen:
+                where[g].append((d, i))
+    rng = random.Random(seed)
+    out = []
+    for g in frequent[:n_clusters]:
+        occ = where[g] if len(where[g]) <= contexts else sorted(rng.sample(where[g], contexts))
+        out.append(Cluster(g, counts[g], tuple(tuple(token_docs[d][i - context_len:i]) for d, i in occ)))
+    return out
+
+
+def cluster_distances(vectors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Within- and between-cluster cosine distances of per-cluster member vectors (each [m_k, d])."""
+    centroids, within = [], []
+    for x in vectors:
+        u = unit(x.double())
+        c = u.mean(0)
+        centroids.append(c)
+        within.append(float((1.0 - u @ unit(c)).mean()))
+    between = float(dispersion(torch.stack(centroids)))
+    mean_within = sum(within) / len(within)
+    return {"within": mean_within, "between": between,
+            "ratio": between / mean_within if mean_within > 0 else float("nan"), "per_cluster_within": within}
+
+
+def _label(model: str | LoadedModel) -> str:
+    name = model.info.name if isinstance(model, LoadedModel) else str(model)
+    return Path(name.rstrip("/")).name or name
+
+
+def clusters(
+    models: Sequence[str | LoadedModel],
+    data: Any,
+    *,
+    layers: str | Sequence[str] = "all",
+    ngram: int = DEFAULT_NGRAM,
+    min_count: int = DEFAULT_MIN_COUNT,
+    contexts: int = DEFAULT_CONTEXTS,
+    context_len: int = DEFAULT_CONTEXT_LEN,
+    n_clusters: int = DEFAULT_CLUSTERS,
+    seed: int = 0,
+    text_field: str = "text",
+    batch_size: int = 16,
+    dtype: str | None = "auto",
+    device: str | None = "cpu",
+    progress: bool = True,
+) -> AnalysisResult:
+    """Within/between-cluster distances at ``layers`` for every model in ``models`` (same contexts for all)."""
+    from ..gap import vocabulary_difference
+
+    t_start = time.perf_counter()
+    if not models:
+        raise RepgeomError("give at least one model")
+    docs, data_path = load_documents(data, text_field)
+    labels = [_label(m) for m in models]
+    if len(set(labels)) != len(labels):
+        labels = [f"{i + 1}:{lab}" for i, lab in enumerate(labels)]
+    found: list[Cluster] | None = None
+    first_tok = None
+    per_model: dict[str, Any] = {}
+    infos = []
+    for label, model in zip(labels, models):
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+        check_context(context_len, loaded.info.max_positions)
+        addrs = parse_addresses(loaded, layers)
+        if found is None:
+            first_tok = loaded.tokenizer
+            found = find_clusters(tokenize_documents(loaded.tokenizer, docs), ngram, min_count, contexts,
+                                  context_len, n_clusters, seed)
+            if len(found) < 2:
+                raise RepgeomError(
+                    f"corpus too small: {len(found)} {ngram}-gram(s) occur {min_count}+ times after {context_len} "
+                    f"tokens of context (between-cluster distance needs 2 clusters); give more text or lower "
+                    f"--ngram / --min-count / --context-len")
+        else:
+            diff = vocabulary_difference(first_tok, loaded.tokenizer)
+            if diff is not None:
+                raise RepgeomError(f"{label} has another tokenizer than {labels[0]} ({diff}); a checkpoint series "
+                                   "must share one tokenizer so that the clusters are the same")
+        members = [Chunk(ctx, "all", k, 0) for k, cl in enumerate(found) for ctx in cl.contexts]
+        owner = [k for k, cl in enumerate(found) for _ in cl.contexts]
+        vecs = last_token_vectors(loaded, members, addrs, batch_size, progress)
+        index = torch.tensor(owner)
+        names = [str(a) for a in addrs]
+        stats = {name: cluster_distances([vecs[a][index == k] for k in range(len(found))])
+                 for a, name in zip(addrs, names)}
+        per_model[label] = {"layers": names,
+                            "relative_depth": [i / max(1, len(names) - 1) for i in range(len(names))],
+                            **{key: [stats[n][key] for n in names] for key in ("within", "between", "ratio")},
+                            "per_cluster_within": {n: stats[n]["per_cluster_within"] for n in names}}
+        infos.append(loaded.info.to_dict())
+    assert found is not None and first_tok is not None
+    result = AnalysisResult(KIND, config={}, results={}, models=infos)
+    sizes = [len(c.contexts) for c in found]
+    result.results = {
+        "clusters": [{"ngram": first_tok.decode(list(c.ngram)), "count": c.count, "n_contexts": len(c.contexts)}
+                     for c in found],
+        "models": per_model,
+    }
+    if min(sizes) < contexts:
+        result.warn(f"{sum(s < contexts for s in sizes)} of {len(found)} clusters have fewer than {contexts} "
+                    f"contexts (smallest: {min(sizes)}); --min-count {min_count} is below --contexts {contexts}")
+    result.data = {"path": data_path, "n_documents": len(docs), "n_clusters": len(found),
+                   "n_contexts": sum(sizes)}
+    result.config = {"layers": layers if isinstance(layers, str) else list(layers), "ngram": ngram,
+                     "min_count": min_count, "contexts": contexts, "context_len": context_len,
+                     "n_clusters": n_clusters, "seed": seed, "batch_size": batch_size, "text_field": text_field,
+                     "vector": "hidden state at the last context token",
+                     "within": "mean over clusters of mean cosine distance to the centroid (mean unit vector)",
+                     "between": "mean pairwise cosine distance of the centroids",
+                     "paper_defaults": "10-grams, 100 contexts of 100 tokens, 500 clusters (paper A §2.3)"}
+    result.timings = {"total_s": time.perf_counter() - t_start}
+    return result

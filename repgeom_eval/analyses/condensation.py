@@ -1,0 +1,104 @@
+"""Embedding condensation by depth, for one model or several side by side (paper C Fig. 2; spec §4.7).
+
+For each model, one :func:`~repgeom_eval.pipeline.measure` run with the ``condensation`` metric at every hidden state
+(``all``: embeddings, every block, final) gives per layer the mean token–token cosine (diagonal included, paper C's
+statistic) and the histogram of all S² cosines of each text (the heatmap's rows), plus the Spearman ρ and Kendall τ_b
+of the mean cosine against depth. Texts are truncated to ``max_length`` tokens (paper C: 512). Models of different
+depth are compared on relative depth ℓ / L.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import RepgeomError
+from ..functional.condensation import CONDENSATION_EPS, DEFAULT_BINS
+from ..models import LoadedModel
+from .output import AnalysisResult
+
+KIND = "condensation"
+DEFAULT_MAX_LENGTH = 512
+
+
+def _label(model: str | LoadedModel) -> str:
+    name = model.info.name if isinstance(model, LoadedModel) else str(model)
+    return Path(name.rstrip("/")).name or name
+
+
+def condensation(
+    models: Sequence[str | LoadedModel],
+    data: Any,
+    *,
+    layers: str | Sequence[str] = "all",
+    bins: int = DEFAULT_BINS,
+    eps: float = CONDENSATION_EPS,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    n_texts: int | None = None,
+    text_field: str = "text",
+    batch_size: int = 4,
+    dtype: str | None = "auto",
+    device: str | None = "cpu",
+    progress: bool = True,
+) -> AnalysisResult:
+    """Per-layer condensation of every model in ``models`` over the same texts; returns the ``condensation``
+    result (``results["models"][label]``: layers, mean cosine, histogram densities, ρ, τ)."""
+    from ..pipeline import measure
+
+    t_start = time.perf_counter()
+    if not models:
+        raise RepgeomError("give at least one model")
+    if not (isinstance(bins, int) and bins >= 1):
+        raise RepgeomError(f"bins must be a positive integer, got {bins!r}")
+    from ..data import from_texts, load_texts
+
+    textset = load_texts(data, text_field=text_field) if isinstance(data, (str, Path)) else (
+        data if hasattr(data, "texts") else from_texts(list(data)))
+    texts = list(textset.texts)
+    if n_texts is not None:
+        if n_texts < 1:
+            raise RepgeomError(f"--n-texts must be positive, got {n_texts}")
+        texts = texts[:n_texts]
+    labels = [_label(m) for m in models]
+    if len(set(labels)) != len(labels):  # two checkpoints named alike: number them
+        labels = [f"{i + 1}:{lab}" for i, lab in enumerate(labels)]
+    per_model: dict[str, Any] = {}
+    infos, timings = [], {}
+    for label, model in zip(labels, models):
+        r = measure(model, texts, layers=layers, metrics=["condensation"], batch_size=batch_size,
+                    max_length=max_length, dtype=dtype, device=device, progress=progress,
+                    metric_params={"condensation": {"bins": bins, "eps": eps}})
+        addrs = list(r.results)
+        values = [r.results[a]["condensation"] for a in addrs]
+        summary = r.summary.get("condensation") or {}
+        if len(addrs) < 3:
+            raise RepgeomError(f"the depth trend needs at least 3 layer addresses, got {len(addrs)} "
+                               f"({', '.join(addrs)}); pass --layers all")
+        per_model[label] = {
+            "layers": addrs,
+            "relative_depth": [i / (len(addrs) - 1) for i in range(len(addrs))],
+            "mean_cosine": [v["mean_cosine"] for v in values],
+            "mean_cosine_excl_diag": [v["mean_cosine_excl_diag"] for v in values],
+            "density": [v["histogram"]["density"] for v in values],
+            "spearman": summary.get("spearman"),
+            "kendall": summary.get("kendall"),
+            "mean_last_n": summary.get("mean_last_n"),
+            "n_texts": r.data.get("n_texts"),
+            "n_tokens": r.data.get("n_tokens"),
+        }
+        infos.append(r.model)
+        timings[f"{label}_s"] = r.timings["total_s"]
+    from ..functional.condensation import histogram_edges
+
+    result = AnalysisResult(KIND, config={}, results={}, models=infos)
+    result.results = {"edges": [round(e, 9) for e in histogram_edges(bins).tolist()], "models": per_model}
+    result.data = {"n_texts": len(texts), "path": textset.source}
+    result.config = {"layers": layers if isinstance(layers, str) else list(layers), "bins": bins, "eps": eps,
+                     "max_length": max_length, "n_texts": n_texts, "batch_size": batch_size,
+                     "statistic": "mean of all S² cosines per text (diagonal included), averaged over texts",
+                     "trend": "Spearman ρ and Kendall τ_b of the mean cosine against layer index"}
+    timings["total_s"] = time.perf_counter() - t_start
+    result.timings = timings
+    return result

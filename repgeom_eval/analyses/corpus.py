@@ -1,0 +1,204 @@
+"""A corpus as token chunks: documents (with an optional ``source``) → token ids → fixed-length chunks.
+
+Paper A's unit of analysis is a chunk of ``chunk_len`` = 512 consecutive tokens (spec §2.1). Two ways to cut:
+
+* ``concat`` (default; paper A's Wikitext protocol): the documents of one source are tokenized one by one and
+  joined into a single token stream, separated by the tokens of a blank line; the stream is cut into consecutive
+  ``chunk_len`` slices and the incomplete tail is dropped. Every chunk has exactly ``chunk_len`` tokens, so
+  batches need no padding and per-chunk statistics are comparable. Chunks never mix sources.
+* ``document`` (paper A's list-type corpora): each document is cut on its own; a document's last chunk is kept if
+  it has at least ``min_len`` tokens.
+
+No special tokens are added: chunks after the first had no BOS in paper A's code either (spec §2.1, fact 1).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..data import _decode
+from ..errors import RepgeomError
+
+PACKINGS = ("concat", "document")
+NO_SOURCE = "all"  # the source name of records without a source field
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    source: str
+    id: Any
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``ids`` are the token ids; ``doc`` is the id of the document it starts in; ``start`` its token offset there
+    (``concat``: in the source's stream)."""
+
+    ids: tuple[int, ...]
+    source: str
+    doc: Any
+    start: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def read_documents(path: str | Path, text_field: str = "text", source_field: str = "source") -> list[Document]:
+    """Documents of a ``.jsonl`` file (``text_field``, optional ``source_field`` and ``id``) or a text file (one
+    document per line). If any record has ``source_field``, every record must have it (a string)."""
+    p = Path(path)
+    if not p.exists():
+        raise RepgeomError(f"data file {str(path)!r} does not exist")
+    if p.is_dir():
+        raise RepgeomError(f"data path {str(path)!r} is a directory; pass a .jsonl or .txt file")
+    lines = p.read_bytes().splitlines()
+    if lines and lines[0].startswith(b"\xef\xbb\xbf"):
+        lines[0] = lines[0][3:]
+    docs: list[Document] = []
+    is_jsonl = p.suffix.lower() in {".jsonl", ".json", ".ndjson"}
+    with_source: bool | None = None
+    for lineno, raw in enumerate(lines, start=1):
+        line = _decode(raw, p, lineno)
+        if not line.strip():
+            continue
+        if not is_jsonl:
+            docs.append(Document(line, NO_SOURCE, lineno))
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RepgeomError(f"{p}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                               "each line of a .jsonl file must be one JSON object") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            got = type(record).__name__ if not isinstance(record, dict) else (
+                f"fields {', '.join(map(repr, list(record)[:10]))}" if text_field not in record
+                else f"{text_field!r} is a {type(record[text_field]).__name__}")
+            raise RepgeomError(f"{p}:{lineno}: expected a JSON object with a string field {text_field!r} ({got}); "
+                               "pass --text-field NAME to read another field")
+        has = source_field in record
+        if with_source is None:
+            with_source = has
+        elif has != with_source:
+            raise RepgeomError(f"{p}:{lineno}: {'has' if has else 'lacks'} the {source_field!r} field but earlier "
+                               f"records {'lack' if has else 'have'} it; give every record a source, or none")
+        source = record.get(source_field, NO_SOURCE)
+        if not isinstance(source, str) or not source:
+            raise RepgeomError(f"{p}:{lineno}: field {source_field!r} must be a non-empty string, got {source!r}")
+        if record[text_field].strip():
+            docs.append(Document(record[text_field], source, record.get("id", lineno)))
+    if not docs:
+        raise RepgeomError(f"data file {str(p)!r} has no non-empty text")
+    return docs
+
+
+def as_documents(texts: Sequence[str] | Sequence[tuple[str, str]]) -> list[Document]:
+    """In-memory texts, or (text, source) pairs, as documents."""
+    out = []
+    for i, item in enumerate(texts):
+        text, source = (item, NO_SOURCE) if isinstance(item, str) else item
+        if text.strip():
+            out.append(Document(text, source, i))
+    return out
+
+
+def load_documents(data: Any, text_field: str = "text", source_field: str = "source") -> tuple[list[Document], str]:
+    """(documents, where they came from) for a file path, a list of documents, strings or (text, source) pairs."""
+    if isinstance(data, (str, Path)):
+        return read_documents(data, text_field, source_field), str(data)
+    items = list(data)
+    if items and all(isinstance(d, Document) for d in items):
+        return items, "<memory>"
+    docs = as_documents(items)
+    if not docs:
+        raise RepgeomError("no non-empty text given")
+    return docs, "<memory>"
+
+
+def tokenize_documents(tokenizer: Any, docs: Sequence[Document], batch: int = 256) -> list[list[int]]:
+    """Token ids of every document, without special tokens."""
+    out: list[list[int]] = []
+    for lo in range(0, len(docs), batch):
+        enc = tokenizer([d.text for d in docs[lo:lo + batch]], add_special_tokens=False, verbose=False)
+        out.extend(list(x) for x in enc["input_ids"])
+    return out
+
+
+def chunk_documents(
+    docs: Sequence[Document],
+    token_ids: Sequence[Sequence[int]],
+    chunk_len: int,
+    packing: str = "concat",
+    separator: Sequence[int] = (),
+    min_len: int | None = None,
+) -> list[Chunk]:
+    """Cut tokenized documents into chunks (see the module docstring). Order: sources in first-seen order, then
+    position."""
+    if chunk_len < 2:
+        raise RepgeomError(f"chunk length must be at least 2 tokens, got {chunk_len}")
+    if packing not in PACKINGS:
+        raise RepgeomError(f"unknown packing {packing!r} (valid: {', '.join(PACKINGS)})")
+    min_len = chunk_len if packing == "concat" else max(2, chunk_len // 2 if min_len is None else min_len)
+    chunks: list[Chunk] = []
+    if packing == "document":
+        for doc, ids in zip(docs, token_ids):
+            for start in range(0, len(ids), chunk_len):
+                piece = tuple(ids[start:start + chunk_len])
+                if len(piece) >= min_len:
+                    chunks.append(Chunk(piece, doc.source, doc.id, start))
+        return chunks
+    streams: dict[str, tuple[list[int], list[tuple[int, Any]]]] = {}
+    for doc, ids in zip(docs, token_ids):
+        stream, starts = streams.setdefault(doc.source, ([], []))
+        if stream and separator:
+            stream.extend(separator)
+        starts.append((len(stream), doc.id))
+        stream.extend(ids)
+    for source, (stream, starts) in streams.items():
+        k = 0
+        for start in range(0, len(stream) - chunk_len + 1, chunk_len):
+            while k + 1 < len(starts) and starts[k + 1][0] <= start:
+                k += 1
+            chunks.append(Chunk(tuple(stream[start:start + chunk_len]), source, starts[k][1], start))
+    return chunks
+
+
+def corpus_chunks(
+    tokenizer: Any,
+    docs: Sequence[Document],
+    chunk_len: int,
+    packing: str = "concat",
+    min_len: int | None = None,
+) -> list[Chunk]:
+    """``tokenize_documents`` + ``chunk_documents`` with a blank line between the documents of a stream."""
+    sep = list(tokenizer("\n\n", add_special_tokens=False)["input_ids"]) if packing == "concat" else []
+    return chunk_documents(docs, tokenize_documents(tokenizer, docs), chunk_len, packing, sep, min_len)
+
+
+def check_context(chunk_len: int, max_positions: int | None) -> None:
+    if max_positions and chunk_len > max_positions:
+        raise RepgeomError(f"chunk length {chunk_len} exceeds the model context of {max_positions} tokens; "
+                           f"pass --chunk-len {max_positions} or less")
+
+
+def sample_chunks(chunks: Sequence[Chunk], n: int | None, seed: int) -> list[int]:
+    """Indices of ``n`` chunks drawn without replacement, ``random.Random(seed).sample`` as paper A (seed 42);
+    all chunks, in order, when ``n`` is None or at least the number of chunks."""
+    if n is None or n >= len(chunks):
+        return list(range(len(chunks)))
+    if n < 1:
+        raise RepgeomError(f"number of chunks must be positive, got {n}")
+    return random.Random(seed).sample(range(len(chunks)), n)
+
+
+def describe(chunks: Sequence[Chunk], docs: Sequence[Document]) -> dict[str, Any]:
+    """Counts for the output's ``data`` block."""
+    per_source: dict[str, int] = {}
+    for c in chunks:
+        per_source[c.source] = per_source.get(c.source, 0) + 1
+    return {"n_documents": len(docs), "n_chunks_available": len(chunks), "chunks_per_source": per_source}

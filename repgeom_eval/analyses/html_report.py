@@ -1,0 +1,311 @@
+"""``repgeom report``: the JSON outputs of every command as one self-contained HTML page.
+
+Each input file becomes a section: a summary table and its figures, redrawn from the JSON by :mod:`.plots` and
+embedded as base64 PNG ``data:`` URIs. The page has inline CSS, no script and no external link, so it reads offline
+and can be mailed as one file. Files are recognised by their ``kind`` field (every analysis writes one); outputs of
+``measure`` and ``gap``, which predate it, are recognised by their shape. A file of another kind still gets a
+section: its config and results as pretty-printed JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import tempfile
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import RepgeomError
+from ..io import atomic_open
+from . import plots
+
+Section = tuple[str, list[str]]  # (title, HTML blocks)
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {}
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
+color:#222;line-height:1.45}
+h1{font-size:1.6em;border-bottom:2px solid #444}h2{font-size:1.25em;margin-top:2em;border-bottom:1px solid #bbb}
+table{border-collapse:collapse;margin:.8em 0;font-size:.88em}td,th{border:1px solid #ccc;padding:.25em .6em;
+text-align:right}th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}
+img{max-width:100%;display:block;margin:.8em 0}.meta{color:#666;font-size:.85em}
+.warn{background:#fff4d6;border-left:4px solid #e0a800;padding:.4em .8em;margin:.5em 0}
+pre{background:#f6f6f6;padding:.6em;overflow-x:auto;font-size:.8em;max-height:30em}
+nav ul{columns:2;font-size:.9em}
+"""
+
+
+def renderer(kind: str):
+    def register(fn):
+        RENDERERS[kind] = fn
+        return fn
+
+    return register
+
+
+# -- reading ----------------------------------------------------------------------------------------------------
+
+def classify(doc: Any) -> str:
+    """The command that wrote ``doc``: its ``kind``, or ``measure``/``gap`` recognised by shape."""
+    if not isinstance(doc, dict):
+        return "unknown"
+    if isinstance(doc.get("kind"), str):
+        return doc["kind"]
+    if (doc.get("config") or {}).get("metric") == "dispersion_gap" and isinstance(doc.get("results"), list):
+        return "gap"
+    if isinstance(doc.get("results"), dict) and "layers" in (doc.get("config") or {}) and "summary" in doc:
+        return "measure"
+    return "unknown"
+
+
+def collect(paths: Sequence[str | Path]) -> list[tuple[Path, dict[str, Any]]]:
+    """(path, parsed JSON) for every file; a directory contributes its ``*.json`` files in name order."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.json"))
+            if not found:
+                raise RepgeomError(f"directory {str(p)!r} holds no .json file")
+            files.extend(found)
+        elif p.exists():
+            files.append(p)
+        else:
+            raise RepgeomError(f"result file {str(p)!r} does not exist")
+    if not files:
+        raise RepgeomError("give at least one result file (.json) or directory")
+    out = []
+    for f in files:
+        try:
+            doc = json.loads(f.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RepgeomError(f"{f} is not a JSON results file ({exc}); pass the .json a repgeom command wrote "
+                               "with --output") from None
+        if not isinstance(doc, dict):
+            raise RepgeomError(f"{f} holds a JSON {type(doc).__name__}, not a repgeom results object")
+        out.append((f, doc))
+    return out
+
+
+# -- HTML pieces ------------------------------------------------------------------------------------------------
+
+def esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return f"{value:.{digits}g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{esc(fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def figure(fig: Any, alt: str) -> str:
+    data = base64.b64encode(plots.png_bytes(fig)).decode("ascii")
+    return f'<img alt="{esc(alt)}" src="data:image/png;base64,{data}">'
+
+
+def png_file(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{esc(alt)}" src="data:image/png;base64,{data}">'
+
+
+def para(text: str) -> str:
+    return f"<p>{esc(text)}</p>"
+
+
+def _model_name(doc: dict[str, Any]) -> str:
+    if classify(doc) == "gap":
+        return ", ".join(Path(str(m)).name for m in (doc.get("config") or {}).get("models", []))
+    if doc.get("models"):
+        return ", ".join(Path(str(m.get("name", "?"))).name for m in doc["models"])
+    return Path(str((doc.get("model") or {}).get("name", "?"))).name
+
+
+# -- one renderer per kind --------------------------------------------------------------------------------------
+
+def _scalars(per_metric: dict[str, Any]) -> dict[str, float]:
+    """A measure row's scalar values; a metric returning a dict contributes its scalar entries as metric.key."""
+    out: dict[str, float] = {}
+    for m, v in per_metric.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[m] = v
+        elif isinstance(v, dict):
+            out.update({f"{m}.{k}": x for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)})
+    return out
+
+
+@renderer("measure")
+def _measure(doc: dict[str, Any]) -> list[str]:
+    from ..plotting import plot_profile
+
+    results = {a: _scalars(per) for a, per in doc["results"].items()}
+    metrics: list[str] = []
+    for per in results.values():
+        metrics += [m for m in per if m not in metrics]
+    blocks = [table(["address", *metrics], [[a, *[results[a].get(m) for m in metrics]] for a in results])]
+    if metrics and len(results) > 1:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = plot_profile(doc | {"results": results}, Path(tmp) / "profile.png", metrics=metrics)
+            blocks.append(png_file(path, "metrics by depth"))
+    for name, s in (doc.get("summary") or {}).items():
+        if isinstance(s, dict):
+            scalars = _scalars(s)
+            if scalars:
+                shown = ", ".join(f"{k} = {fmt(v)}" for k, v in scalars.items())
+                blocks.append(para(f"{name} across layers: {shown}"))
+    return blocks
+
+
+@renderer("gap")
+def _gap(doc: dict[str, Any]) -> list[str]:
+    rows = doc["results"]
+    cfg = doc.get("config", {})
+    blocks = [para(f"G = within(T) + between(T, T̄); T = {cfg.get('domain')}, T̄ = {cfg.get('reference')}, "
+                   f"{cfg.get('distance')} distance, ranked by G (descending)."),
+              table(["rank", "model", "G", "within(T)", "between", "accuracy"],
+                    [[r.get("rank"), r.get("model"), r.get("G"), r.get("within_T"), r.get("between"),
+                      r.get("accuracy")] for r in rows])]
+    if doc.get("spearman"):
+        blocks.append(para(f"Spearman ρ(G, accuracy) = {fmt(doc['spearman'].get('rho'))} over "
+                           f"{doc['spearman'].get('n')} models."))
+    return blocks
+
+
+@renderer("ppl-bins")
+def _ppl_bins(doc: dict[str, Any]) -> list[str]:
+    res = doc["results"]
+    pooled = res["pooled"]
+    sources = [s for s, r in (res.get("by_source") or {}).items() if "correlation" in r]
+    rows = [[a, pooled["correlation"][a]["pearson"], pooled["correlation"][a]["spearman"],
+             *[res["by_source"][s]["correlation"][a]["spearman"] for s in sources]] for a in res["layers"]]
+    return [para(f"{pooled.get('n_chunks')} chunks of {doc['config'].get('chunk_len')} tokens, "
+                 f"{pooled.get('n_selected')} of {pooled.get('n_groups')} perplexity groups selected "
+                 "(Algorithm 1); correlation between group perplexity and group token dispersion."),
+            table(["address", "Pearson", "Spearman", *[f"{s} ρ" for s in sources]], rows),
+            figure(plots.figure_ppl_vs_dispersion(doc), "perplexity vs dispersion"),
+            figure(plots.figure_correlation_vs_depth(doc), "correlation by depth")]
+
+
+@renderer("knn-keys")
+def _knn_keys(doc: dict[str, Any]) -> list[str]:
+    res = doc["results"]
+    ns = doc["config"]["ns"]
+    rows = []
+    for name in res["candidates"]:
+        cells = []
+        for n in ns:
+            r = next(r for r in res["table"] if r["address"] == name and r["N"] == n)
+            cells.append(f"{fmt(r['mean'])} ± {fmt(r['std'])}")
+        rows.append([name + (" (recommended)" if name == res["recommended"] else ""), *cells])
+    return [para(f"Dispersion of last-token vectors, mean ± std over {doc['config'].get('n_seeds')} seeds; "
+                 f"recommended key: {res['recommended']}."),
+            table(["candidate", *[f"N={n}" for n in ns]], rows),
+            figure(plots.figure_knn_keys(doc), "kNN-LM key candidates")]
+
+
+@renderer("knnlm")
+def _knnlm(doc: dict[str, Any]) -> list[str]:
+    res = doc["results"]
+    lambdas = doc["config"]["lambdas"]
+    rows = [["(LM alone)", "", *[res["base_ppl"]] * len(lambdas), ""]]
+    for name, r in res["keys"].items():
+        rows.append([name, r["datastore"]["n_keys"], *[r["ppl"][str(lam)] for lam in lambdas], r["hit_rate"]])
+    return [para(f"Perplexity on {res['n_eval_tokens']} tokens with k = {doc['config'].get('k')}, "
+                 f"T = {doc['config'].get('temperature')} ({doc['config'].get('distance')})."),
+            table(["key", "datastore keys", *[f"ppl λ={lam:g}" for lam in lambdas], "target among neighbours"],
+                  rows)]
+
+
+@renderer("condensation")
+def _condensation(doc: dict[str, Any]) -> list[str]:
+    rows = [[label, m["mean_cosine"][0], m["mean_cosine"][-1], m["spearman"], m["kendall"]]
+            for label, m in doc["results"]["models"].items()]
+    return [table(["model", "mean cosine (first)", "mean cosine (last)", "Spearman ρ", "Kendall τ"], rows),
+            figure(plots.figure_condensation(doc), "condensation by depth")]
+
+
+@renderer("clusters")
+def _clusters(doc: dict[str, Any]) -> list[str]:
+    res = doc["results"]
+    cfg = doc.get("config", {})
+    rows = [[label, a, m["within"][i], m["between"][i], m["ratio"][i]]
+            for label, m in res["models"].items() for i, a in enumerate(m["layers"])]
+    top = ", ".join(f"{c['ngram']!r} ×{c['count']}" for c in res["clusters"][:5])
+    return [para(f"{len(res['clusters'])} clusters of {cfg.get('context_len')}-token contexts sharing a "
+                 f"{cfg.get('ngram')}-gram continuation; most frequent: {top}."),
+            table(["model", "address", "within", "between", "between / within"], rows),
+            figure(plots.figure_clusters(doc), "within- and between-cluster distance")]
+
+
+@renderer("perturb")
+def _perturb(doc: dict[str, Any]) -> list[str]:
+    res = doc["results"]
+    last = res["layers"][-1]
+    rows = [[sweep, v, r["prompt_entropy"][j][-1], r["token_dispersion"][j][-1]]
+            for sweep, r in res["sweeps"].items() for j, v in enumerate(r["values"])]
+    return [para(f"{doc.get('data', {}).get('n_prompts')} prompts; values at {last} (every address in the figure)."),
+            table(["sweep", "value", "prompt entropy", "token dispersion"], rows),
+            figure(plots.figure_perturb(doc), "prompt perturbations")]
+
+
+def _generic(doc: dict[str, Any]) -> list[str]:
+    shown = {k: doc.get(k) for k in ("config", "results") if k in doc}
+    text = json.dumps(shown, indent=1, default=str)
+    if len(text) > 20000:
+        text = text[:20000] + "\n... (truncated)"
+    return [para("No renderer for this kind; its config and results:"), f"<pre>{esc(text)}</pre>"]
+
+
+# -- the page ---------------------------------------------------------------------------------------------------
+
+def section(path: Path, doc: dict[str, Any]) -> Section:
+    kind = classify(doc)
+    title = f"{kind}: {_model_name(doc)}" if kind != "unknown" else path.name
+    version = doc.get("repgeom_version") or ((doc.get("config") or {}).get("versions") or {}).get("repgeom_eval", "?")
+    blocks = [f'<p class="meta">{esc(path.name)} · written by repgeom-eval {esc(version)}</p>']
+    for w in doc.get("warnings") or []:
+        blocks.append(f'<div class="warn">{esc(w)}</div>')
+    try:
+        blocks += RENDERERS.get(kind, _generic)(doc)
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise RepgeomError(f"{path} looks like a {kind} result but lacks what its section needs ({exc!r}); was it "
+                           "written by another repgeom version?") from None
+    return title, blocks
+
+
+def build_report(paths: Sequence[str | Path], title: str = "repgeom-eval report") -> str:
+    """The HTML page for the result files (or directories of them) in ``paths``."""
+    docs = collect(paths)
+    sections = [section(p, d) for p, d in docs]
+    nav = "".join(f'<li><a href="#s{i}">{esc(t)}</a></li>' for i, (t, _) in enumerate(sections))
+    body = "".join(f'<section id="s{i}"><h2>{esc(t)}</h2>{"".join(b)}</section>' for i, (t, b) in enumerate(sections))
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+            f"<style>{_CSS}</style></head><body><h1>{esc(title)}</h1>"
+            f'<p class="meta">{len(sections)} result file(s) · repgeom-eval {esc(__version__)} · {when}</p>'
+            f"<nav><ul>{nav}</ul></nav>{body}</body></html>\n")
+
+
+def write_report(paths: Sequence[str | Path], output: str | Path, title: str = "repgeom-eval report") -> Path:
+    page = build_report(paths, title)
+    with atomic_open(output, "w") as fh:
+        fh.write(page)
+    return Path(output)

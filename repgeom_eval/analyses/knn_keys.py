@@ -1,0 +1,148 @@
+"""kNN-LM key selection by dispersion (paper A §3.3, Table 1; spec §2.4, §9.3).
+
+Candidates are layer addresses (default: the last block's ``resid_mid`` = h_att, the paper's choice;
+``resid_post`` = h_ffn, the raw block output; ``mlp_in`` = the post-norm FFN input, Khandelwal et al.'s key). One
+vector per chunk: the **last-token** hidden state at the candidate. For each N in {10, 50, 100} and each of 10
+seeds, N non-overlapping chunks are drawn and D (spec §1.1) is computed over their N vectors; the table reports
+mean ± std over the seeds. The same chunks feed every candidate: one forward pass per chunk captures all of them
+(stopping after the deepest one), and seed s's sample of size N is the first N chunks of one seeded permutation,
+so the samples of one seed are nested across N. The recommended key is the most dispersed candidate at the
+largest N.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import RepgeomError
+from ..functional.dispersion import dispersion
+from ..models import LoadedModel, load_model
+from .corpus import PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents
+from .forward import TokenRunner, batches, parse_addresses
+from .output import AnalysisResult
+from .stats import mean_std
+
+KIND = "knn-keys"
+DEFAULT_CANDIDATES = ("resid_mid:-1", "resid_post:-1", "mlp_in:-1")
+DEFAULT_NS = (10, 50, 100)
+DEFAULT_SEEDS = 10
+DEFAULT_CHUNK_LEN = 512
+PAPER_EXPECTATION = "resid_mid (h_att) more dispersed than resid_post (h_ffn) on every GPT-2 size (paper A Table 1)"
+
+
+def seeded_samples(n_pool: int, ns: Sequence[int], n_seeds: int, seed: int = 0) -> dict[tuple[int, int], list[int]]:
+    """``{(N, s): chunk indices}``: seed s's sample of size N is the first N of a permutation drawn with
+    ``random.Random(seed + s)``."""
+    largest = max(ns)
+    out = {}
+    for s in range(n_seeds):
+        perm = random.Random(seed + s).sample(range(n_pool), largest)
+        for n in ns:
+            out[(n, s)] = perm[:n]
+    return out
+
+
+def last_token_vectors(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Sequence[Any], batch_size: int = 8,
+                       progress: bool = True) -> dict[Any, torch.Tensor]:
+    """{address: [len(chunks), D] float64}: the hidden state at each chunk's last token."""
+    parts: dict[Any, list[torch.Tensor]] = {a: [] for a in addresses}
+    with TokenRunner(loaded, addresses) as runner, tqdm(total=len(chunks), unit="chunk", desc="knn-keys",
+                                                         disable=not progress, leave=False) as bar:
+        for batch in batches(chunks, batch_size):
+            out = runner.run([c.ids for c in batch])
+            last = out.mask.long().sum(1) - 1
+            rows = torch.arange(len(batch))
+            for a in addresses:
+                h = out.hidden[a]
+                parts[a].append(h[rows.to(h.device), last.to(h.device)].double().cpu())
+            bar.update(len(batch))
+    return {a: torch.cat(v) for a, v in parts.items()}
+
+
+def knn_keys(
+    model: str | LoadedModel,
+    data: str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document],
+    *,
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    ns: Sequence[int] = DEFAULT_NS,
+    n_seeds: int = DEFAULT_SEEDS,
+    seed: int = 0,
+    chunk_len: int = DEFAULT_CHUNK_LEN,
+    packing: str = "concat",
+    text_field: str = "text",
+    batch_size: int = 8,
+    dtype: str | None = "auto",
+    device: str | None = "cpu",
+    progress: bool = True,
+) -> AnalysisResult:
+    """Dispersion of last-token vectors at each candidate address; returns the ``knn-keys`` result."""
+    t_start = time.perf_counter()
+    ns = sorted({int(n) for n in ns})
+    if not ns or ns[0] < 2:
+        raise RepgeomError(f"sample sizes must be at least 2 (dispersion is a mean over pairs), got {list(ns)}")
+    if n_seeds < 1:
+        raise RepgeomError(f"number of seeds must be positive, got {n_seeds}")
+    if packing not in PACKINGS:
+        raise RepgeomError(f"unknown packing {packing!r} (valid: {', '.join(PACKINGS)})")
+    docs, data_path = load_documents(data, text_field, source_field="source")
+    t0 = time.perf_counter()
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    t_load = time.perf_counter() - t0
+    check_context(chunk_len, loaded.info.max_positions)
+    addrs = []
+    for c in candidates:  # keep the user's order; each must exist on this model
+        for a in parse_addresses(loaded, c):
+            if a not in addrs:
+                addrs.append(a)
+    names = [str(a) for a in addrs]
+    if len(addrs) < 1:
+        raise RepgeomError("no candidate address given")
+
+    chunks = corpus_chunks(loaded.tokenizer, docs, chunk_len, packing)
+    if len(chunks) < ns[-1]:
+        raise RepgeomError(f"corpus too small: {len(chunks)} chunk(s) of {chunk_len} tokens, but N = {ns[-1]} "
+                           f"needs at least {ns[-1]} distinct chunks; give more text, lower --chunk-len, or pass "
+                           f"smaller --n values")
+    samples = seeded_samples(len(chunks), ns, n_seeds, seed)
+    needed = sorted({i for idx in samples.values() for i in idx})
+    position = {i: k for k, i in enumerate(needed)}
+    t0 = time.perf_counter()
+    vectors = last_token_vectors(loaded, [chunks[i] for i in needed], addrs, batch_size, progress)
+    t_forward = time.perf_counter() - t0
+
+    table, means = [], {}
+    for a, name in zip(addrs, names):
+        for n in ns:
+            values = [float(dispersion(vectors[a][[position[i] for i in samples[(n, s)]]]))
+                      for s in range(n_seeds)]
+            mean, std = mean_std(values)
+            means[(name, n)] = mean
+            table.append({"address": name, "N": n, "mean": mean, "std": std, "values": values})
+    ranking = {str(n): sorted(names, key=lambda a: -means[(a, n)]) for n in ns}
+    recommended = ranking[str(ns[-1])][0]
+    consistent = len({r[0] for r in ranking.values()}) == 1
+    result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
+    result.results = {"candidates": names, "table": table, "ranking": ranking, "recommended": recommended,
+                      "consistent_across_N": consistent, "paper_expectation": PAPER_EXPECTATION}
+    last = loaded.info.n_layers - 1
+    mid, post = f"resid_mid:{last}", f"resid_post:{last}"
+    if mid in names and post in names:
+        result.results["resid_mid_more_dispersed"] = {str(n): means[(mid, n)] > means[(post, n)] for n in ns}
+    if not consistent:
+        result.warn("the most dispersed candidate changes with N: " +
+                    ", ".join(f"N={n}: {r[0]}" for n, r in ranking.items()))
+    result.data = {"path": data_path, "packing": packing, **describe(chunks, docs), "n_chunks_forwarded": len(needed)}
+    result.config = {"candidates": names, "ns": ns, "n_seeds": n_seeds, "seed": seed, "chunk_len": chunk_len,
+                     "packing": packing, "vector": "last token of each chunk", "std": "population (ddof=0) over seeds",
+                     "sampling": "seed s: first N of a permutation drawn with random.Random(seed + s)",
+                     "batch_size": batch_size, "dtype": loaded.info.dtype, "device": str(loaded.device),
+                     "text_field": text_field}
+    result.timings = {"load_model_s": t_load, "forward_s": t_forward, "total_s": time.perf_counter() - t_start}
+    return result

@@ -1,0 +1,306 @@
+"""A real kNN-LM (Khandelwal et al. 2020) to check a key choice (paper A §3.3; spec §2.4, §9.3).
+
+Datastore: for every position t of every chunk of the datastore text, key = the hidden state at the key address,
+value = token t+1. Keys go to disk chunk by chunk (a ``.npy`` memmap, float32 or float16), never all in memory,
+and into a faiss index: exact (``IndexFlatL2``) for small stores, IVF (``IndexIVFFlat``, ``nlist`` cells, ``nprobe``
+probed) from ``ivf_threshold`` keys on; ``fp16`` stores keys and index codes in half precision (faiss's fp16 scalar
+quantizer).
+
+Evaluation: one forward pass per batch of evaluation chunks gives the LM's next-token log-probabilities and the
+queries at every key address. For each query the k nearest keys (negative squared L2 distance d, the default) give
+
+    p_kNN(w) = Σ_{neighbours j with value w} exp(−d_j/T) / Σ_j exp(−d_j/T)
+    p(w) = λ·p_kNN(w) + (1 − λ)·p_LM(w)            (computed in log space with logaddexp)
+
+and perplexity = exp(−mean log p(target)) over every predicted position of the evaluation chunks. Khandelwal's
+defaults: k = 1024, λ = 0.25, T = 1. λ = 0 gives the LM's perplexity exactly (log 0 = −inf drops the kNN term).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..errors import RepgeomError
+from ..models import LoadedModel, load_model
+from .corpus import PACKINGS, Chunk, check_context, corpus_chunks, load_documents
+from .forward import TokenRunner, batches, next_token_logprobs, parse_addresses
+from .output import AnalysisResult
+
+KIND = "knnlm"
+DEFAULT_K = 1024
+DEFAULT_LAMBDA = 0.25
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_CHUNK_LEN = 512
+IVF_THRESHOLD = 100_000
+INDEX_KINDS = ("auto", "flat", "ivf")
+_ADD_BLOCK = 65536
+_SEARCH_BLOCK = 2048
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError:
+        raise RepgeomError("the kNN-LM needs faiss: pip install 'repgeom-eval[knn]' (faiss-cpu)") from None
+    return faiss
+
+
+def _file_name(address: str) -> str:
+    return address.replace(":", "_")
+
+
+class Datastore:
+    """Keys of one address on disk (``keys``, a memmap), their next-token ``values`` and the faiss ``index``."""
+
+    def __init__(self, address: str, keys: np.ndarray, values: np.ndarray, index: Any, index_kind: str,
+                 params: dict[str, Any]):
+        self.address, self.keys, self.values, self.index = address, keys, values, index
+        self.index_kind, self.params = index_kind, params
+
+    @property
+    def size(self) -> int:
+        return int(self.values.shape[0])
+
+    def describe(self) -> dict[str, Any]:
+        return {"n_keys": self.size, "dim": int(self.keys.shape[1]), "key_dtype": str(self.keys.dtype),
+                "index": self.index_kind, **self.params}
+
+
+def build_index(keys: np.ndarray, kind: str = "auto", fp16: bool = False, nlist: int | None = None,
+                nprobe: int = 32, ivf_threshold: int = IVF_THRESHOLD, seed: int = 0) -> tuple[Any, str, dict]:
+    """A faiss L2 index over ``keys`` [n, d] (read in blocks, so a memmap stays on disk); returns
+    (index, kind used, parameters)."""
+    faiss = _faiss()
+    n, d = keys.shape
+    if kind not in INDEX_KINDS:
+        raise RepgeomError(f"unknown index {kind!r} (valid: {', '.join(INDEX_KINDS)})")
+    if kind == "auto":
+        kind = "ivf" if n >= ivf_threshold else "flat"
+    params: dict[str, Any] = {"metric": "squared L2", "fp16": fp16}
+    if kind == "flat":
+        index = (faiss.IndexScalarQuantizer(d, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_L2) if fp16
+                 else faiss.IndexFlatL2(d))
+    else:
+        nlist = nlist or int(min(max(1, 4 * math.sqrt(n)), max(1, n // 39)))
+        if nlist > n:
+            raise RepgeomError(f"IVF index with {nlist} cells needs at least as many keys, the store has {n}")
+        quantizer = faiss.IndexFlatL2(d)
+        index = (faiss.IndexIVFScalarQuantizer(quantizer, d, nlist, faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_L2)
+                 if fp16 else faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_L2))
+        train_rows = np.sort(np.random.default_rng(seed).choice(n, size=min(n, 256 * nlist), replace=False))
+        index.train(np.ascontiguousarray(keys[train_rows], dtype=np.float32))
+        index.nprobe = min(nprobe, nlist)
+        params |= {"nlist": nlist, "nprobe": int(index.nprobe), "n_train": int(len(train_rows))}
+    for lo in range(0, n, _ADD_BLOCK):
+        index.add(np.ascontiguousarray(keys[lo:lo + _ADD_BLOCK], dtype=np.float32))
+    return index, kind, params
+
+
+def build_datastores(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Sequence[Any], directory: Path, *,
+                     fp16: bool = False, index: str = "auto", nlist: int | None = None, nprobe: int = 32,
+                     ivf_threshold: int = IVF_THRESHOLD, batch_size: int = 8, seed: int = 0,
+                     progress: bool = True) -> dict[str, Datastore]:
+    """One datastore per address from one forward pass per batch of ``chunks`` (stopping after the deepest key)."""
+    total = sum(len(c) - 1 for c in chunks)
+    if total < 1:
+        raise RepgeomError("the datastore text gives no (context, next token) pair")
+    dim = loaded.info.hidden_size
+    dtype = np.float16 if fp16 else np.float32
+    keys = {str(a): np.lib.format.open_memmap(directory / f"keys_{_file_name(str(a))}.npy", mode="w+", dtype=dtype,
+                                              shape=(total, dim)) for a in addresses}
+    values = np.empty(total, dtype=np.int64)
+    row = 0
+    with TokenRunner(loaded, addresses) as runner, tqdm(total=len(chunks), unit="chunk", desc="datastore",
+                                                         disable=not progress, leave=False) as bar:
+        for batch in batches(chunks, batch_size):
+            out = runner.run([c.ids for c in batch])
+            for i, c in enumerate(batch):
+                n = len(c) - 1
+                values[row:row + n] = np.asarray(c.ids[1:], dtype=np.int64)
+                for a in addresses:
+                    keys[str(a)][row:row + n] = out.hidden[a][i, :n].float().cpu().numpy().astype(dtype)
+                row += n
+            bar.update(len(batch))
+    np.save(directory / "values.npy", values)
+    stores = {}
+    for a in addresses:
+        k = keys[str(a)]
+        k.flush()
+        idx, kind, params = build_index(k, index, fp16, nlist, nprobe, ivf_threshold, seed)
+        stores[str(a)] = Datastore(str(a), k, values, idx, kind, params)
+    return stores
+
+
+def knn_logprob(store: Datastore, queries: np.ndarray, targets: np.ndarray, k: int = DEFAULT_K,
+                temperature: float = DEFAULT_TEMPERATURE) -> tuple[np.ndarray, np.ndarray]:
+    """(log p_kNN(target) [M], whether the target is among the neighbours [M]) for float32 ``queries`` [M, d]."""
+    k = min(k, store.size)
+    out = np.empty(len(queries), dtype=np.float64)
+    hit = np.empty(len(queries), dtype=bool)
+    for lo in range(0, len(queries), _SEARCH_BLOCK):
+        dist, ids = store.index.search(np.ascontiguousarray(queries[lo:lo + _SEARCH_BLOCK], dtype=np.float32), k)
+        valid = ids >= 0
+        scores = np.where(valid, -dist.astype(np.float64) / temperature, -np.inf)
+        match = valid & (store.values[np.where(valid, ids, 0)] == targets[lo:lo + _SEARCH_BLOCK, None])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            norm = _logsumexp(scores)
+            out[lo:lo + _SEARCH_BLOCK] = _logsumexp(np.where(match, scores, -np.inf)) - norm
+        hit[lo:lo + _SEARCH_BLOCK] = match.any(1)
+    return out, hit
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    m = x.max(1)
+    safe = np.where(np.isfinite(m), m, 0.0)
+    return np.log(np.exp(x - safe[:, None]).sum(1)) + safe
+
+
+def interpolate(lm_logprob: np.ndarray, knn_logprob: np.ndarray, lam: float) -> np.ndarray:
+    """log(λ·p_kNN + (1−λ)·p_LM), elementwise, in log space. λ = 0 returns the LM's log-probabilities exactly."""
+    if not 0.0 <= lam <= 1.0:
+        raise RepgeomError(f"λ must lie in [0, 1], got {lam}")
+    with np.errstate(divide="ignore"):
+        return np.logaddexp(np.log(lam) + knn_logprob, np.log1p(-lam) + lm_logprob)
+
+
+def perplexity(logprob: np.ndarray) -> float:
+    return float(np.exp(-np.mean(logprob)))
+
+
+def knnlm(
+    model: str | LoadedModel,
+    datastore: Any,
+    eval_data: Any,
+    *,
+    keys: Sequence[str] = ("resid_mid:-1",),
+    k: int = DEFAULT_K,
+    lambdas: Sequence[float] = (DEFAULT_LAMBDA,),
+    temperature: float = DEFAULT_TEMPERATURE,
+    chunk_len: int = DEFAULT_CHUNK_LEN,
+    packing: str = "concat",
+    fp16: bool = False,
+    index: str = "auto",
+    nlist: int | None = None,
+    nprobe: int = 32,
+    ivf_threshold: int = IVF_THRESHOLD,
+    store_dir: str | Path | None = None,
+    text_field: str = "text",
+    batch_size: int = 4,
+    seed: int = 0,
+    dtype: str | None = "auto",
+    device: str | None = "cpu",
+    progress: bool = True,
+) -> AnalysisResult:
+    """Build a datastore per key address from ``datastore`` text, evaluate perplexity on ``eval_data`` with and
+    without retrieval; returns the ``knnlm`` result. ``store_dir`` keeps the keys, values and indexes on disk
+    (default: a temporary directory, removed afterwards)."""
+    t_start = time.perf_counter()
+    if k < 1:
+        raise RepgeomError(f"k must be positive, got {k}")
+    if not temperature > 0:
+        raise RepgeomError(f"temperature must be positive, got {temperature}")
+    lambdas = [float(x) for x in lambdas]
+    for lam in lambdas:
+        interpolate(np.zeros(0), np.zeros(0), lam)  # validates λ before any work
+    if packing not in PACKINGS:
+        raise RepgeomError(f"unknown packing {packing!r} (valid: {', '.join(PACKINGS)})")
+    if index not in INDEX_KINDS:
+        raise RepgeomError(f"unknown index {index!r} (valid: {', '.join(INDEX_KINDS)})")
+    _faiss()
+    store_docs, store_path = load_documents(datastore, text_field)
+    eval_docs, eval_path = load_documents(eval_data, text_field)
+    t0 = time.perf_counter()
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    t_load = time.perf_counter() - t0
+    if not loaded.spec.causal:
+        raise RepgeomError(f"a kNN-LM needs a causal language model; {loaded.info.name} is a {loaded.spec.name} "
+                           "encoder")
+    check_context(chunk_len, loaded.info.max_positions)
+    addrs = []
+    for key in keys:
+        for a in parse_addresses(loaded, key):
+            if a not in addrs:
+                addrs.append(a)
+    names = [str(a) for a in addrs]
+    store_chunks = corpus_chunks(loaded.tokenizer, store_docs, chunk_len, packing)
+    eval_chunks = corpus_chunks(loaded.tokenizer, eval_docs, chunk_len, packing)
+    for what, got, path in (("datastore", store_chunks, store_path), ("evaluation", eval_chunks, eval_path)):
+        if not got:
+            raise RepgeomError(f"the {what} text ({path}) gives no chunk of {chunk_len} tokens; give more text or "
+                               f"lower --chunk-len")
+
+    result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
+    if store_path != "<memory>" and os.path.realpath(store_path) == os.path.realpath(eval_path):
+        result.warn("the datastore is built from the evaluation text itself: retrieval finds the very contexts it "
+                    "scores, so the perplexity gain is an upper bound, not an estimate of generalisation")
+    tmp = tempfile.TemporaryDirectory(prefix="repgeom-knnlm-") if store_dir is None else None
+    directory = Path(tmp.name if tmp else store_dir)  # type: ignore[arg-type]
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        t0 = time.perf_counter()
+        stores = build_datastores(loaded, store_chunks, addrs, directory, fp16=fp16, index=index, nlist=nlist,
+                                  nprobe=nprobe, ivf_threshold=ivf_threshold, batch_size=batch_size, seed=seed,
+                                  progress=progress)
+        t_build = time.perf_counter() - t0
+        if store_dir is not None:
+            faiss = _faiss()
+            for name, st in stores.items():
+                faiss.write_index(st.index, str(directory / f"index_{_file_name(name)}.faiss"))
+            (directory / "manifest.json").write_text(json.dumps(
+                {"model": loaded.info.name, "datastore": store_path, "chunk_len": chunk_len, "packing": packing,
+                 "keys": {n: st.describe() for n, st in stores.items()}}, indent=2) + "\n")
+
+        t0 = time.perf_counter()
+        lm_parts: list[np.ndarray] = []
+        knn_parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
+        hit_parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
+        with TokenRunner(loaded, addrs, logits=True) as runner, tqdm(
+                total=len(eval_chunks), unit="chunk", desc="evaluate", disable=not progress, leave=False) as bar:
+            for batch in batches(eval_chunks, batch_size):
+                out = runner.run([c.ids for c in batch])
+                logprob, valid = next_token_logprobs(out.logits, out.ids, out.mask)
+                lm_parts.append(logprob[valid].numpy())
+                targets = out.ids[:, 1:][valid].numpy()
+                for a, name in zip(addrs, names):
+                    queries = out.hidden[a][:, :-1][valid.to(out.hidden[a].device)].float().cpu().numpy()
+                    lp, hit = knn_logprob(stores[name], queries, targets, k, temperature)
+                    knn_parts[name].append(lp)
+                    hit_parts[name].append(hit)
+                bar.update(len(batch))
+        t_eval = time.perf_counter() - t0
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+    lm = np.concatenate(lm_parts)
+    base = perplexity(lm)
+    per_key = {}
+    for name in names:
+        knn = np.concatenate(knn_parts[name])
+        hits = np.concatenate(hit_parts[name])
+        ppl = {str(lam): perplexity(interpolate(lm, knn, lam)) for lam in lambdas}
+        per_key[name] = {"ppl": ppl, "hit_rate": float(hits.mean()),
+                         "mean_p_knn_target": float(np.mean(np.exp(knn))), "datastore": stores[name].describe()}
+    best = {str(lam): min(names, key=lambda n: per_key[n]["ppl"][str(lam)]) for lam in lambdas}
+    result.results = {"base_ppl": base, "n_eval_tokens": int(lm.size), "keys": per_key, "best_key": best}
+    result.data = {"datastore": store_path, "eval": eval_path, "packing": packing,
+                   "n_datastore_chunks": len(store_chunks), "n_eval_chunks": len(eval_chunks)}
+    result.config = {"keys": names, "k": k, "lambdas": lambdas, "temperature": temperature,
+                     "distance": "negative squared L2", "chunk_len": chunk_len, "packing": packing, "fp16": fp16,
+                     "index": index, "nlist": nlist, "nprobe": nprobe, "ivf_threshold": ivf_threshold,
+                     "store_dir": None if store_dir is None else str(store_dir), "batch_size": batch_size,
+                     "seed": seed, "dtype": loaded.info.dtype, "device": str(loaded.device),
+                     "defaults": "Khandelwal et al. 2020: k=1024, λ=0.25, negative squared L2 (assumed by paper A)"}
+    result.timings = {"load_model_s": t_load, "build_datastore_s": t_build, "evaluate_s": t_eval,
+                      "total_s": time.perf_counter() - t_start}
+    return result

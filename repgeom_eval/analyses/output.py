@@ -1,0 +1,59 @@
+"""The JSON envelope every analysis writes.
+
+Every output carries ``kind`` (the command that wrote it, e.g. ``"ppl-bins"``), so ``repgeom report`` — or anyone —
+can tell files apart without guessing from their shape::
+
+    {"kind": "ppl-bins", "repgeom_version": "0.1.0", "model": {...} | "models": [...], "data": {...},
+     "config": {... every parameter and default actually used, versions ...}, "results": {...},
+     "warnings": [...], "timings": {...}}
+"""
+
+from __future__ import annotations
+
+import platform
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..io import write_json
+
+
+def versions() -> dict[str, Any]:
+    import torch
+
+    from ..pipeline import _version
+
+    return {"repgeom_eval": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
+            "python": platform.python_version()}
+
+
+@dataclass
+class AnalysisResult:
+    kind: str
+    config: dict[str, Any]
+    results: dict[str, Any]
+    model: dict[str, Any] | None = None
+    models: list[dict[str, Any]] | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def warn(self, message: str) -> None:
+        """Record a caveat in the output and show it (once) on stderr."""
+        self.warnings.append(message)
+        warnings.warn(message, stacklevel=2)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "repgeom_version": __version__}
+        if self.model is not None:
+            out["model"] = self.model
+        if self.models is not None:
+            out["models"] = self.models
+        out.update({"data": self.data, "config": self.config | {"versions": versions()}, "results": self.results,
+                    "warnings": self.warnings, "timings": self.timings})
+        return out
+
+    def write(self, path: str | Path) -> None:
+        write_json(path, self.to_dict())

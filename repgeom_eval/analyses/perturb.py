@@ -1,0 +1,154 @@
+"""Prompt entropy and token dispersion under controlled prompt perturbations (paper B §5), per layer.
+
+Three seeded sweeps over the same prompts (the first ``n_prompts`` texts with at least ``max(lengths)`` tokens):
+
+* ``repetition`` p: every token after the first is, independently with probability p, replaced by one token of the
+  prompt drawn once per prompt — p = 1 repeats a single token;
+* ``random`` p: every token is, independently with probability p, replaced by a token drawn uniformly from the
+  vocabulary (special tokens excluded);
+* ``length`` L: the prompt cut to its first L tokens.
+
+Perturbations act on token ids (no re-tokenization). The repetition and random sweeps use prompts of ``max_length``
+tokens. Each condition is one forward pass per batch; at every address, per prompt, prompt entropy (spec §3.2,
+``normalized`` = B's maxEntropy) and token dispersion (spec §2.1) are averaged over prompts. Paper B's finding:
+repetition lowers prompt entropy, random tokens raise it, and it grows with length; this module reports what the
+model does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import RepgeomError
+from ..functional.dispersion import dispersion
+from ..functional.entropy import prompt_entropy
+from ..models import LoadedModel, load_model
+from .corpus import load_documents, tokenize_documents
+from .forward import TokenRunner, batches, parse_addresses
+from .output import AnalysisResult
+
+KIND = "perturb"
+SWEEPS = ("repetition", "random", "length")
+DEFAULT_PS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEFAULT_LENGTHS = (16, 32, 64, 128)
+DEFAULT_PROMPTS = 32
+
+
+def repeat_tokens(ids: Sequence[int], p: float, rng: np.random.Generator) -> list[int]:
+    """Each token after the first replaced, with probability p, by one token of the prompt (drawn once)."""
+    token = ids[int(rng.integers(len(ids)))]
+    hit = rng.random(len(ids)) < p
+    hit[0] = False
+    return [token if h else t for t, h in zip(ids, hit)]
+
+
+def random_tokens(ids: Sequence[int], p: float, rng: np.random.Generator, vocab: np.ndarray) -> list[int]:
+    """Each token replaced, with probability p, by a uniform draw from ``vocab``."""
+    hit = rng.random(len(ids)) < p
+    draws = vocab[rng.integers(len(vocab), size=len(ids))]
+    return [int(d) if h else t for t, h, d in zip(ids, hit, draws)]
+
+
+def _measure(runner: TokenRunner, addrs: Sequence[Any], prompts: Sequence[Sequence[int]],
+             batch_size: int) -> dict[str, list[float]]:
+    """Mean over prompts of prompt entropy (normalized) and token dispersion at every address."""
+    ent = {a: [] for a in addrs}
+    disp = {a: [] for a in addrs}
+    for batch in batches(prompts, batch_size):
+        out = runner.run(batch)
+        for a in addrs:
+            for i in range(len(batch)):
+                tokens = out.hidden[a][i][out.mask[i].to(out.hidden[a].device)].double().cpu()
+                ent[a].append(prompt_entropy(tokens)["normalized"])
+                disp[a].append(float(dispersion(tokens)))
+    return {"prompt_entropy": [float(np.nanmean(ent[a])) for a in addrs],
+            "token_dispersion": [float(np.nanmean(disp[a])) for a in addrs]}
+
+
+def perturb(
+    model: str | LoadedModel,
+    data: Any,
+    *,
+    layers: str | Sequence[str] = "all",
+    sweeps: Sequence[str] = SWEEPS,
+    ps: Sequence[float] = DEFAULT_PS,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    n_prompts: int = DEFAULT_PROMPTS,
+    seed: int = 0,
+    text_field: str = "text",
+    batch_size: int = 8,
+    dtype: str | None = "auto",
+    device: str | None = "cpu",
+    progress: bool = True,
+) -> AnalysisResult:
+    """Run the requested ``sweeps`` and return the ``perturb`` result (per sweep: values × addresses tables)."""
+    t_start = time.perf_counter()
+    unknown = [s for s in sweeps if s not in SWEEPS]
+    if unknown or not sweeps:
+        raise RepgeomError(f"unknown sweep(s) {', '.join(unknown) or '(none given)'} (valid: {', '.join(SWEEPS)})")
+    ps = [float(p) for p in ps]
+    if any(not 0.0 <= p <= 1.0 for p in ps):
+        raise RepgeomError(f"probabilities must lie in [0, 1], got {ps}")
+    lengths = sorted({int(n) for n in lengths})
+    if lengths[0] < 2:
+        raise RepgeomError(f"prompt lengths must be at least 2 tokens (prompt entropy needs 2), got {lengths[0]}")
+    if n_prompts < 1:
+        raise RepgeomError(f"number of prompts must be positive, got {n_prompts}")
+    docs, data_path = load_documents(data, text_field)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    max_len = lengths[-1]
+    if loaded.info.max_positions and max_len > loaded.info.max_positions:
+        raise RepgeomError(f"prompt length {max_len} exceeds the model context of {loaded.info.max_positions} tokens; "
+                           "pass shorter --lengths")
+    addrs = parse_addresses(loaded, layers)
+    names = [str(a) for a in addrs]
+    prompts = [ids[:max_len] for ids in tokenize_documents(loaded.tokenizer, docs) if len(ids) >= max_len]
+    if not prompts:
+        raise RepgeomError(f"no text has {max_len} tokens; give longer texts or pass shorter --lengths")
+    prompts = prompts[:n_prompts]
+    special = set(loaded.tokenizer.all_special_ids)
+    vocab = np.array([i for i in range(len(loaded.tokenizer)) if i not in special], dtype=np.int64)
+
+    conditions: list[tuple[str, float, list[list[int]]]] = []
+    for sweep in (s for s in SWEEPS if s in sweeps):
+        k = SWEEPS.index(sweep)  # a sweep's draws do not depend on which other sweeps run
+        values: Sequence[float] = lengths if sweep == "length" else ps
+        for j, v in enumerate(values):
+            rng = np.random.default_rng([seed, k, j])
+            if sweep == "repetition":
+                got = [repeat_tokens(ids, v, rng) for ids in prompts]
+            elif sweep == "random":
+                got = [random_tokens(ids, v, rng, vocab) for ids in prompts]
+            else:
+                got = [list(ids[:int(v)]) for ids in prompts]
+            conditions.append((sweep, v, got))
+    results: dict[str, Any] = {}
+    with torch.no_grad(), TokenRunner(loaded, addrs) as runner, tqdm(
+            total=len(conditions), unit="condition", desc="perturb", disable=not progress, leave=False) as bar:
+        for sweep, v, got in conditions:
+            r = results.setdefault(sweep, {"values": [], "prompt_entropy": [], "token_dispersion": []})
+            m = _measure(runner, addrs, got, batch_size)
+            r["values"].append(v)
+            r["prompt_entropy"].append(m["prompt_entropy"])
+            r["token_dispersion"].append(m["token_dispersion"])
+            bar.update(1)
+    result = AnalysisResult(KIND, config={}, results={"layers": names, "sweeps": results},
+                            model=loaded.info.to_dict())
+    result.data = {"path": data_path, "n_documents": len(docs), "n_prompts": len(prompts),
+                   "prompt_tokens": max_len}
+    result.config = {"layers": names, "sweeps": [s for s in SWEEPS if s in sweeps], "ps": ps, "lengths": lengths,
+                     "n_prompts": n_prompts, "seed": seed, "batch_size": batch_size, "dtype": loaded.info.dtype,
+                     "device": str(loaded.device), "text_field": text_field,
+                     "prompt_entropy": "normalized (S_1 / log min(N, D), paper B's maxEntropy), mean over prompts",
+                     "token_dispersion": "mean pairwise cosine distance of a prompt's tokens, mean over prompts",
+                     "repetition": "tokens after the first replaced w.p. p by one token of the prompt",
+                     "random": "tokens replaced w.p. p by uniform non-special vocabulary tokens",
+                     "rng": "numpy default_rng([seed, sweep index, value index])"}
+    result.timings = {"total_s": time.perf_counter() - t_start}
+    return result

@@ -1,0 +1,248 @@
+"""Figures of the analyses, drawn from their JSON results (so ``repgeom report`` can redraw them from files).
+
+Every ``figure_*`` function takes a result dict (``AnalysisResult.to_dict()`` or the loaded JSON) and returns a
+matplotlib figure; :func:`save_png` writes it atomically, :func:`png_bytes` gives the bytes for embedding.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..io import atomic_open
+from ..plotting import _pyplot
+
+
+def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
+    plt = _pyplot()
+    try:
+        with atomic_open(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    return Path(path)
+
+
+def png_bytes(fig: Any, dpi: int = 100) -> bytes:
+    plt = _pyplot()
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def _model_name(result: dict[str, Any]) -> str:
+    name = (result.get("model") or {}).get("name", "")
+    return Path(str(name)).name
+
+
+def _nan(v: Any) -> float:
+    return float("nan") if v is None else float(v)
+
+
+# -- ppl-bins ---------------------------------------------------------------------------------------------------
+
+def ppl_plot_layers(result: dict[str, Any], max_panels: int = 3) -> list[str]:
+    """The last address, plus the addresses with the strongest positive and negative pooled Spearman."""
+    res = result["results"]
+    layers = res["layers"]
+    corr = res["pooled"]["correlation"]
+    chosen = [layers[-1]]
+    finite = [a for a in layers if corr[a]["spearman"] is not None and not math.isnan(_nan(corr[a]["spearman"]))]
+    if finite:
+        for pick in (max(finite, key=lambda a: corr[a]["spearman"]), min(finite, key=lambda a: corr[a]["spearman"])):
+            if pick not in chosen:
+                chosen.append(pick)
+    return chosen[:max_panels]
+
+
+def figure_ppl_vs_dispersion(result: dict[str, Any], layers: Sequence[str] | None = None) -> Any:
+    """Paper A Fig. 3: group mean perplexity vs group mean token dispersion, one panel per address."""
+    plt = _pyplot()
+    res = result["results"]
+    layers = list(layers or ppl_plot_layers(result))
+    fig, axes = plt.subplots(1, len(layers), figsize=(4.6 * len(layers), 3.8), squeeze=False)
+    by_source = {s: r for s, r in (res.get("by_source") or {}).items() if "groups" in r}
+    for ax, addr in zip(axes[0], layers):
+        pooled = res["pooled"]
+        c = pooled["correlation"][addr]
+        ax.scatter([g["mean_ppl"] for g in pooled["groups"]], [g["dispersion"][addr] for g in pooled["groups"]],
+                   s=14, c="black", marker="x" if by_source else "o", alpha=0.7,
+                   label=f"pooled: r={_nan(c['pearson']):.2f}, ρ={_nan(c['spearman']):.2f}")
+        for k, (s, r) in enumerate(by_source.items()):
+            cs = r["correlation"][addr]
+            ax.scatter([g["mean_ppl"] for g in r["groups"]], [g["dispersion"][addr] for g in r["groups"]], s=14,
+                       alpha=0.7, color=f"C{k}",
+                       label=f"{s}: r={_nan(cs['pearson']):.2f}, ρ={_nan(cs['spearman']):.2f}")
+        ax.set_xlabel("group mean perplexity")
+        ax.set_ylabel("group mean token dispersion")
+        ax.set_title(addr)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    cfg = result.get("config", {})
+    fig.suptitle(f"{_model_name(result)}: perplexity vs dispersion "
+                 f"(chunks of {cfg.get('chunk_len')} tokens, groups of {cfg.get('group_size')})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def figure_correlation_vs_depth(result: dict[str, Any]) -> Any:
+    """Paper A Fig. 5: Pearson and Spearman correlation of perplexity and dispersion at every address."""
+    plt = _pyplot()
+    res = result["results"]
+    layers = res["layers"]
+    xs = list(range(len(layers)))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(layers) + 3), 3.6))
+    corr = res["pooled"]["correlation"]
+    pre = "pooled " if res.get("by_source") else ""
+    ax.plot(xs, [_nan(corr[a]["pearson"]) for a in layers], color="black", marker="o", ms=3, label=f"{pre}Pearson")
+    ax.plot(xs, [_nan(corr[a]["spearman"]) for a in layers], color="dimgrey", ls=":", marker="s", ms=3,
+            label=f"{pre}Spearman")
+    for k, (s, r) in enumerate((res.get("by_source") or {}).items()):
+        if "correlation" in r:
+            ax.plot(xs, [_nan(r["correlation"][a]["spearman"]) for a in layers], color=f"C{k}", ls="--", lw=1,
+                    label=f"{s} Spearman")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_xticks(xs)
+    ax.set_xticklabels(layers, rotation=70, fontsize=7)
+    ax.set_ylabel("corr(perplexity, dispersion)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{_model_name(result)}: correlation by depth", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# -- knn-keys ---------------------------------------------------------------------------------------------------
+
+def figure_knn_keys(result: dict[str, Any]) -> Any:
+    """Mean ± std (over seeds) dispersion of last-token vectors per candidate key, against the sample size N."""
+    plt = _pyplot()
+    res = result["results"]
+    fig, ax = plt.subplots(figsize=(6.0, 3.6))
+    for k, name in enumerate(res["candidates"]):
+        rows = [r for r in res["table"] if r["address"] == name]
+        ax.errorbar([r["N"] for r in rows], [_nan(r["mean"]) for r in rows], yerr=[_nan(r["std"]) for r in rows],
+                    marker="o", ms=4, capsize=3, color=f"C{k}",
+                    label=name + (" (recommended)" if name == res["recommended"] else ""))
+    ax.set_xscale("log")
+    ax.set_xticks(sorted({r["N"] for r in res["table"]}))
+    ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("chunks per sample (N)")
+    ax.set_ylabel("dispersion of last-token keys")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{_model_name(result)}: kNN-LM key candidates "
+                 f"({result.get('config', {}).get('n_seeds')} seeds)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# -- condensation -----------------------------------------------------------------------------------------------
+
+def figure_condensation(result: dict[str, Any]) -> Any:
+    """Paper C Fig. 2: per model a layer × cosine heatmap of the cosine histograms (log density), and below, the
+    mean cosine against relative depth for every model, with Spearman ρ and Kendall τ in the legend."""
+    import numpy as np
+
+    plt = _pyplot()
+    res = result["results"]
+    models = res["models"]
+    edges = res["edges"]
+    n = len(models)
+    fig = plt.figure(figsize=(max(6.0, 3.6 * n), 6.8))
+    grid = fig.add_gridspec(2, n, height_ratios=[1.4, 1.0])
+    for k, (label, m) in enumerate(models.items()):
+        ax = fig.add_subplot(grid[0, k])
+        dens = np.asarray([[_nan(v) for v in row] for row in m["density"]], dtype=float)
+        img = ax.imshow(np.log10(dens + 1e-3), aspect="auto", origin="lower", cmap="viridis",
+                        extent=(edges[0], edges[-1], -0.5, len(m["layers"]) - 0.5))
+        step = max(1, len(m["layers"]) // 8)
+        ax.set_yticks(range(0, len(m["layers"]), step))
+        ax.set_yticklabels(m["layers"][::step], fontsize=7)
+        ax.set_xlabel("cosine similarity")
+        ax.set_title(label, fontsize=9)
+        fig.colorbar(img, ax=ax, fraction=0.05, pad=0.02).set_label("log10 density", fontsize=7)
+    ax = fig.add_subplot(grid[1, :])
+    for k, (label, m) in enumerate(models.items()):
+        ax.plot(m["relative_depth"], [_nan(v) for v in m["mean_cosine"]], marker="o", ms=3, color=f"C{k}",
+                label=f"{label}: ρ={_nan(m['spearman']):.2f}, τ={_nan(m['kendall']):.2f}")
+    ax.set_xlabel("relative depth (layer index / L)")
+    ax.set_ylabel("mean token cosine")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"embedding condensation by depth ({result.get('data', {}).get('n_texts')} texts, "
+                 f"≤ {result.get('config', {}).get('max_length')} tokens each)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# -- clusters ---------------------------------------------------------------------------------------------------
+
+def figure_clusters(result: dict[str, Any]) -> Any:
+    """Within- and between-cluster cosine distance against relative depth, one line per model; with several models
+    (a checkpoint series) a third panel shows both at the last address against the checkpoint."""
+    plt = _pyplot()
+    models = result["results"]["models"]
+    series = len(models) > 1
+    fig, axes = plt.subplots(1, 3 if series else 2, figsize=(13.5 if series else 9.5, 3.6), squeeze=False)
+    for k, (label, m) in enumerate(models.items()):
+        for ax, key in zip(axes[0], ("within", "between")):
+            ax.plot(m["relative_depth"], [_nan(v) for v in m[key]], marker="o", ms=3, color=f"C{k}", label=label)
+    for ax, key in zip(axes[0], ("within-cluster", "between-cluster")):
+        ax.set_xlabel("relative depth (layer index / L)")
+        ax.set_ylabel(f"{key} cosine distance")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if series:
+        ax = axes[0, 2]
+        xs = list(range(len(models)))
+        ax.plot(xs, [_nan(m["within"][-1]) for m in models.values()], marker="o", label="within")
+        ax.plot(xs, [_nan(m["between"][-1]) for m in models.values()], marker="s", label="between")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(list(models), rotation=30, fontsize=7)
+        ax.set_ylabel(f"distance at {next(iter(models.values()))['layers'][-1]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    cfg = result.get("config", {})
+    fig.suptitle(f"{len(result['results']['clusters'])} clusters of contexts sharing a {cfg.get('ngram')}-gram "
+                 f"continuation ({cfg.get('context_len')}-token contexts)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# -- perturb ----------------------------------------------------------------------------------------------------
+
+def figure_perturb(result: dict[str, Any]) -> Any:
+    """Paper B §5: prompt entropy (top) and token dispersion (bottom) against depth, one panel per sweep, one line
+    per perturbation strength (darker = stronger)."""
+    plt = _pyplot()
+    res = result["results"]
+    layers = res["layers"]
+    sweeps = res["sweeps"]
+    xs = [i / max(1, len(layers) - 1) for i in range(len(layers))]
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(4.4 * len(sweeps), 6.4), squeeze=False, sharex=True)
+    for col, (sweep, r) in enumerate(sweeps.items()):
+        n = len(r["values"])
+        for j, v in enumerate(r["values"]):
+            color = plt.cm.viridis(0.85 * (1 - j / max(1, n - 1)))
+            label = f"L={v:g}" if sweep == "length" else f"p={v:g}"
+            for row, key in enumerate(("prompt_entropy", "token_dispersion")):
+                axes[row, col].plot(xs, [_nan(y) for y in r[key][j]], color=color, marker="o", ms=2.5, label=label)
+        axes[0, col].set_title(sweep, fontsize=10)
+        axes[1, col].set_xlabel("relative depth")
+        axes[0, col].legend(fontsize=7)
+    axes[0, 0].set_ylabel("prompt entropy (normalized)")
+    axes[1, 0].set_ylabel("token dispersion")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{_model_name(result)}: prompt perturbations ({result.get('data', {}).get('n_prompts')} prompts)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig

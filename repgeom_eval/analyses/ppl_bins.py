@@ -1,0 +1,253 @@
+"""Perplexity vs token dispersion (paper A §2.1–2.2, Fig. 3 and Fig. 5; spec §2.1, §2.2, §9.1).
+
+Per chunk of ``chunk_len`` tokens, ONE forward pass gives both the loss and every requested layer's token
+vectors:
+
+* perplexity = exp(mean next-token cross-entropy over the chunk's ``chunk_len − 1`` predicted positions), as HF's
+  ``outputs.loss`` with ``labels = inputs``;
+* token dispersion at each address = D over the chunk's token vectors (spec §1.1, by the O(T·d) identity).
+
+Algorithm 1 (paper A's ``step2_group_and_sample.py``): sort the chunks by perplexity, cut consecutive groups of
+``group_size`` (dropping the incomplete tail), and if there are more than ``n_bins`` groups keep the groups nearest
+to ``n_bins`` perplexity targets spaced evenly from the lowest to the highest group mean (bisect, ties go to the
+right-hand neighbour, duplicates dropped). A group's value is the mean of its chunks' perplexities and the mean of
+their dispersions. Pearson and Spearman correlations between group perplexity and group dispersion are reported
+for every address.
+
+Sources: records may carry a ``source`` field. Correlations are then computed per source (each its own grouping)
+and pooled; sources whose median perplexities differ by ``confound_ratio`` or more are flagged, because a pooled
+correlation then mostly compares domains and can have the opposite sign of every per-source one (paper A analyses
+one domain at a time).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import RepgeomError
+from ..functional.dispersion import token_dispersion
+from ..io import write_jsonl
+from ..models import LoadedModel, load_model
+from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents,
+                     sample_chunks)
+from .forward import TokenRunner, batches, next_token_logprobs, parse_addresses
+from .output import AnalysisResult
+from .stats import correlations
+
+KIND = "ppl-bins"
+DEFAULT_CHUNK_LEN = 512
+DEFAULT_GROUP_SIZE = 100
+DEFAULT_BINS = 100
+DEFAULT_SEED = 42  # paper A: random.seed(42)
+DEFAULT_CONFOUND_RATIO = 2.0
+MIN_GROUPS = 3  # fewer points make a correlation meaningless
+
+
+def uniform_ppl_groups(ppl: Sequence[float], group_size: int, n_bins: int = DEFAULT_BINS
+                       ) -> tuple[list[list[int]], int]:
+    """Algorithm 1 of paper A. Returns (selected groups as lists of chunk indices, in increasing perplexity;
+    the number of complete groups before selection).
+
+    Groups are consecutive runs of ``group_size`` chunks in perplexity order (stable sort; incomplete tail dropped).
+    With more than ``n_bins`` groups, for each target of ``linspace(min, max, n_bins)`` over the group means the
+    nearest group is kept (bisect_left; ties prefer the right neighbour), without duplicates.
+    """
+    if group_size < 1:
+        raise RepgeomError(f"group size must be positive, got {group_size}")
+    if n_bins < 1:
+        raise RepgeomError(f"number of bins must be positive, got {n_bins}")
+    order = sorted(range(len(ppl)), key=lambda i: ppl[i])
+    groups = [order[lo:lo + group_size] for lo in range(0, len(order) - group_size + 1, group_size)]
+    if len(groups) <= n_bins:
+        return groups, len(groups)
+    means = [float(np.mean([ppl[i] for i in g])) for g in groups]
+    selected: set[int] = set()
+    for target in np.linspace(means[0], means[-1], n_bins):
+        pos = bisect.bisect_left(means, target)
+        if pos == len(means):
+            pos -= 1
+        if pos > 0 and abs(means[pos - 1] - target) < abs(means[pos] - target):
+            pos -= 1
+        selected.add(pos)
+    return [groups[i] for i in sorted(selected)], len(groups)
+
+
+def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Sequence[Any], batch_size: int = 4,
+                     progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(perplexity [N], token dispersion [N, n_addresses]) of every chunk; one forward pass per batch."""
+    ppl = np.empty(len(chunks), dtype=np.float64)
+    disp = np.empty((len(chunks), len(addresses)), dtype=np.float64)
+    done = 0
+    with TokenRunner(loaded, addresses, logits=True) as runner, tqdm(
+            total=len(chunks), unit="chunk", desc="ppl-bins", disable=not progress, leave=False) as bar:
+        for batch in batches(chunks, batch_size):
+            out = runner.run([c.ids for c in batch])
+            logprob, valid = next_token_logprobs(out.logits, out.ids, out.mask)
+            nll = -(logprob.sum(1) / valid.sum(1).clamp(min=1))
+            ppl[done:done + len(batch)] = torch.exp(nll).numpy()
+            for j, addr in enumerate(addresses):
+                values, _ = token_dispersion(out.hidden[addr], out.mask.to(out.hidden[addr].device))
+                disp[done:done + len(batch), j] = values.cpu().numpy()
+            done += len(batch)
+            bar.update(len(batch))
+    return ppl, disp
+
+
+def bin_and_correlate(ppl: np.ndarray, disp: np.ndarray, layers: Sequence[str], group_size: int, n_bins: int,
+                      max_ppl: float | None = None) -> dict[str, Any]:
+    """Algorithm 1 on one population of chunks, group means, and the correlations per layer.
+
+    Raises :class:`RepgeomError` if fewer than 3 groups remain (the message says how to get more)."""
+    groups, n_groups = uniform_ppl_groups(ppl.tolist(), group_size, n_bins)
+    rows = []
+    for g in groups:
+        rows.append({"mean_ppl": float(ppl[g].mean()), "n_chunks": len(g),
+                     "dispersion": {a: float(disp[g, j].mean()) for j, a in enumerate(layers)}})
+    n_dropped = 0
+    if max_ppl is not None:
+        kept = [r for r in rows if r["mean_ppl"] < max_ppl]
+        n_dropped, rows = len(rows) - len(kept), kept
+    if len(rows) < MIN_GROUPS:
+        have = (f"{len(ppl)} chunks make {n_groups} complete group(s) of {group_size}"
+                + (f", {n_dropped} of the selected dropped by --max-ppl {max_ppl}" if n_dropped else ""))
+        raise RepgeomError(f"corpus too small for perplexity bins: {have}, but at least {MIN_GROUPS} groups are "
+                           f"needed for a correlation; give more text (or --n-chunks), or lower --group-size "
+                           f"(at most {max(1, len(ppl) // MIN_GROUPS)} here) or --chunk-len")
+    xs = [r["mean_ppl"] for r in rows]
+    corr = {a: correlations(xs, [r["dispersion"][a] for r in rows]) for a in layers}
+    return {"n_chunks": int(len(ppl)), "n_groups": n_groups, "n_selected": len(rows),
+            "n_dropped_max_ppl": n_dropped, "median_chunk_ppl": float(np.median(ppl)),
+            "groups": rows, "correlation": corr}
+
+
+def _sign(x: float) -> int:
+    return 0 if x is None or math.isnan(x) or x == 0 else (1 if x > 0 else -1)
+
+
+def confound_check(pooled: dict[str, Any], by_source: dict[str, dict[str, Any]], layers: Sequence[str],
+                   ratio_threshold: float) -> dict[str, Any]:
+    """Median-perplexity spread of the sources and the layers where the pooled Spearman sign is opposite to every
+    source's (a domain-confound reversal)."""
+    medians = {s: r["median_chunk_ppl"] for s, r in by_source.items() if "median_chunk_ppl" in r}
+    ratio = max(medians.values()) / min(medians.values()) if len(medians) >= 2 and min(medians.values()) > 0 \
+        else float("nan")
+    reversed_layers = []
+    complete = [r for r in by_source.values() if "correlation" in r]
+    if len(complete) >= 2:
+        for a in layers:
+            pooled_sign = _sign(pooled["correlation"][a]["spearman"])
+            signs = {_sign(r["correlation"][a]["spearman"]) for r in complete}
+            if pooled_sign and len(signs) == 1 and -pooled_sign in signs:
+                reversed_layers.append(a)
+    flagged = bool(not math.isnan(ratio) and ratio >= ratio_threshold)
+    return {"median_ppl": medians, "ratio": ratio, "threshold": ratio_threshold, "flagged": flagged,
+            "sign_reversal_layers": reversed_layers}
+
+
+def ppl_bins(
+    model: str | LoadedModel,
+    data: str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document],
+    *,
+    layers: str | Sequence[str] = "all",
+    chunk_len: int = DEFAULT_CHUNK_LEN,
+    n_chunks: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    n_bins: int = DEFAULT_BINS,
+    packing: str = "concat",
+    seed: int = DEFAULT_SEED,
+    max_ppl: float | None = None,
+    confound_ratio: float = DEFAULT_CONFOUND_RATIO,
+    text_field: str = "text",
+    source_field: str = "source",
+    batch_size: int = 4,
+    dtype: str | None = "auto",
+    device: str | None = "cpu",
+    per_chunk_path: str | Path | None = None,
+    progress: bool = True,
+) -> AnalysisResult:
+    """Run the perplexity-vs-dispersion analysis (see the module docstring); returns the ``ppl-bins`` result."""
+    t_start = time.perf_counter()
+    if packing not in PACKINGS:
+        raise RepgeomError(f"unknown packing {packing!r} (valid: {', '.join(PACKINGS)})")
+    if batch_size < 1:
+        raise RepgeomError(f"batch size must be positive, got {batch_size}")
+    docs, data_path = load_documents(data, text_field, source_field)
+    t0 = time.perf_counter()
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    t_load = time.perf_counter() - t0
+    check_context(chunk_len, loaded.info.max_positions)
+    addrs = parse_addresses(loaded, layers)
+    names = [str(a) for a in addrs]
+
+    t0 = time.perf_counter()
+    chunks = corpus_chunks(loaded.tokenizer, docs, chunk_len, packing)
+    picked = sample_chunks(chunks, n_chunks, seed)
+    sampled = [chunks[i] for i in picked]
+    t_tok = time.perf_counter() - t0
+    if len(sampled) < group_size * MIN_GROUPS:
+        raise RepgeomError(
+            f"corpus too small for perplexity bins: {len(sampled)} chunk(s) of {chunk_len} tokens "
+            f"({len(docs)} documents, packing {packing!r}), but {MIN_GROUPS} groups of {group_size} need "
+            f"{group_size * MIN_GROUPS}; give more text, or lower --group-size or --chunk-len")
+
+    t0 = time.perf_counter()
+    ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, progress)
+    t_forward = time.perf_counter() - t0
+
+    result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
+    pooled = bin_and_correlate(ppl, disp, names, group_size, n_bins, max_ppl)
+    sources = sorted({c.source for c in sampled})
+    by_source: dict[str, dict[str, Any]] = {}
+    if len(sources) > 1:
+        for s in sources:
+            rows = np.array([i for i, c in enumerate(sampled) if c.source == s])
+            try:
+                by_source[s] = bin_and_correlate(ppl[rows], disp[rows], names, group_size, n_bins, max_ppl)
+            except RepgeomError as exc:
+                by_source[s] = {"n_chunks": int(len(rows)), "median_chunk_ppl": float(np.median(ppl[rows])),
+                                "error": str(exc)}
+                result.warn(f"source {s!r}: no per-source correlation ({exc})")
+        confound = confound_check(pooled, by_source, names, confound_ratio)
+        if confound["flagged"]:
+            med = ", ".join(f"{s} {v:.3g}" for s, v in confound["median_ppl"].items())
+            result.warn(f"domain confound: the sources' median chunk perplexities differ {confound['ratio']:.1f}-fold "
+                        f"({med}); the pooled correlation then mostly compares domains — read the per-source "
+                        "correlations (paper A analyses one domain at a time)")
+        flipped = confound["sign_reversal_layers"]
+        if flipped:
+            shown = ", ".join(flipped[:6]) + (" ..." if len(flipped) > 6 else "")
+            result.warn(f"the pooled Spearman correlation has the opposite sign of every source's at "
+                        f"{len(flipped)} of {len(names)} addresses ({shown})")
+        result.results["confound"] = confound
+    result.results["pooled"] = pooled
+    if by_source:
+        result.results["by_source"] = by_source
+    result.results["layers"] = names
+    result.data = {"path": data_path, "packing": packing, **describe(chunks, docs), "n_chunks_used": len(sampled),
+                   "n_tokens_used": int(sum(len(c) for c in sampled)), "sources": sources}
+    result.config = {"layers": names, "layer_spec": layers if isinstance(layers, str) else list(layers),
+                     "chunk_len": chunk_len, "n_chunks": n_chunks, "group_size": group_size, "n_bins": n_bins,
+                     "packing": packing, "seed": seed, "max_ppl": max_ppl, "confound_ratio": confound_ratio,
+                     "batch_size": batch_size, "dtype": loaded.info.dtype, "device": str(loaded.device),
+                     "text_field": text_field, "source_field": source_field,
+                     "perplexity": "exp(mean next-token cross-entropy over the chunk's chunk_len-1 positions)",
+                     "dispersion": "token dispersion: mean pairwise cosine distance of the chunk's token vectors",
+                     "group_value": "mean over the group's chunks (paper A)",
+                     "special_tokens": "none added (paper A: no BOS on chunks after the first)"}
+    if per_chunk_path is not None:
+        write_jsonl(per_chunk_path, ({"source": c.source, "doc": c.doc, "start": c.start, "ppl": float(ppl[i]),
+                                      "dispersion": dict(zip(names, disp[i].tolist()))}
+                                     for i, c in enumerate(sampled)))
+    result.timings = {"load_model_s": t_load, "tokenize_s": t_tok, "forward_s": t_forward,
+                      "total_s": time.perf_counter() - t_start,
+                      "tokens_per_s": result.data["n_tokens_used"] / max(t_forward, 1e-9)}
+    return result
