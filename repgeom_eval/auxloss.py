@@ -91,14 +91,7 @@ class AuxLoss:
 
     def addresses(self, info: "ModelInfo", host: "PluginHost | None" = None) -> list[Address]:
         """The canonical addresses of ``layers`` on a model (selectors looked up in the plugin host)."""
-        from .plugin_host import get_host
-
-        host = host or get_host()
-
-        def selector(name: str):
-            return host.layer_selectors.get(name) if name in host.layer_selectors else None
-
-        return parse_layers(self.layers, info.n_layers, selector, info)
+        return parse_addresses(self.layers, info, host)
 
     # -- configuration -------------------------------------------------------------------------------------------------
     @classmethod
@@ -119,6 +112,18 @@ class AuxLoss:
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.get_config_dict().items() if k != "name")
         return f"{type(self).__name__}({params})"
+
+
+def parse_addresses(layers: str | Sequence[str], info: "ModelInfo", host: "PluginHost | None" = None) -> list[Address]:
+    """:func:`repgeom_eval.addresses.parse_layers` with the registered layer selectors (``all``, ``last`` ...)."""
+    from .plugin_host import get_host
+
+    host = host or get_host()
+
+    def selector(name: str):
+        return host.layer_selectors.get(name) if name in host.layer_selectors else None
+
+    return parse_layers(layers, info.n_layers, selector, info)
 
 
 def build_aux_loss(spec: Mapping[str, Any], host: "PluginHost | None" = None, where: str = "aux loss") -> AuxLoss:
