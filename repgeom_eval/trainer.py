@@ -73,6 +73,23 @@ class AuxLossTrainer(Trainer):
         self._host = host
         self._plan_cache: tuple[int, _Plan] | None = None
         self._reset_running()
+        self._fix_label_shift_count()
+
+    def _fix_label_shift_count(self) -> None:
+        """Count next-token targets as ``labels[..., 1:]`` for every causal-LM loss.
+
+        transformers 5 decides whether the loss shifts labels from ``model.loss_type``, which is ``None`` for
+        classes not named ``*ForCausalLM`` (``GPT2LMHeadModel``); it then counts position 0 as a target, and the
+        CE it normalizes by ``num_items_in_batch`` (training and evaluation) comes out scaled by (T−1)/T.
+        """
+        if not hasattr(self, "_loss_shifts_labels") or self.model is None:
+            return
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        model = self.accelerator.unwrap_model(self.model)
+        causal = getattr(model, "loss_function", None) is ForCausalLMLoss
+        if causal and not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            self._loss_shifts_labels = True
 
     # -- hook plan -------------------------------------------------------------------------------------------------
     def _plan(self, model: torch.nn.Module) -> _Plan:

@@ -40,7 +40,7 @@ SMOKE = ["training.max_steps=20", "evaluate_at=[10,20]", "training.per_device_tr
 
 def run_variant(workdir: Path, name: str, extra: list[str], log: Path) -> subprocess.Popen:
     sets = [f"aux_losses={json.dumps(VARIANTS[name])}", f"output_dir=runs/{name}", *extra]
-    cmd = [sys.executable, "-m", "repgeom_eval", "train", "--config", str(workdir / "config.yaml"), "--no-progress"]
+    cmd = [sys.executable, "-m", "repgeom_eval", "train", "--config", str(workdir / "config.yaml")]
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
