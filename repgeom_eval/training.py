@@ -417,9 +417,7 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
     t_start = time.perf_counter()
     host = host or get_host()
     losses = [build_aux_loss(spec, host, where=f"aux_losses[{i}]") for i, spec in enumerate(cfg.aux_losses)]
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    if not os.access(cfg.output_dir, os.W_OK):
-        raise RepgeomError(f"output_dir {str(cfg.output_dir)!r} is not writable")
+    _check_output_dir(cfg.output_dir)  # before hours of training; created only once the data and model are ready
     args, arg_kwargs = _training_arguments(cfg)
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
@@ -461,6 +459,7 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
             data_summary[name]["train_blocks_used"] = len(d)
     import datasets
 
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
     train_ds = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
 
     steps = [s for s in cfg.evaluate_at if args.max_steps <= 0 or s <= args.max_steps]
@@ -508,6 +507,14 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
     result = TrainResult(config, info.to_dict(), data_summary, evaluations, train_log, timings)
     write_json(cfg.output_dir / "results.json", result.to_dict())
     return result
+
+
+def _check_output_dir(path: Path) -> None:
+    existing = next((p for p in [path, *path.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise RepgeomError(f"output_dir {str(path)!r}: {str(existing)!r} is a file, not a directory")
+    if existing is None or not os.access(existing, os.W_OK):
+        raise RepgeomError(f"output_dir {str(path)!r} cannot be created: {str(existing)!r} is not writable")
 
 
 def _evaluations(history: list[dict[str, Any]], domains: list[str]) -> list[dict[str, Any]]:

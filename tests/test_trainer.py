@@ -129,6 +129,14 @@ def test_logged_loss_is_ce_plus_weighted_aux_every_step(tiny_model_dir, blocks, 
     logs = train_logs(AuxLossTrainer(model=loaded.model, args=args(tmp_path, max_steps=3), train_dataset=blocks,
                                      aux_losses=losses))
     assert [row["step"] for row in logs] == [1, 2, 3]
+    # step 1's CE is the model's own next-token CE on that batch (targets counted as labels[..., 1:])
+    four = blocks.select(range(4))
+    fresh = trainable(tiny_model_dir("gpt2")).model
+    with torch.no_grad():
+        expected_ce = fresh(input_ids=four[:]["input_ids"], labels=four[:]["labels"]).loss.item()
+    first = train_logs(AuxLossTrainer(model=fresh, args=args(tmp_path, max_steps=1), train_dataset=four,
+                                      aux_losses=losses[1:]))[0]
+    assert first["ce"] == pytest.approx(expected_ce, rel=1e-6)
     for row in logs:
         if "aux/push_away/skipped" in row:
             continue
