@@ -3,8 +3,9 @@ code, baseline vs push-away (cross-domain) vs squeeze at equal steps; per-domain
 (the shape of paper A Table 2 / Table 13). Not part of CI.
 
     .venv/bin/python experiments/dispersion_training/run.py --smoke          # ~1 minute: checks the pipeline
-    .venv/bin/python experiments/dispersion_training/run.py                  # the real run (about 1 h on 2 cores)
-    .venv/bin/python experiments/dispersion_training/run.py --parallel 3     # the three variants side by side
+    .venv/bin/python experiments/dispersion_training/run.py --parallel 3     # the real run: 400 steps, ~35 min
+    .venv/bin/python experiments/dispersion_training/run.py --parallel 3 --set training.max_steps=1200 \
+        --set 'evaluate_at=[600,1200]' --set training.warmup_steps=60       # 3x longer
 
 Steps: prepare_data.py writes the two domains into WORKDIR/data (nothing downloaded or committed); config.yaml is
 copied to WORKDIR and each variant runs as ``repgeom train --config WORKDIR/config.yaml --set ...`` in its own
