@@ -30,6 +30,7 @@ COMMANDS = {
     "report": ("report_cmd", "One self-contained offline HTML page from the JSON outputs of the other commands."),
     "clusters": ("clusters_cmd", "Contexts sharing an n-gram continuation: within/between-cluster distance (paper A)."),
     "perturb": ("perturb_cmd", "Prompt entropy and dispersion under repetition, random tokens, length (paper B)."),
+    "train": ("train_cmd", "Train a causal LM (continued, or a small GPT-2 from scratch) with auxiliary losses."),
 }
 
 

@@ -20,8 +20,34 @@ def knn_keys(info) -> list[str]:
     return ["resid_mid:-1", "resid_post:-1", "mlp_in:-1"]
 
 
+# Paper C's layer sets for its losses (spec §4.6): hidden_states[1..L], skipping the embeddings.
+
+def all_but_embed(info) -> list[str]:
+    """hidden_states[1..L]: every block output, the last one after the final norm (paper C's `all`)."""
+    return [str(k) for k in range(1, info.n_layers + 1)]
+
+
+def last(info) -> list[str]:
+    """The final hidden state (= final, hidden_states[L]; paper C's `last`)."""
+    return ["final"]
+
+
+def early_half(info) -> list[str]:
+    """hidden_states[1..⌊L/2⌋] (paper C's `early_half`)."""
+    return [str(k) for k in range(1, info.n_layers // 2 + 1)]
+
+
+def late_half(info) -> list[str]:
+    """hidden_states[⌊L/2⌋+1..L] (paper C's `late_half`)."""
+    return [str(k) for k in range(info.n_layers // 2 + 1, info.n_layers + 1)]
+
+
 @hookimpl
 def repgeom_register_layer_selectors(registry):
     registry.add(every_hidden_state, name="all")
     registry.add(every_block, name="blocks")
     registry.add(knn_keys, name="knn_keys")
+    registry.add(all_but_embed, name="all_but_embed")
+    registry.add(last, name="last")
+    registry.add(early_half, name="early_half")
+    registry.add(late_half, name="late_half")

@@ -5,6 +5,10 @@ caller does not need the model's outputs (no logits), the pass is stopped by an 
 requested tensor has been captured, so reading block 3 of a 30-block model costs 4 blocks (baukit's
 ``TraceDict(stop=True)``). The model itself is never truncated: truncation would apply the final norm to the
 truncated layer.
+
+For training (auxiliary losses on hidden states), ``Capture(model, points, keep_grad=True)`` keeps the captured
+tensors attached to the autograd graph: install it around the ordinary forward pass that also computes the
+cross-entropy, then read :meth:`Capture.tensors` — the hidden states of that same pass, no second forward.
 """
 
 from __future__ import annotations
@@ -39,12 +43,24 @@ class Capture:
 
         with Capture(model, points) as cap:
             tensors = cap.run(input_ids=ids, attention_mask=mask)   # {Address: [B, T, D]}
+
+    With ``keep_grad=True`` the tensors are not detached and the caller runs the forward pass itself (a training
+    step)::
+
+        with Capture(model, points, stop_early=False, keep_grad=True) as cap:
+            out = model(input_ids=ids, labels=ids)
+            hidden = cap.tensors()                                  # part of out.loss's graph
     """
 
-    def __init__(self, model: nn.Module, points: Mapping[Address, HookPoint], stop_early: bool = True):
+    def __init__(self, model: nn.Module, points: Mapping[Address, HookPoint], stop_early: bool = True,
+                 keep_grad: bool = False):
+        if keep_grad and stop_early:
+            raise ValueError("keep_grad=True is for training, which needs the whole forward pass: "
+                             "pass stop_early=False")
         self.model = model
         self.points = dict(points)
         self.stop_early = stop_early
+        self.keep_grad = keep_grad
         self._handles: list[Any] = []
         self._by_point: dict[HookPoint, list[Address]] = {}
         for addr, point in self.points.items():
@@ -73,7 +89,7 @@ class Capture:
         self._handles.clear()
 
     def _store(self, point: HookPoint, tensor: torch.Tensor) -> None:
-        self._captured[point] = tensor.detach()
+        self._captured[point] = tensor if self.keep_grad else tensor.detach()
         if self.stop_early and len(self._captured) == len(self._by_point):
             raise _StopForward
 
@@ -95,15 +111,26 @@ class Capture:
 
         return hook
 
-    @torch.inference_mode()
     def run(self, **inputs: Any) -> dict[Address, torch.Tensor]:
-        """Run the model once; return the captured tensor of every address (and set ``self.outputs``)."""
+        """Run the model once; return the captured tensor of every address (and set ``self.outputs``).
+
+        Runs under ``torch.inference_mode`` unless ``keep_grad`` is set.
+        """
+        self.clear()
+        with torch.inference_mode(not self.keep_grad):
+            try:
+                self.outputs = self.model(**inputs)
+            except _StopForward:
+                pass
+        return self.tensors()
+
+    def clear(self) -> None:
+        """Forget what the previous forward pass captured."""
         self._captured = {}
         self.outputs = None
-        try:
-            self.outputs = self.model(**inputs)
-        except _StopForward:
-            pass
+
+    def tensors(self) -> dict[Address, torch.Tensor]:
+        """The tensor of every address captured by the latest forward pass; an error names any that never fired."""
         missing = [str(a) for p, addrs in self._by_point.items() if p not in self._captured for a in addrs]
         if missing:
             raise RuntimeError(f"hooks for {', '.join(missing)} never fired during the forward pass")

@@ -142,20 +142,36 @@ def load_model(
     if tokenizer.pad_token is None:
         # Only the attention mask matters for padded positions; any existing token will do.
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+    return wrap_model(model, tokenizer, name=name, source=source, host=host)
+
+
+def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, source: str = "memory",
+               host: Any = None) -> LoadedModel:
+    """A :class:`LoadedModel` for a model already in memory (e.g. one being trained), left as it is.
+
+    Looks up the architecture table by ``config.model_type``, so layer addresses resolve on it as on a loaded one.
+    """
+    from .plugin_host import get_host
+
+    host = host or get_host()
+    config = model.config
+    spec: ArchitectureSpec = host.architectures.get(config.model_type)
     blocks = model.base_model.get_submodule(spec.blocks)
+    param = next(model.parameters(), None)
     info = ModelInfo(
-        name=name,
+        name=name or getattr(config, "_name_or_path", "") or type(model).__name__,
         model_type=config.model_type,
         architecture=type(model).__name__,
         n_layers=len(blocks),
         hidden_size=int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0)),
-        dtype=str(torch_dtype).replace("torch.", ""),
+        dtype=str(param.dtype if param is not None else torch.get_default_dtype()).replace("torch.", ""),
         n_parameters=sum(p.numel() for p in model.parameters()),
         vocab_size=getattr(config, "vocab_size", None),
         max_positions=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None),
         source=source,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, info=info, device=dev)
+    device = param.device if param is not None else torch.device("cpu")
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, info=info, device=device)
 
 
 def _gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:

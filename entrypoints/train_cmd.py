@@ -1,0 +1,52 @@
+"""``repgeom train --config FILE.yaml``: train (or continue training) a causal LM with auxiliary losses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", required=True, metavar="FILE.yaml",
+                   help="training config: model or from_scratch, data.domains, aux_losses, training "
+                        "(transformers.TrainingArguments), evaluate_at, output_dir (see README, 'Training with "
+                        "auxiliary losses')")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set training.max_steps=50 --set output_dir=runs/b "
+                        "(VALUE is read as YAML; repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the per-domain perplexities as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from repgeom_eval.training import read_config, train
+
+    cfg = read_config(args.config, args.overrides)
+    result = train(cfg, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(result.perplexity_table(), indent=2))
+        return 0
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)
+    objective = result.config["objective"]
+    table = Table(title=escape(f"evaluation perplexity per domain · {objective}"))
+    table.add_column("step", justify="right")
+    domains = list(result.data)
+    for name in domains:
+        table.add_column(escape(name), justify="right")
+    for row in result.perplexity_table():
+        table.add_row(str(row["step"]), *[f"{row[d]:.2f}" if d in row else "-" for d in domains])
+    console.print(table)
+    last = result.train_log[-1] if result.train_log else {}
+    parts = [f"{k} {last[k]:.4f}" for k in ("ce", "dispersion", "dispersion_cross") if k in last]
+    parts += [f"{k} {v:.4f}" for k, v in last.items() if k.startswith("aux/") and not k.endswith("skipped")]
+    if parts:
+        console.print(f"last step ({last.get('step')}): " + ", ".join(parts), soft_wrap=True)
+    console.print(f"{result.timings['steps']} steps in {result.timings['train_s']:.1f} s; results: "
+                  f"{escape(str(cfg.output_dir / 'results.json'))}", soft_wrap=True)
+    return 0

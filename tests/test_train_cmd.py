@@ -1,0 +1,176 @@
+"""``repgeom train --config FILE.yaml`` end to end on tiny configs (seconds), and its config errors."""
+
+import inspect
+import json
+import math
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("datasets")
+
+from repgeom_eval.entrypoints.cli import main  # noqa: E402
+from repgeom_eval.training import parse_config, read_config, split_texts  # noqa: E402
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+
+
+@pytest.fixture
+def two_domains(tmp_path, texts):
+    """Prose (Python's docs) and code (repgeom-eval's own source), read at test time."""
+    import repgeom_eval.addresses
+    import repgeom_eval.data
+
+    write_jsonl(tmp_path / "prose.jsonl", texts[:30])
+    write_jsonl(tmp_path / "prose_test.jsonl", texts[30:])
+    code = inspect.getsource(repgeom_eval.addresses).split("\n\n\n")
+    write_jsonl(tmp_path / "code.jsonl", code)
+    write_jsonl(tmp_path / "code_test.jsonl", inspect.getsource(repgeom_eval.data).split("\n\n\n"))
+    return tmp_path
+
+
+SCRATCH = """
+from_scratch: {n_layer: 2, n_embd: 32, n_head: 2, vocab_size: 320}
+data:
+  block_size: 24
+  balance: true
+  domains:
+    prose: {train: prose.jsonl, eval: prose_test.jsonl}
+    code: {train: code.jsonl, eval: code_test.jsonl}
+aux_losses:
+  - {name: push_away, weight: 0.01, cross_domain: true}
+  - {name: angular_spread, weight: 0.1, layers: last, max_tokens: 8}
+training: {max_steps: 4, per_device_train_batch_size: 8, learning_rate: 1.0e-3, use_cpu: true}
+evaluate_at: [2]
+output_dir: out
+torch_threads: 1
+"""
+
+
+def test_train_from_scratch_two_domains_end_to_end(two_domains, capsys):
+    (two_domains / "train.yaml").write_text(SCRATCH)
+    assert main(["train", "--config", str(two_domains / "train.yaml"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "prose" in printed and "code" in printed and "push_away" in printed
+    result = json.loads((two_domains / "out" / "results.json").read_text())
+    # per-domain perplexity at the requested step and at the end
+    assert [e["step"] for e in result["evaluations"]] == [2, 4]
+    for e in result["evaluations"]:
+        assert set(e["perplexity"]) == {"prose", "code"}
+        for d in ("prose", "code"):
+            assert e["perplexity"][d] == pytest.approx(math.exp(e["loss"][d]))
+            assert 1 < e["perplexity"][d] < 10 * 320
+    # one log row per step with CE, both aux losses and the batch dispersion; loss = CE + Σ λ·L_aux
+    log = result["train_log"]
+    assert [row["step"] for row in log] == [1, 2, 3, 4]
+    for row in log:
+        assert 0 < row["dispersion"] < 2 and 0 < row["dispersion_cross"] < 2
+        expected = row["ce"] + 0.01 * row["aux/push_away"] + 0.1 * row["aux/angular_spread"]
+        assert row["loss"] == pytest.approx(expected, rel=1e-5)
+    cfg = result["config"]
+    assert cfg["aux_losses"][0] == {"name": "push_away", "granularity": "token", "cross_domain": True,
+                                    "pooling": "last", "eps": 1e-12, "weight": 0.01, "layers": "final"}
+    assert cfg["aux_losses"][1]["max_tokens"] == 8 and cfg["aux_losses"][1]["variant"] == "paper"
+    assert cfg["training"]["max_steps"] == 4 and cfg["training"]["logging_steps"] == 1
+    assert cfg["source"]["kind"] == "from_scratch" and result["model"]["n_layers"] == 2
+    data = result["data"]
+    assert data["prose"]["train_blocks_used"] == data["code"]["train_blocks_used"]  # balance: true
+    # the trained model and its tokenizer load like any checkpoint
+    from repgeom_eval import measure
+
+    measured = measure(str(two_domains / "out" / "model"), ["def f(x): return x", "Some English prose here."],
+                       metrics=["dispersion"], progress=False)
+    assert 0 <= measured.results["final"]["dispersion"] <= 2
+
+
+def test_continued_training_of_a_local_model_single_domain(tiny_model_dir, tmp_path, texts):
+    write_jsonl(tmp_path / "texts.jsonl", texts)
+    (tmp_path / "cfg.yaml").write_text(f"""
+model: {tiny_model_dir("gpt2")}
+data:
+  block_size: 16
+  domains: {{text: texts.jsonl}}
+aux_losses: [{{name: squeeze, weight: 0.5}}]
+training: {{max_steps: 2, per_device_train_batch_size: 4, use_cpu: true}}
+output_dir: run
+save_model: false
+""")
+    assert main(["train", "-c", str(tmp_path / "cfg.yaml"), "--no-progress", "--json",
+                 "--set", "training.max_steps=3"]) == 0
+    result = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert result["timings"]["steps"] == 3  # --set applied
+    assert [e["step"] for e in result["evaluations"]] == [3]  # the held-out 10% of the texts, at the end
+    assert result["data"]["text"]["eval_texts"] == 4 and result["data"]["text"]["train_texts"] == 36
+    assert result["config"]["source"] == {"kind": "continued", "model": tiny_model_dir("gpt2")}
+    assert all(row["aux/squeeze"] == pytest.approx(row["dispersion"]) for row in result["train_log"])
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_split_is_seeded_and_disjoint():
+    from repgeom_eval.data import from_texts
+
+    ts = from_texts([f"text {i}" for i in range(20)])
+    a, b = split_texts(ts, 0.2, 0), split_texts(ts, 0.2, 0)
+    assert a == b and len(a[1]) == 4 and not set(a[0]) & set(a[1])
+    assert split_texts(ts, 0.2, 1) != a
+
+
+@pytest.mark.parametrize("text, match", [
+    ("data: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o", "exactly one of `model`"),
+    ("model: m\nfrom_scratch: {}\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "exactly one of"),
+    ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o\nevaluate: [1]",
+     "unknown key 'evaluate'; did you mean 'evaluate_at'"),
+    ("model: m\ndata: {domains: {}}\ntraining: {max_steps: 1}\noutput_dir: o", "data.domains is empty"),
+    ("model: m\ndata: {domains: {a: {eval: e.jsonl}}}\ntraining: {max_steps: 1}\noutput_dir: o", "no `train`"),
+    ("model: m\ndata: {domains: {a: t.jsonl}, block_size: 1}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "block_size"),
+    ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {}\noutput_dir: o", "max_steps"),
+    ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1, seed: 3}\noutput_dir: o", "top level"),
+    ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}", "no output_dir"),
+    ("from_scratch: {n_embd: 30, n_head: 4}\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\n"
+     "output_dir: o", "divisible"),
+    ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o\nevaluate_at: [0]",
+     "evaluate_at"),
+])
+def test_config_errors(text, match, tmp_path):
+    from repgeom_eval.errors import RepgeomError
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(RepgeomError, match=match):
+        read_config(path)
+
+
+def test_cli_errors_are_one_line_and_write_nothing(two_domains, capsys):
+    cases = [
+        (SCRATCH.replace("weight: 0.01, ", ""), "explicit `weight`"),
+        (SCRATCH.replace("push_away", "push_awy"), "did you mean 'push_away'"),
+        (SCRATCH.replace("use_cpu: true", "use_cpu: true, warmup: 3"), "TrainingArguments"),
+        (SCRATCH.replace("prose.jsonl", "missing.jsonl"), "does not exist"),
+        (SCRATCH.replace("block_size: 24", "block_size: 4000"), "block_size"),
+        (SCRATCH.replace("output_dir: out", "output_dir: prose.jsonl/out"), "is a file"),
+    ]
+    for text, match in cases:
+        (two_domains / "bad.yaml").write_text(text)
+        assert main(["train", "--config", str(two_domains / "bad.yaml"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert not (two_domains / "out").exists()
+    assert main(["train", "--config", str(two_domains / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (two_domains / "ok.yaml").write_text(SCRATCH)
+    assert main(["train", "--config", str(two_domains / "ok.yaml"), "--set", "training.max_steps"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_relative_paths_are_taken_from_the_config_file(tmp_path):
+    cfg = parse_config({"model": "./m", "data": {"domains": {"a": "t.jsonl"}}, "training": {"max_steps": 1},
+                        "output_dir": "o"}, tmp_path)
+    assert cfg.domains["a"]["train"] == str(tmp_path / "t.jsonl")
+    assert cfg.output_dir == tmp_path / "o" and cfg.model == str(tmp_path / "m")
+    hub = parse_config({"model": "org/name", "data": {"domains": {"a": "t.jsonl"}}, "training": {"max_steps": 1},
+                        "output_dir": "o"}, tmp_path)
+    assert hub.model == "org/name"
