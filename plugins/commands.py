@@ -23,6 +23,7 @@ COMMANDS = {
     "addresses": ("addresses_cmd", "Show the layer addresses a model supports and the module each one hooks."),
     "demo": ("demo_cmd", "Dispersion profile of SmolLM2-135M over text that ships with Python (no arguments)."),
     "gap": ("gap_cmd", "Rank checkpoints by the dispersion gap G of their output projection (no forward pass)."),
+    "mteb": ("mteb_cmd", "MTEB scores and embedding geometry at any layer; layer sweeps in one pass; summaries."),
 }
 
 
