@@ -81,6 +81,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     summary.add_argument("--output-dir", "-o", default=None, help="where to write (default: FOLDER)")
     summary.add_argument("--prefix", default="repgeom_summary", help="file name prefix (default: repgeom_summary)")
     summary.add_argument("--no-plot", action="store_true", help="tables only")
+
+    examples = sub.add_parser("example-tasks", help="write local example tasks (all four types) from text on this "
+                                                    "machine, for offline runs",
+                              description="Write JSONL files and a tasks.yaml for --tasks-file: topic "
+                                          "classification, topic clustering, graded STS and retrieval, generated "
+                                          "from Python's documentation (pydoc) or the Debian fortunes package.")
+    examples.add_argument("folder", help="folder to write into (created if missing)")
+    examples.add_argument("--source", choices=["pydoc", "fortunes"], default="pydoc")
+    examples.add_argument("--size", choices=["small", "medium", "large"], default="medium")
+    examples.add_argument("--seed", type=int, default=0)
     p.set_defaults(_mteb_parser=p)
 
 
@@ -90,6 +100,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.mteb_command == "summary":
         return _summary(args)
+    if args.mteb_command == "example-tasks":
+        from repgeom_eval.mteb_layers.examples import write_example_tasks
+
+        path = write_example_tasks(args.folder, source=args.source, size=args.size, seed=args.seed)
+        print(f"wrote {path} (use it with: repgeom mteb run -m MODEL --tasks-file {path})")
+        return 0
     return _run(args)
 
 
@@ -131,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         output_folder=str(out), overwrite_strategy=args.overwrite_strategy, name=args.name, revision=args.revision,
         co2_tracker=args.co2_tracker, prediction_folder=args.prediction_folder, num_proc=args.num_proc,
         progress=progress)
-    console = Console()
+    console = Console(width=max(Console().width, 120))  # a score table truncated to "0.…" is useless
     console.print(f"{result.model} @ {result.revision}: {len(result.layers)} layer(s) × {len(tasks)} task(s), "
                   f"{result.forward_passes} forward sweep(s), {result.seconds:.1f}s")
     _print_table(console, result.rows)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
 import mteb
 import numpy as np
 from mteb.evaluate import OverwriteStrategy
@@ -165,6 +166,8 @@ def run_layers(
                       output_folder=str(output_folder) if output_folder is not None else None)
     encode_kwargs = {"batch_size": batch_size, "show_progress_bar": False}
     bar = tqdm(total=len(task_list) * len(addresses), unit="layer", desc="mteb", disable=not progress)
+    datasets_bars = not datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()  # one bar per row of mteb's preprocessing is noise; ours says enough
     try:
         for task in task_list:
             attach_geometry(task)
@@ -199,6 +202,8 @@ def run_layers(
                     task.unload_data()
     finally:
         bar.close()
+        if datasets_bars:
+            datasets.utils.enable_progress_bars()
     out.forward_passes = sweep.forward_passes
     out.seconds = time.perf_counter() - t_start
     return out
