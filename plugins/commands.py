@@ -31,6 +31,7 @@ COMMANDS = {
     "clusters": ("clusters_cmd", "Contexts sharing an n-gram continuation: within/between-cluster distance (paper A)."),
     "perturb": ("perturb_cmd", "Prompt entropy and dispersion under repetition, random tokens, length (paper B)."),
     "train": ("train_cmd", "Train a causal LM (continued, or a small GPT-2 from scratch) with auxiliary losses."),
+    "mteb": ("mteb_cmd", "MTEB scores and embedding geometry at any layer; layer sweeps in one pass; summaries."),
 }
 
 

@@ -1,0 +1,183 @@
+"""``repgeom mteb``: MTEB scores at any layer (``run``) and per-layer tables and plots from the cache (``summary``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _words(values: list[str] | None) -> list[str] | None:
+    """Space- or comma-separated lists (``-t A B`` or ``-t A,B``)."""
+    if not values:
+        return None
+    return [w.strip() for v in values for w in v.split(",") if w.strip()]
+
+
+def _bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "yes", "1", "on"):
+        return True
+    if low in ("false", "no", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="mteb_command", metavar="SUBCOMMAND")
+    run = sub.add_parser("run", help="evaluate a model at one or many layers on MTEB tasks",
+                         description="Evaluate a model at one or many layer addresses on MTEB tasks. A sweep "
+                                     "(--layer all, or several layers) runs one forward pass per batch for every "
+                                     "layer. Geometry (repgeom_* keys) is written next to each score; results are "
+                                     "cached in mteb's layout under --output-folder, one folder per layer.")
+    run.add_argument("--model", "-m", required=True,
+                     help="hub id, local model directory (sentence-transformers folders included) or .gguf file")
+    run.add_argument("--layer", "--layers", dest="layers", nargs="+", default=["final"],
+                     help="layer addresses: a hidden-state index (12), resid_post:11, final, embed, all (every hidden "
+                          "state), blocks, or several of them (default: final)")
+    run.add_argument("--pooling", default="auto",
+                     choices=["auto", "st", "mean", "last", "cls", "first"],
+                     help="auto (the model's own sentence-transformers pooling if it has one, else mean), st, mean, "
+                          "last (last non-pad token) or cls/first")
+    run.add_argument("--normalize", type=_bool, default=None, metavar="BOOL",
+                     help="unit-normalise embeddings (default: the model's own choice for st pooling, else false)")
+    run.add_argument("--max-length", type=int, default=None,
+                     help="truncate texts to this many tokens (default: max_seq_length of a sentence-transformers "
+                          "model, else the model context)")
+    run.add_argument("--name", default=None,
+                     help="model name in the results (org/name; default: the hub id, or local/<folder>)")
+    run.add_argument("--model-revision", "--revision", dest="revision", default=None,
+                     help="revision recorded in the results (default: hub commit, or a content hash of the folder)")
+    run.add_argument("--tasks", "-t", nargs="+", default=None, help="task names (local tasks of --tasks-file or "
+                                                                   "MTEB tasks)")
+    run.add_argument("--tasks-file", default=None, metavar="FILE",
+                     help="YAML/JSON file defining local STS, Classification, Clustering and Retrieval tasks from "
+                          "JSONL files (see docs/mteb.md); without --tasks every task of the file runs")
+    run.add_argument("--task-types", nargs="+", default=None, help="task types (STS, Classification, ...)")
+    run.add_argument("--categories", nargs="+", default=None, help="MTEB task categories (t2t, ...)")
+    run.add_argument("--languages", "-l", nargs="+", default=None, help="ISO 639-3 language codes (eng, deu, ...)")
+    run.add_argument("--benchmarks", "-b", nargs="+", default=None, help="MTEB benchmark names")
+    run.add_argument("--eval-splits", nargs="+", default=None, help="evaluation splits to run")
+    run.add_argument("--batch-size", type=int, default=32)
+    run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 or auto")
+    run.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, "
+                                                     "float16")
+    run.add_argument("--output-folder", default="results",
+                     help="mteb result cache folder (default: results)")
+    run.add_argument("--overwrite-strategy", default="only-missing",
+                     choices=["always", "never", "only-missing", "only-cache"],
+                     help="mteb's: only-missing (default) resumes, always re-runs, only-cache only reads")
+    run.add_argument("--prediction-folder", default=None, help="also save mteb's per-task predictions here")
+    run.add_argument("--num-proc", type=int, default=None, help="processes for dataset loading")
+    run.add_argument("--co2-tracker", action="store_true", help="track CO2 with codecarbon (if installed)")
+    run.add_argument("--no-summary", action="store_true",
+                     help="do not write repgeom_summary.{csv,md,png} into the output folder afterwards")
+    run.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+    summary = sub.add_parser("summary", help="per-layer tables (CSV, Markdown) and plots from an mteb cache folder",
+                             description="Read every layer result under FOLDER and write a CSV (one row per model, "
+                                         "layer, task, split and subset), a Markdown report (layers × main score "
+                                         "and geometry, best layer against the last) and one plot per model.")
+    summary.add_argument("folder", help="the --output-folder of `repgeom mteb run` (an mteb cache folder)")
+    summary.add_argument("--output-dir", "-o", default=None, help="where to write (default: FOLDER)")
+    summary.add_argument("--prefix", default="repgeom_summary", help="file name prefix (default: repgeom_summary)")
+    summary.add_argument("--no-plot", action="store_true", help="tables only")
+
+    examples = sub.add_parser("example-tasks", help="write local example tasks (all four types) from text on this "
+                                                    "machine, for offline runs",
+                              description="Write JSONL files and a tasks.yaml for --tasks-file: topic "
+                                          "classification, topic clustering, graded STS and retrieval, generated "
+                                          "from Python's documentation (pydoc) or the Debian fortunes package.")
+    examples.add_argument("folder", help="folder to write into (created if missing)")
+    examples.add_argument("--source", choices=["pydoc", "fortunes"], default="pydoc")
+    examples.add_argument("--size", choices=["small", "medium", "large"], default="medium")
+    examples.add_argument("--seed", type=int, default=0)
+    p.set_defaults(_mteb_parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.mteb_command is None:
+        args._mteb_parser.print_help()
+        return 0
+    if args.mteb_command == "summary":
+        return _summary(args)
+    if args.mteb_command == "example-tasks":
+        from repgeom_eval.mteb_layers.examples import write_example_tasks
+
+        path = write_example_tasks(args.folder, source=args.source, size=args.size, seed=args.seed)
+        print(f"wrote {path} (use it with: repgeom mteb run -m MODEL --tasks-file {path})")
+        return 0
+    return _run(args)
+
+
+def _print_table(console, rows: list[dict]) -> None:
+    from rich.table import Table
+
+    from repgeom_eval.mteb_layers.summary import _fmt
+
+    table = Table()
+    for col in ("task", "split", "subset", "layer", "main score", "dataset entropy", "dispersion", "eff. rank"):
+        table.add_column(col, justify="left" if col in ("task", "split", "subset", "layer") else "right")
+    for r in rows:
+        table.add_row(r["task"], r["split"], str(r["subset"]), r["layer"], _fmt(r["main_score"]),
+                      _fmt(r["repgeom_dataset_entropy"]), _fmt(r["repgeom_dispersion"]),
+                      _fmt(r["repgeom_effective_rank"]))
+    console.print(table)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
+
+    if args.batch_size < 1:
+        raise RepgeomError(f"--batch-size must be positive, got {args.batch_size}")
+    out = Path(args.output_folder)
+    if out.exists() and not out.is_dir():
+        raise RepgeomError(f"--output-folder {str(out)!r} is a file; pass a folder")
+    tasks = resolve_tasks(_words(args.tasks), tasks_file=args.tasks_file, task_types=_words(args.task_types),
+                          categories=_words(args.categories), languages=_words(args.languages),
+                          benchmarks=_words(args.benchmarks), eval_splits=_words(args.eval_splits))
+    progress = not args.no_progress and sys.stderr.isatty()
+    result = run_layers(
+        args.model, tasks, _words(args.layers), pooling=args.pooling, normalize=args.normalize,
+        max_length=args.max_length, batch_size=args.batch_size, dtype=args.dtype, device=args.device,
+        output_folder=str(out), overwrite_strategy=args.overwrite_strategy, name=args.name, revision=args.revision,
+        co2_tracker=args.co2_tracker, prediction_folder=args.prediction_folder, num_proc=args.num_proc,
+        progress=progress)
+    console = Console(width=max(Console().width, 120))  # a score table truncated to "0.…" is useless
+    console.print(f"{result.model} @ {result.revision}: {len(result.layers)} layer(s) × {len(tasks)} task(s), "
+                  f"{result.forward_passes} forward sweep(s), {result.seconds:.1f}s")
+    _print_table(console, result.rows)
+    console.print(f"results: {out}")
+    if not args.no_summary:
+        written = write_summary(out)
+        paths = written["paths"]
+        console.print(f"summary: {paths['csv']}, {paths['markdown']}"
+                      + (f", {len(paths['plots'])} plot(s)" if paths["plots"] else ""))
+    return 0
+
+
+def _summary(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from repgeom_eval.mteb_layers.summary import best_vs_last, write_summary, _groups
+
+    written = write_summary(args.folder, args.output_dir, prefix=args.prefix, plots=not args.no_plot)
+    console = Console()
+    for (model, revision, family), tasks in _groups(written["rows"]).items():
+        console.print(f"[bold]{model}[/bold] @ {revision} ({family})")
+        for label, rows in tasks.items():
+            v = best_vs_last(rows)
+            if v is None:
+                console.print(f"  {label}: {len(rows)} layer(s)")
+            elif v["intermediate_wins"]:
+                console.print(f"  {label}: best {v['best_layer']} {v['best_score']:.4f} vs last {v['last_layer']} "
+                              f"{v['last_score']:.4f} ({v['gain']:+.4f})")
+            else:
+                console.print(f"  {label}: the last layer {v['last_layer']} is best ({v['last_score']:.4f})")
+    paths = written["paths"]
+    console.print(f"wrote {paths['csv']}, {paths['markdown']}" + "".join(f", {p}" for p in paths["plots"]))
+    return 0

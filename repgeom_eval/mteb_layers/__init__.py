@@ -1,0 +1,32 @@
+"""MTEB at any layer: an mteb encoder per layer address, layer sweeps from one forward pass, geometry next to the
+scores, local tasks from JSONL, and per-layer summaries built from mteb's cache.
+
+Python use::
+
+    import mteb
+    from repgeom_eval.mteb_layers import layer_encoder, make_task, run_layers
+
+    encoder = layer_encoder("path/to/model", layer=3, pooling="mean")        # an mteb AbsEncoder
+    mteb.evaluate(encoder, [make_task({...})], cache=mteb.ResultCache("results"))
+
+    # or through mteb's registry (importing this package registers "repgeom/layer-encoder"):
+    encoder = mteb.get_model("repgeom/layer-encoder", model="path/to/model", layer=3)
+
+Importing this package imports mteb (a few seconds).
+"""
+
+from .embedder import POOLING_CHOICES, LayerEmbedder
+from .encoder import LayerEncoder, LayerSweep, content_hash, layer_encoder
+from .geometry import attach_geometry, geometry_scores
+from .registry import GENERIC_NAME, load_layer_encoder, register_generic, register_model
+from .runner import SweepResult, resolve_tasks, run_layers
+from .summary import summarize, write_summary
+from .tasks import load_tasks_file, make_task
+
+register_generic()
+
+__all__ = [
+    "GENERIC_NAME", "POOLING_CHOICES", "LayerEmbedder", "LayerEncoder", "LayerSweep", "SweepResult",
+    "attach_geometry", "content_hash", "geometry_scores", "layer_encoder", "load_layer_encoder", "load_tasks_file",
+    "make_task", "register_generic", "register_model", "resolve_tasks", "run_layers", "summarize", "write_summary",
+]

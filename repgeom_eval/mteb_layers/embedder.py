@@ -1,0 +1,177 @@
+"""Texts → one embedding per text at many layer addresses, from ONE forward pass per batch.
+
+The data path is the project's own: ``load_model`` → ``parse_layers``/``resolve`` → ``Capture`` (hooks, early stop
+after the deepest requested module) → mask-aware ``pool`` in float64 → optional unit normalisation. A
+sentence-transformers folder contributes its own recipe (pooling mode, Normalize, ``max_seq_length``, lower-casing,
+prompts) unless the caller overrides it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from repgeom_eval.addresses import Address, HookPoint, parse_layers, resolve
+from repgeom_eval.capture import Capture
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.functional.dispersion import unit
+from repgeom_eval.models import LoadedModel, load_model
+from repgeom_eval.pipeline import _context_length
+from repgeom_eval.plugin_host import PluginHost, get_host
+from repgeom_eval.pooling import check_pooling, pool
+
+from .st_config import STConfig, st_config_for
+
+#: ``--pooling`` choices: the repgeom poolings plus ``st`` (the model's own) and ``auto`` (``st`` if the model is a
+#: sentence-transformers model, else ``mean`` as in paper B).
+POOLING_CHOICES = ("auto", "st", "mean", "last", "cls", "first")
+_SITE_OFFSET = {"resid_pre": 0.0, "attn_out": 0.25, "resid_mid": 0.5, "mlp_in": 0.5, "mlp_out": 0.75, "resid_post": 1.0}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How token vectors become the embedding mteb scores (part of every result's identity)."""
+
+    pooling: str  # mean, last or first
+    normalize: bool
+    max_length: int
+    lowercase: bool = False
+
+    def experiment_kwargs(self, address: Address, max_length_is_default: bool) -> dict[str, object]:
+        out: dict[str, object] = {"layer": str(address), "pooling": self.pooling, "normalize": self.normalize}
+        if not max_length_is_default:
+            out["max_length"] = self.max_length
+        return out
+
+
+class LayerEmbedder:
+    """A loaded model plus its embedding recipe; :meth:`embed` returns the vectors of many addresses at once.
+
+    Args:
+        model: Hugging Face hub id, local model directory (a sentence-transformers folder works), ``.gguf`` file, or
+            an already loaded :class:`~repgeom_eval.models.LoadedModel`.
+        pooling: ``auto`` (the model's sentence-transformers pooling if it has one, else ``mean``), ``st``, ``mean``,
+            ``last`` or ``cls``/``first``.
+        normalize: unit-normalise the embeddings; ``None`` = the model's own choice (its Normalize module), else off.
+        max_length: truncate texts to this many tokens; ``None`` = the model's ``max_seq_length`` (ST) or context.
+    """
+
+    def __init__(self, model: str | LoadedModel, *, pooling: str = "auto", normalize: bool | None = None,
+                 max_length: int | None = None, dtype: str | torch.dtype | None = "auto",
+                 device: str | torch.device | None = "cpu", host: PluginHost | None = None):
+        self.host = host or get_host()
+        if pooling not in POOLING_CHOICES:
+            raise RepgeomError(f"unknown pooling {pooling!r} (valid: {', '.join(POOLING_CHOICES)})")
+        self.source = model if isinstance(model, str) else model.info.name
+        self.st: STConfig | None = st_config_for(model) if isinstance(model, str) else None
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:
+            target = model
+            if self.st is not None and self.st.transformer_path:
+                if not Path(model).expanduser().is_dir():
+                    raise RepgeomError(f"{model!r} keeps its Hugging Face model in the sub-folder "
+                                       f"{self.st.transformer_path!r}; download it and pass the local folder")
+                target = str(Path(model).expanduser() / self.st.transformer_path)
+            self.loaded = load_model(target, dtype=dtype, device=device, host=self.host)
+        if pooling == "st" and self.st is None:
+            raise RepgeomError(f"--pooling st: {self.source!r} is not a sentence-transformers model (no modules.json "
+                               "with a Pooling module); use mean, last or cls")
+        use_st = self.st is not None and pooling in ("auto", "st")
+        if use_st and self.st.skipped_modules:
+            warnings.warn(f"the model's {', '.join(self.st.skipped_modules)} module(s) after pooling are not applied: "
+                          "layer embeddings are the pooled (and optionally normalised) hidden states", stacklevel=2)
+        method = self.st.pooling if use_st else ("mean" if pooling == "auto" else check_pooling(pooling))
+        if normalize is None:
+            normalize = bool(use_st and self.st.normalize)
+        st_len = self.st.max_seq_length if self.st is not None else None
+        self.max_length_is_default = max_length is None
+        context = _context_length(self.loaded, max_length if max_length is not None else st_len)
+        self.recipe = Recipe(pooling=method, normalize=bool(normalize), max_length=context,
+                             lowercase=bool(self.st is not None and self.st.lowercase))
+        self.prompts = dict(self.st.prompts) if self.st is not None else {}
+
+    # -- addresses ---------------------------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.loaded.info.n_layers
+
+    def addresses(self, layers: str | int | Sequence[str | int]) -> list[Address]:
+        """Canonical addresses of a layer spec, deepest last. ``layers``: ``12``, ``"resid_post:3"``, ``"all"``,
+        ``[0, 3, 6]``, ... A site that reads the same tensor as ``final`` or ``embed`` on this model (BERT's
+        ``resid_post:-1``, everyone's ``resid_pre:0``) is named by the alias, so equal embeddings share one result."""
+        if isinstance(layers, (int, str)):
+            layers = [layers]
+        layers = [str(x) for x in layers]
+
+        def selector(name: str):
+            return self.host.layer_selectors.get(name) if name in self.host.layer_selectors else None
+
+        found = parse_layers(layers, self.n_layers, selector, self.loaded.info)
+        points = self.points(found + [Address("embed"), Address("final")])
+        alias = {points[Address(a)]: Address(a) for a in ("embed", "final")}
+        out: list[Address] = []
+        for addr in found:
+            addr = alias.get(points[addr], addr)
+            if addr not in out:
+                out.append(addr)
+        return sorted(out, key=lambda a: a.depth_key(self.n_layers))
+
+    def points(self, addresses: Sequence[Address]) -> dict[Address, HookPoint]:
+        return resolve(list(dict.fromkeys(addresses)), self.loaded)
+
+    def depth(self, address: Address) -> float:
+        """Position on a hidden-state axis: embed 0, ``resid_post:k`` k+1, ``final`` L (sites in between)."""
+        if address.site == "embed":
+            return 0.0
+        if address.site == "final":
+            return float(self.n_layers)
+        return float(address.layer or 0) + _SITE_OFFSET[address.site]
+
+    # -- embedding ---------------------------------------------------------------------------------------------------
+    def embed(self, texts: Sequence[str], addresses: Sequence[Address], batch_size: int = 32,
+              progress: bool = False, desc: str = "forward") -> dict[Address, np.ndarray]:
+        """Embed ``texts`` at every address; one forward pass per batch, stopped after the deepest address."""
+        if batch_size < 1:
+            raise RepgeomError(f"batch size must be positive, got {batch_size}")
+        addresses = list(dict.fromkeys(addresses))
+        texts = [t.lower() for t in texts] if self.recipe.lowercase else list(texts)
+        dim = self.loaded.info.hidden_size
+        out = {a: np.zeros((len(texts), dim), dtype=np.float32) for a in addresses}
+        if not texts:
+            return out
+        tok, loaded = self.loaded.tokenizer, self.loaded
+        lengths = [len(x) for x in tok(texts, add_special_tokens=True, verbose=False)["input_ids"]]
+        empty = sum(n == 0 for n in lengths)
+        if empty:
+            warnings.warn(f"{empty} text(s) tokenize to no tokens; their embeddings are zero vectors", stacklevel=2)
+        order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+        points = self.points(addresses)
+        with Capture(loaded.model, points, stop_early=True) as cap, tqdm(
+            total=len(order), unit="text", desc=desc, disable=not progress, leave=False
+        ) as bar:
+            for start in range(0, len(order), batch_size):
+                rows = order[start:start + batch_size]
+                enc = tok([texts[i] for i in rows], padding=True, truncation=True, max_length=self.recipe.max_length,
+                          padding_side="right", return_tensors="pt", verbose=False)
+                enc = {k: v.to(loaded.device) for k, v in enc.items()}
+                mask = enc["attention_mask"].bool()
+                if loaded.spec.position_ids_from_mask:
+                    enc["position_ids"] = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+                captured = cap.run(**enc, use_cache=False) if loaded.spec.causal else cap.run(**enc)
+                for addr in addresses:
+                    vecs = pool(captured[addr].double(), mask, self.recipe.pooling)[0]
+                    if self.recipe.normalize:
+                        vecs = unit(vecs)
+                    if not bool(torch.isfinite(vecs).all()):
+                        raise RepgeomError(f"NaN or inf in the embeddings at {addr}; a float16/bfloat16 overflow is "
+                                           "the usual cause: try --dtype float32")
+                    out[addr][rows] = vecs.float().cpu().numpy()
+                bar.update(len(rows))
+        return out

@@ -1,0 +1,258 @@
+"""The MTEB encoder of one layer address, and the sweep that feeds many of them from one forward pass.
+
+``LayerEncoder`` is an ``mteb.models.abs_encoder.AbsEncoder``: mteb calls ``encode(dataloader, ...)`` and scores what
+it returns. Its ``ModelMeta`` carries the model's real name and revision (the Hub commit, or a content hash of a local
+folder) and, in ``experiment_kwargs``, the canonical layer address and the embedding recipe, so mteb's cache keeps one
+results folder per layer: ``results/<org__model>/<revision>/experiments/<layer_..._pooling_...>/``.
+
+Several encoders can share one :class:`LayerSweep`: the first ``encode`` call for a list of texts runs one forward
+pass that captures every address still to be evaluated, and the other layers' encoders answer the same texts from
+that store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mteb.models.abs_encoder import AbsEncoder
+from mteb.models.model_meta import ModelMeta, ScoringFunction
+
+from repgeom_eval.addresses import Address
+from repgeom_eval.errors import RepgeomError
+
+from .embedder import LayerEmbedder
+
+_HASH_CHUNK = 1 << 20
+
+
+def _texts_key(texts: Sequence[str]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for t in texts:
+        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return f"{len(texts)}:{h.hexdigest()}"
+
+
+class LayerSweep:
+    """Embeddings of many addresses from one forward pass per batch, kept per list of texts until released.
+
+    ``active`` holds the addresses whose evaluation on the current task is still to come: a forward pass captures
+    all of them at once. :meth:`release` drops an address's vectors once its evaluation is over; :meth:`clear`
+    forgets everything (between tasks).
+    """
+
+    def __init__(self, embedder: LayerEmbedder, addresses: Sequence[Address], progress: bool = False):
+        self.embedder = embedder
+        self.addresses = list(dict.fromkeys(addresses))
+        self.active = list(self.addresses)
+        self.progress = progress
+        self.forward_passes = 0  # number of embed() calls, for tests and benchmarks
+        self._store: dict[str, dict[Address, np.ndarray]] = {}
+
+    def vectors(self, texts: Sequence[str], address: Address, batch_size: int) -> np.ndarray:
+        key = _texts_key(texts)
+        held = self._store.get(key, {})
+        if address in held:
+            return held[address]
+        wanted = [a for a in self.active if a not in held]
+        if address not in wanted:
+            wanted.append(address)
+        self.forward_passes += 1
+        got = self.embedder.embed(texts, wanted, batch_size=batch_size, progress=self.progress,
+                                  desc=f"forward ({len(wanted)} layer{'s' if len(wanted) > 1 else ''})")
+        if len(wanted) > 1:  # something else will read these texts again: keep them
+            self._store.setdefault(key, {}).update({a: v for a, v in got.items() if a != address})
+        return got[address]
+
+    def release(self, address: Address) -> None:
+        for held in self._store.values():
+            held.pop(address, None)
+        if address in self.active:
+            self.active.remove(address)
+
+    def clear(self) -> None:
+        self._store.clear()
+        self.active = list(self.addresses)
+
+    def encoder(self, address: Address, **kwargs: Any) -> "LayerEncoder":
+        return LayerEncoder(self, address, **kwargs)
+
+
+class LayerEncoder(AbsEncoder):
+    """mteb encoder that embeds texts with one layer address of a model (see the module docstring).
+
+    Build one with :func:`layer_encoder` (one layer) or :class:`LayerSweep` ``.encoder(address)`` (many layers
+    sharing forward passes). ``name``/``revision`` default to the model's Hub id and commit, or ``local/<folder>``
+    and a content hash of the folder.
+    """
+
+    def __init__(self, sweep: LayerSweep, address: Address, *, name: str | None = None, revision: str | None = None,
+                 base_meta: ModelMeta | None = None):
+        self.sweep = sweep
+        self.address = address
+        embedder = sweep.embedder
+        self.model = embedder.loaded.model
+        self.model_prompts = embedder.prompts or None
+        self.name = name or model_name(embedder.source)
+        self.revision = revision or model_revision(embedder.source, embedder.loaded)
+        self._meta = self._with_identity(base_meta or _base_meta(embedder))
+        self._recording = False
+        self._seen: dict[tuple[str, str, str], list[tuple[list[str], np.ndarray]]] = {}
+
+    # -- identity --------------------------------------------------------------------------------------------------
+    @property
+    def experiment_kwargs(self) -> dict[str, Any]:
+        e = self.sweep.embedder
+        return e.recipe.experiment_kwargs(self.address, e.max_length_is_default)
+
+    @property
+    def depth(self) -> float:
+        return self.sweep.embedder.depth(self.address)
+
+    def _with_identity(self, meta: ModelMeta) -> ModelMeta:
+        e = self.sweep.embedder
+        return meta.model_copy(update={
+            "name": self.name, "revision": self.revision, "experiment_kwargs": self.experiment_kwargs,
+            "similarity_fn_name": ScoringFunction.COSINE, "embed_dim": e.loaded.info.hidden_size,
+            "n_parameters": e.loaded.info.n_parameters, "max_tokens": e.recipe.max_length,
+            "use_instructions": bool(self.model_prompts),
+        })
+
+    @property
+    def mteb_model_meta(self) -> ModelMeta:  # type: ignore[override]
+        return self._meta
+
+    @mteb_model_meta.setter
+    def mteb_model_meta(self, meta: ModelMeta) -> None:
+        # mteb.get_model() assigns a meta whose experiment_kwargs are the raw keyword arguments (layer=12); keep
+        # the canonical identity, so `layer=12` and `layer="resid_post:11"` share one cached result.
+        self._meta = self._with_identity(meta)
+
+    # -- encoding --------------------------------------------------------------------------------------------------
+    def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str, prompt_type=None,
+               **kwargs: Any) -> np.ndarray:
+        texts: list[str] = []
+        for batch in inputs:
+            if "text" not in batch:
+                raise RepgeomError(f"task {task_metadata.name!r} gives the encoder {sorted(batch)} inputs; the "
+                                   "layer encoder embeds text only")
+            texts.extend(batch["text"])
+        bad = next((t for t in texts if not isinstance(t, str)), None)
+        if bad is not None:
+            raise RepgeomError(f"task {task_metadata.name!r} gives the encoder a {type(bad).__name__}, not a string")
+        prompt_name = self.get_prompt_name(task_metadata, prompt_type)
+        if prompt_name:
+            texts = [self.model_prompts[prompt_name] + t for t in texts]  # type: ignore[index]
+        batch_size = int(kwargs.get("batch_size") or getattr(inputs, "batch_size", None) or 32)
+        vectors = self.sweep.vectors(texts, self.address, batch_size)
+        if self._recording:
+            self._seen.setdefault((task_metadata.name, hf_split, hf_subset), []).append((texts, vectors))
+        return vectors
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Keep what :meth:`encode` returns (for the geometry next to the scores) while inside this block."""
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def take_embeddings(self, task: str, split: str, subset: str) -> np.ndarray | None:
+        """The embeddings of the distinct texts encoded for (task, split, subset) while recording; forgets them."""
+        parts = self._seen.pop((task, split, subset), [])
+        if not parts:
+            return None
+        rows, seen = [], set()
+        for texts, vectors in parts:
+            for text, vector in zip(texts, vectors):
+                if text not in seen:
+                    seen.add(text)
+                    rows.append(vector)
+        return np.stack(rows)
+
+    def __repr__(self) -> str:
+        return f"LayerEncoder({self.name!r}, layer={str(self.address)!r}, pooling={self.sweep.embedder.recipe.pooling!r})"
+
+
+def layer_encoder(model: str, layer: str | int = "final", *, pooling: str = "auto", normalize: bool | None = None,
+                  max_length: int | None = None, dtype: str = "auto", device: str | None = "cpu",
+                  name: str | None = None, revision: str | None = None) -> LayerEncoder:
+    """An mteb encoder for one layer of ``model`` (hub id, local folder, sentence-transformers folder or .gguf)."""
+    embedder = LayerEmbedder(model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype,
+                             device=device or "cpu")
+    addresses = embedder.addresses(layer)
+    if len(addresses) != 1:
+        raise RepgeomError(f"layer {layer!r} names {len(addresses)} addresses; an encoder embeds with one "
+                           "(use repgeom_eval.mteb_layers.run_layers for a sweep)")
+    return LayerSweep(embedder, addresses).encoder(addresses[0], name=name, revision=revision)
+
+
+# -- names and revisions --------------------------------------------------------------------------------------------
+
+def _local_path(source: str) -> Path | None:
+    path = Path(source).expanduser()
+    return path if path.exists() else None
+
+
+def model_name(source: str) -> str:
+    """mteb needs ``org/name``: a hub id as it is, a local folder or file as ``local/<name>``."""
+    path = _local_path(source)
+    if path is None:
+        return source if "/" in source else f"local/{source}"
+    path = path.resolve()
+    stem = path.stem if path.is_file() else path.name
+    if stem in ("model", "models", "checkpoint", "snapshot") and path.parent.name:
+        stem = f"{path.parent.name}-{stem}"  # e.g. a pip package shipping its weights in a folder called model/
+    return f"local/{stem}"
+
+
+_HASHES: dict[tuple[str, float, int], str] = {}
+
+
+def content_hash(path: str | Path) -> str:
+    """First 16 hex digits of a SHA-256 over every file of a folder (relative names and bytes), or of one file."""
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(
+        f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts))
+    stamp = (str(path), max((f.stat().st_mtime for f in files), default=0.0), sum(f.stat().st_size for f in files))
+    if stamp in _HASHES:
+        return _HASHES[stamp]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(path) if f != path else f.name).encode() + b"\0")
+        with f.open("rb") as fh:
+            while chunk := fh.read(_HASH_CHUNK):
+                h.update(chunk)
+    _HASHES[stamp] = h.hexdigest()[:16]
+    return _HASHES[stamp]
+
+
+def model_revision(source: str, loaded: Any) -> str:
+    """The Hub commit of a hub model, or the content hash of a local folder or file."""
+    path = _local_path(source)
+    if path is not None:
+        return content_hash(path)
+    commit = getattr(loaded.model.config, "_commit_hash", None)
+    return str(commit) if commit else "no_revision_available"
+
+
+def _base_meta(embedder: LayerEmbedder) -> ModelMeta:
+    from .registry import load_layer_encoder
+
+    info = embedder.loaded.info
+    frameworks = ["PyTorch", "Transformers"] + (["Sentence Transformers"] if embedder.st else []) + \
+        (["GGUF"] if info.source == "gguf" else [])
+    return ModelMeta(
+        loader=load_layer_encoder, loader_kwargs={"model": embedder.source}, name="repgeom/layer-encoder",
+        revision=None, release_date=None, languages=None, n_parameters=info.n_parameters, memory_usage_mb=None,
+        max_tokens=None, embed_dim=info.hidden_size, license=None, open_weights=None, public_training_code=None,
+        public_training_data=None, framework=frameworks, similarity_fn_name=ScoringFunction.COSINE,
+        use_instructions=False, training_datasets=None, modalities=["text"],
+    )

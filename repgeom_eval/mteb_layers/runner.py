@@ -1,0 +1,209 @@
+"""Evaluate many layers of one model on MTEB tasks, one forward pass per batch for all of them.
+
+For each task: the layers whose results are not cached yet are the sweep's active set; the first layer's
+evaluation runs the forward passes that capture every active layer, the others are answered from those vectors.
+Each layer is evaluated by ``mteb.evaluate`` with its own :class:`LayerEncoder` (own ``ModelMeta``, own results
+folder), on a task whose random state is reset first, so a sweep gives exactly the numbers of single-layer runs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import mteb
+import numpy as np
+from mteb.evaluate import OverwriteStrategy
+from tqdm.auto import tqdm
+
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.models import LoadedModel
+
+from .embedder import LayerEmbedder
+from .encoder import LayerEncoder, LayerSweep
+from .geometry import GEOMETRY_KEYS, attach_geometry
+from .tasks import load_tasks_file
+
+
+@dataclass
+class SweepResult:
+    """What :func:`run_layers` did: one row per (task, layer, split, subset), plus bookkeeping."""
+
+    model: str
+    revision: str
+    layers: list[str]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    forward_passes: int = 0  # embed() calls; 0 when everything came from the cache
+    seconds: float = 0.0
+    output_folder: str | None = None
+
+
+def resolve_tasks(tasks: Sequence[Any] | None = None, *, tasks_file: str | Path | None = None,
+                  task_types: Sequence[str] | None = None, categories: Sequence[str] | None = None,
+                  languages: Sequence[str] | None = None, benchmarks: Sequence[str] | None = None,
+                  eval_splits: Sequence[str] | None = None) -> list:
+    """Task instances from names (local tasks of ``tasks_file`` first, then mteb's), benchmarks and filters."""
+    local = {t.metadata.name: t for t in load_tasks_file(tasks_file)} if tasks_file else {}
+    chosen: list = []
+    names: list[str] = []
+    for item in tasks or []:
+        if isinstance(item, str):
+            if item in local:
+                chosen.append(local[item])
+            else:
+                names.append(item)
+        else:
+            chosen.append(item)  # an mteb task instance (e.g. from make_task)
+    if local and not tasks:
+        kinds = {k.lower() for k in task_types} if task_types else None
+        chosen += [t for t in local.values() if kinds is None or t.metadata.type.lower() in kinds]
+    try:
+        if names:
+            chosen += list(mteb.get_tasks(tasks=names, languages=languages, eval_splits=eval_splits))
+        elif not tasks and not local and (task_types or categories or languages):
+            chosen += list(mteb.get_tasks(task_types=task_types, categories=categories, languages=languages,
+                                          eval_splits=eval_splits))
+        for bench in mteb.get_benchmarks(names=list(benchmarks)) if benchmarks else []:
+            chosen += list(bench.tasks)
+    except (KeyError, ValueError) as exc:
+        msg = str(exc.args[0]) if exc.args else str(exc)
+        raise RepgeomError(f"{msg}" + (f" (local tasks in {tasks_file}: {', '.join(local)})" if local else "")) \
+            from None
+    if eval_splits:
+        chosen = [t.filter_eval_splits(list(eval_splits)) if t.metadata.name in local else t for t in chosen]
+    if not chosen:
+        raise RepgeomError("no task selected: name tasks with -t/--tasks, pick --benchmarks or --task-types, or "
+                           "define local tasks with --tasks-file")
+    unique: dict[str, Any] = {}
+    for t in chosen:
+        unique.setdefault(t.metadata.name, t)
+    return list(unique.values())
+
+
+def _reseed(task: Any) -> None:
+    # mteb tasks draw subsamples and bootstraps from RNGs made once in __init__ (rng_state, np_rng); give every
+    # layer the state a fresh instance has, so layer k of a sweep equals a single run of layer k.
+    task.rng_state, task.np_rng = random.Random(task.seed), np.random.default_rng(task.seed)
+
+
+def _complete(cache: mteb.ResultCache, task: Any, encoder: LayerEncoder) -> bool:
+    try:
+        existing = cache.load_task_result(task.metadata.name, encoder.mteb_model_meta)
+    except Exception:  # noqa: BLE001 - an unreadable cached file: evaluate again
+        return False
+    return existing is not None and not existing.get_missing_evaluations(task)
+
+
+def _load(task: Any, num_proc: int | None) -> None:
+    try:
+        task.load_data(num_proc=num_proc)
+    except Exception as exc:  # noqa: BLE001 - datasets/hub errors come in many types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RepgeomError(
+            f"cannot load the data of task {task.metadata.name!r} ({type(exc).__name__}: {first}). Built-in MTEB "
+            "tasks download their data from the Hugging Face Hub; offline, define local tasks with --tasks-file"
+        ) from None
+
+
+def _rows(result: Any, task: Any, encoder: LayerEncoder) -> list[dict[str, Any]]:
+    rows = []
+    for split, subsets in result.scores.items():
+        for scores in subsets:
+            row = {"task": task.metadata.name, "task_type": task.metadata.type, "layer": str(encoder.address),
+                   "depth": encoder.depth, "split": split, "subset": scores.get("hf_subset"),
+                   "main_score_name": task.metadata.main_score, "main_score": scores.get("main_score")}
+            row.update({k: scores.get(k) for k in (*GEOMETRY_KEYS, "repgeom_n_texts")})
+            rows.append(row)
+    return rows
+
+
+def run_layers(
+    model: str | LoadedModel | LayerEmbedder,
+    tasks: Sequence[Any],
+    layers: str | int | Sequence[str | int] = "final",
+    *,
+    pooling: str = "auto",
+    normalize: bool | None = None,
+    max_length: int | None = None,
+    batch_size: int = 32,
+    dtype: str = "auto",
+    device: str = "cpu",
+    output_folder: str | Path | None = "results",
+    overwrite_strategy: str = "only-missing",
+    name: str | None = None,
+    revision: str | None = None,
+    co2_tracker: bool = False,
+    prediction_folder: str | Path | None = None,
+    num_proc: int | None = None,
+    progress: bool = True,
+) -> SweepResult:
+    """Evaluate ``model`` at every address of ``layers`` on ``tasks`` (instances, or names for
+    :func:`resolve_tasks`), with ``repgeom_*`` geometry next to each score, cached in ``output_folder`` (mteb's
+    cache layout; ``None`` = no cache)."""
+    t_start = time.perf_counter()
+    try:
+        strategy = OverwriteStrategy.from_str(overwrite_strategy)
+    except (KeyError, ValueError):
+        raise RepgeomError(f"unknown overwrite strategy {overwrite_strategy!r} (valid: "
+                           f"{', '.join(s.value for s in OverwriteStrategy)})") from None
+    if batch_size < 1:
+        raise RepgeomError(f"batch size must be positive, got {batch_size}")
+    task_list = [t for t in tasks if not isinstance(t, str)] + (
+        resolve_tasks([t for t in tasks if isinstance(t, str)]) if any(isinstance(t, str) for t in tasks) else [])
+    embedder = model if isinstance(model, LayerEmbedder) else LayerEmbedder(
+        model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device)
+    addresses = embedder.addresses(layers)
+    sweep = LayerSweep(embedder, addresses, progress=progress)
+    encoders = {a: sweep.encoder(a, name=name, revision=revision) for a in addresses}
+    first = encoders[addresses[0]]
+    cache = mteb.ResultCache(output_folder) if output_folder is not None else None
+    out = SweepResult(model=first.name, revision=first.revision, layers=[str(a) for a in addresses],
+                      output_folder=str(output_folder) if output_folder is not None else None)
+    encode_kwargs = {"batch_size": batch_size, "show_progress_bar": False}
+    bar = tqdm(total=len(task_list) * len(addresses), unit="layer", desc="mteb", disable=not progress)
+    datasets_bars = not datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()  # one bar per row of mteb's preprocessing is noise; ours says enough
+    try:
+        for task in task_list:
+            attach_geometry(task)
+            todo = [a for a in addresses if strategy == OverwriteStrategy.ALWAYS or cache is None
+                    or (strategy != OverwriteStrategy.ONLY_CACHE and not _complete(cache, task, encoders[a]))]
+            loaded_here = bool(todo) and not task.data_loaded and strategy != OverwriteStrategy.ONLY_CACHE
+            if loaded_here:
+                bar.set_description(f"{task.metadata.name} · loading data")
+                _load(task, num_proc)
+            sweep.active = list(todo)
+            try:
+                for addr in addresses:
+                    bar.set_description(f"{task.metadata.name} · {addr}" + ("" if addr in todo else " (cached)"))
+                    _reseed(task)
+                    try:
+                        result = mteb.evaluate(
+                            encoders[addr], task, cache=cache, overwrite_strategy=strategy,
+                            encode_kwargs=dict(encode_kwargs), show_progress_bar=False, co2_tracker=co2_tracker,
+                            prediction_folder=prediction_folder, num_proc=num_proc)
+                    except ValueError as exc:  # mteb's refusals (only-cache / never with missing results)
+                        raise RepgeomError(f"{task.metadata.name} at {addr}: {exc}") from None
+                    sweep.release(addr)
+                    for task_result in result.task_results:
+                        rows = _rows(task_result, task, encoders[addr])
+                        out.rows += rows
+                        if rows and rows[0]["main_score"] is not None:
+                            bar.set_postfix_str(f"{task.metadata.main_score}={rows[0]['main_score']:.4f}")
+                    bar.update(1)
+            finally:
+                sweep.clear()
+                if loaded_here and task.data_loaded:
+                    task.unload_data()
+    finally:
+        bar.close()
+        if datasets_bars:
+            datasets.utils.enable_progress_bars()
+    out.forward_passes = sweep.forward_passes
+    out.seconds = time.perf_counter() - t_start
+    return out
