@@ -23,6 +23,9 @@ COMMANDS = {
     "addresses": ("addresses_cmd", "Show the layer addresses a model supports and the module each one hooks."),
     "demo": ("demo_cmd", "Dispersion profile of SmolLM2-135M over text that ships with Python (no arguments)."),
     "gap": ("gap_cmd", "Rank checkpoints by the dispersion gap G of their output projection (no forward pass)."),
+    "tasks-dir": ("tasks_dir_cmd", "Print the folder of repgeom-eval's lm-eval tasks (for lm_eval --include_path)."),
+    "lm-eval": ("lm_eval_cmd", "Run lm-eval's command line with repgeom-eval's tasks and metrics loaded."),
+    "slices": ("slices_cmd", "Controlled-slice experiment and calibration from lm-eval samples or vector files."),
 }
 
 

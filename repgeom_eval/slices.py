@@ -115,7 +115,7 @@ def auroc(scores: Sequence[float], correct: Sequence[float]) -> float:
 def decile_accuracy(scores: Sequence[float], correct: Sequence[float]) -> tuple[float, float, int]:
     """(accuracy of the lowest-scoring 10 %, of the highest-scoring 10 %, queries per decile ≥ 1).
 
-    Ties in the score are broken by the order of the input (a stable sort)."""
+    Equal scores are ordered incorrect before correct, so the result does not depend on the input order."""
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(correct, dtype=np.float64)
     keep = np.isfinite(s)
@@ -123,7 +123,7 @@ def decile_accuracy(scores: Sequence[float], correct: Sequence[float]) -> tuple[
     if len(s) == 0:
         return float("nan"), float("nan"), 0
     k = max(1, len(s) // 10)
-    order = np.argsort(s, kind="stable")
+    order = np.lexsort((y, s))
     return float(y[order[:k]].mean()), float(y[order[-k:]].mean()), k
 
 

@@ -13,7 +13,7 @@ metric                          per-query item                             aggre
 ``repgeom_auroc``               [c_i, correct]                             AUROC of c_i for predicting correctness
 ``repgeom_acc_low_c``           [c_i, correct]                             accuracy of the lowest-c_i decile
 ``repgeom_acc_high_c``          [c_i, correct]                             accuracy of the highest-c_i decile
-``repgeom_slice_spearman``      {correct, ppl, vector (base64 float32)}    Spearman of the controlled-slice curve
+``repgeom_slice_spearman``      {doc_id, correct, ppl, vector (base64)}    Spearman of the controlled-slice curve
 ``repgeom_token_dispersion``    D over the document's tokens (or null)     mean over documents
 ``repgeom_ppl_pearson``         [perplexity, token dispersion]             Pearson over documents
 ``repgeom_ppl_spearman``        [perplexity, token dispersion]             Spearman over documents
@@ -25,7 +25,6 @@ exactly D (spec §1.4).
 
 from __future__ import annotations
 
-import base64
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,7 @@ import numpy as np
 from lm_eval.api.registry import aggregation_registry, metric_registry, register_aggregation, register_metric
 
 from .. import slices
+from ..queries import decode_vector, encode_vector
 
 HARDNESS_METRICS = ("repgeom_dispersion", "repgeom_dispersion_correct", "repgeom_dispersion_incorrect",
                     "repgeom_auroc", "repgeom_acc_low_c", "repgeom_acc_high_c", "repgeom_slice_spearman")
@@ -43,21 +43,12 @@ PERPLEXITY_METRICS = ("repgeom_token_dispersion", "repgeom_ppl_pearson", "repgeo
 
 # -- items ---------------------------------------------------------------------------------------------------------
 
-def encode_vector(vector: np.ndarray) -> str:
-    """float32 little-endian bytes, base64: exact and about 1.3 × 4 bytes per dimension in the samples file."""
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-
-
-def decode_vector(text: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text), dtype="<f4")
-
-
 def _number(x: float) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
 
 
 def query_items(c: float, c_correct: float, c_incorrect: float, correct: bool, ppl: float,
-                vector: np.ndarray) -> dict[str, Any]:
+                vector: np.ndarray, doc_id: int) -> dict[str, Any]:
     """Every hardness metric's item for one query."""
     ok = 1.0 if correct else 0.0
     return {
@@ -67,7 +58,8 @@ def query_items(c: float, c_correct: float, c_incorrect: float, correct: bool, p
         "repgeom_auroc": [float(c), ok],
         "repgeom_acc_low_c": [float(c), ok],
         "repgeom_acc_high_c": [float(c), ok],
-        "repgeom_slice_spearman": {"correct": ok, "ppl": float(ppl), "vector": encode_vector(vector)},
+        "repgeom_slice_spearman": {"doc_id": int(doc_id), "correct": ok, "ppl": float(ppl),
+                                   "vector": encode_vector(vector)},
     }
 
 
@@ -116,6 +108,7 @@ def slice_spearman(items: Sequence[dict], size: int = slices.SLICE_SIZE, seeds: 
     """Spearman between fraction correct and mean slice dispersion over 0 %, 10 %, …, 100 % (spec §9.6)."""
     if not items:
         return float("nan")
+    items = sorted(items, key=lambda item: item["doc_id"])  # the random draws must not depend on rank order
     vectors = np.stack([decode_vector(item["vector"]) for item in items])
     correct = np.asarray([item["correct"] for item in items], dtype=np.float64)
     ppl = np.asarray([item["ppl"] for item in items], dtype=np.float64)

@@ -176,7 +176,7 @@ class HardnessTask(GeometryTask):
         by_doc: dict[int, list] = defaultdict(list)
         for inst in self._instances:
             by_doc[inst.doc_id].append(inst)
-        carriers, vectors, correct, ppl = [], [], [], []
+        carriers, doc_ids, vectors, correct, ppl = [], [], [], [], []
         for doc_id in sorted(by_doc):
             insts = sorted(by_doc[doc_id], key=lambda x: x.idx)
             key = next(iter(insts[0].filtered_resps))
@@ -189,6 +189,7 @@ class HardnessTask(GeometryTask):
             gold = self._gold(doc)
             n_tokens = getattr(results[gold], "n_tokens", None) or 1
             carriers.append(results[0])
+            doc_ids.append(doc_id)
             vectors.append(np.asarray(geometry[self.want], dtype=np.float64))
             correct.append(bool(base[self.settings.correct]))
             ppl.append(math.exp(-float(results[gold][0]) / n_tokens))
@@ -202,7 +203,8 @@ class HardnessTask(GeometryTask):
         c_ok = slices.scores_against(u, ok, sums[1])
         c_bad = slices.scores_against(u, ~ok, sums[2])
         for i, carrier in enumerate(carriers):
-            carrier.repgeom_items = metrics.query_items(c[i], c_ok[i], c_bad[i], correct[i], ppl[i], vectors[i])
+            carrier.repgeom_items = metrics.query_items(c[i], c_ok[i], c_bad[i], correct[i], ppl[i], vectors[i],
+                                                         doc_ids[i])
         return out
 
     def process_results(self, doc: dict, results: list) -> dict[str, Any]:
