@@ -80,8 +80,11 @@ class Settings:
         return out
 
 
-def sum_across_ranks(values: np.ndarray, world_size: int) -> np.ndarray:
-    """Element-wise sum of ``values`` over the ranks lm-eval shards documents across (identity for one rank)."""
+def sum_across_ranks(values: np.ndarray | None, world_size: int) -> np.ndarray | None:
+    """Element-wise sum of ``values`` over the ranks lm-eval shards documents across (identity for one rank).
+
+    A collective: every rank must call it, also one that got no documents (it passes None and is left out of
+    the sum). None when no rank had any."""
     if world_size <= 1:
         return values
     import torch.distributed as dist
@@ -91,7 +94,8 @@ def sum_across_ranks(values: np.ndarray, world_size: int) -> np.ndarray:
                            "geometry needs the sums of every rank")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, values)
-    return np.sum(np.stack(gathered), axis=0)
+    present = [g for g in gathered if g is not None]
+    return np.sum(np.stack(present), axis=0) if present else None
 
 
 class GeometryTask(ConfigurableTask):
@@ -171,7 +175,9 @@ class HardnessTask(GeometryTask):
 
     def apply_filters(self):
         out = super().apply_filters()
-        if self._bypassed() or not self._geometry_metrics(metrics.HARDNESS_METRICS) or not self._instances:
+        # Every rank reaches the same decision here: the sums below are a collective, also for a rank with no
+        # documents of its own.
+        if self._bypassed() or not self._geometry_metrics(metrics.HARDNESS_METRICS):
             return out
         by_doc: dict[int, list] = defaultdict(list)
         for inst in self._instances:
@@ -193,11 +199,16 @@ class HardnessTask(GeometryTask):
             vectors.append(np.asarray(geometry[self.want], dtype=np.float64))
             correct.append(bool(base[self.settings.correct]))
             ppl.append(math.exp(-float(results[gold][0]) / n_tokens))
-        u = slices.unit_rows(np.stack(vectors))
-        ok = np.asarray(correct)
-        everyone = np.ones(len(u), dtype=bool)
-        local = np.concatenate([slices.SetSums.of(u[m]).pack() for m in (everyone, ok, ~ok)])
-        total = sum_across_ranks(local, self._world_size).reshape(3, -1)
+        local = None
+        if vectors:
+            u = slices.unit_rows(np.stack(vectors))
+            ok = np.asarray(correct)
+            everyone = np.ones(len(u), dtype=bool)
+            local = np.concatenate([slices.SetSums.of(u[m]).pack() for m in (everyone, ok, ~ok)])
+        total = sum_across_ranks(local, self._world_size)
+        if not vectors:
+            return out
+        total = total.reshape(3, -1)
         sums = [slices.SetSums.unpack(row) for row in total]
         c = slices.scores_against(u, everyone, sums[0])
         c_ok = slices.scores_against(u, ok, sums[1])
