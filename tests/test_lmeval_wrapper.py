@@ -73,3 +73,15 @@ def test_repgeom_lm_eval_wrapper_runs_with_the_hook_off(tiny_model_dir, tmp_path
                           env=env(REPGEOM_LM_EVAL_AUTOLOAD="0"))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "repgeom_slice_spearman" in proc.stdout and "acc_norm" in proc.stdout
+
+
+def test_pth_file_is_part_of_the_installed_distribution():
+    """pip uninstall removes exactly the files the distribution's RECORD lists: the .pth and the hook are there."""
+    from importlib.metadata import distributions
+
+    # the installed .dist-info (a source checkout's repgeom_eval.egg-info on sys.path has no RECORD)
+    (dist,) = [d for d in distributions(name="repgeom-eval") if d.read_text("RECORD")]
+    names = {str(f) for f in dist.files or []}
+    assert "repgeom_lm_eval.pth" in names
+    pth = dist.locate_file("repgeom_lm_eval.pth")
+    assert Path(pth).read_text().strip() == "import _repgeom_lm_eval_hook"
