@@ -32,6 +32,9 @@ COMMANDS = {
     "perturb": ("perturb_cmd", "Prompt entropy and dispersion under repetition, random tokens, length (paper B)."),
     "train": ("train_cmd", "Train a causal LM (continued, or a small GPT-2 from scratch) with auxiliary losses."),
     "mteb": ("mteb_cmd", "MTEB scores and embedding geometry at any layer; layer sweeps in one pass; summaries."),
+    "tasks-dir": ("tasks_dir_cmd", "Print the folder of repgeom-eval's lm-eval tasks (for lm_eval --include_path)."),
+    "lm-eval": ("lm_eval_cmd", "Run lm-eval's command line with repgeom-eval's tasks and metrics loaded."),
+    "slices": ("slices_cmd", "Controlled-slice experiment and calibration from lm-eval samples or vector files."),
 }
 
 

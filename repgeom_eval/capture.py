@@ -134,4 +134,10 @@ class Capture:
         missing = [str(a) for p, addrs in self._by_point.items() if p not in self._captured for a in addrs]
         if missing:
             raise RuntimeError(f"hooks for {', '.join(missing)} never fired during the forward pass")
-        return {addr: self._captured[point] for addr, point in self.points.items()}
+        out = {addr: self._captured[point] for addr, point in self.points.items()}
+        self._captured = {}
+        return out
+
+    # For callers that run the model themselves inside ``with Capture(model, points, stop_early=False)`` (the
+    # lm-eval integration reads the forward pass lm-eval makes): take what that pass captured.
+    take = tensors

@@ -50,3 +50,27 @@ def plot_profile(result: dict[str, Any], path: str | Path, metrics: Sequence[str
         fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def plot_slices(curve: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
+    """Controlled slices (``repgeom slices``): slice dispersion, and slice perplexity where known, against the
+    fraction of correct queries, mean ± s.e. over seeds."""
+    plt = _pyplot()
+    xs = [100 * f for f in curve["fractions"]]
+    panels = [("dispersion", "slice dispersion D")]
+    if curve.get("perplexity_mean"):
+        panels.append(("perplexity", "slice mean perplexity"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        ax.errorbar(xs, curve[f"{key}_mean"], yerr=curve[f"{key}_se"], marker="o", ms=4, capsize=3)
+        ax.set_xlabel("correct queries in the slice (%)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    rho = curve.get("spearman")
+    rho_text = "nan" if rho is None or rho != rho else f"{rho:.3f}"
+    fig.suptitle(title or f"{curve['size']} queries per slice, {curve['seeds']} seeds; Spearman ρ = {rho_text}")
+    fig.tight_layout()
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120)
+    plt.close(fig)
+    return Path(path)

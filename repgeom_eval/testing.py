@@ -185,3 +185,56 @@ def check_metric(cls: type[Metric], kwargs: Mapping[str, Any] | None = None, n: 
     clone = pickle.loads(pickle.dumps(one))
     _close(clone.compute(), expected, rtol, f"{cls.name} (after pickling)")
     _close(copy.deepcopy(one).compute(), expected, rtol, f"{cls.name} (after deepcopy)")
+
+
+# -- local data for the lm-eval tasks ----------------------------------------------------------------------------
+
+TASK_SCHEMAS = ("mmlu", "arc_challenge", "arc_easy", "hellaswag", "piqa", "wikitext")
+MMLU_TEST_SUBJECTS = ("abstract_algebra", "anatomy", "world_religions")
+
+
+def task_records(schema: str, n: int, seed: int = 0, words: tuple[int, int] = (3, 10)) -> list[dict[str, Any]]:
+    """``n`` records in the schema of a repgeom lm-eval task (``repgeom_eval.lmeval.data.SCHEMAS``), made of
+    random words of Python's own documentation: real words, short enough for a tiny model's 128-token context."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = " ".join(_training_text()[:30]).split()
+
+    def text(lo: int = words[0], hi: int = words[1]) -> str:
+        return " ".join(rng.choice(vocab) for _ in range(rng.randint(lo, hi)))
+
+    out: list[dict[str, Any]] = []
+    for _ in range(n):
+        if schema == "mmlu":
+            out.append({"question": text(), "subject": rng.choice(MMLU_TEST_SUBJECTS),
+                        "choices": [text(1, 3) for _ in range(4)], "answer": rng.randrange(4)})
+        elif schema in ("arc_challenge", "arc_easy"):
+            k = rng.choice((3, 4))
+            labels = list("ABCD"[:k]) if rng.random() < 0.8 else [str(i + 1) for i in range(k)]
+            out.append({"id": f"q{len(out)}", "question": text(),
+                        "choices": {"text": [text(1, 4) for _ in range(k)], "label": labels},
+                        "answerKey": rng.choice(labels)})
+        elif schema == "hellaswag":
+            out.append({"activity_label": text(1, 2), "ctx_a": text(), "ctx_b": text(1, 3),
+                        "endings": [text(2, 5) + (" [title] x" if rng.random() < 0.2 else "") for _ in range(4)],
+                        "label": str(rng.randrange(4))})
+        elif schema == "piqa":
+            out.append({"goal": text(), "sol1": text(2, 6), "sol2": text(2, 6), "label": rng.randrange(2)})
+        elif schema == "wikitext":
+            out.append({"page": " = " + text(1, 3) + " = \n " + text(20, 120) + " @-@ " + text(5, 60) + " \n"})
+        else:
+            raise ValueError(f"unknown schema {schema!r} (valid: {', '.join(TASK_SCHEMAS)})")
+    return out
+
+
+def write_task_data(schema: str, path: str | Path, n: int = 40, seed: int = 0, **kwargs: Any) -> Path:
+    """Write :func:`task_records` as JSON lines to ``path`` (a ``repgeom_data`` file)."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for record in task_records(schema, n, seed, **kwargs):
+            fh.write(json.dumps(record) + "\n")
+    return path

@@ -1,0 +1,171 @@
+"""Startup hook that lets lm-eval find repgeom-eval's tasks (imported by ``repgeom_lm_eval.pth``).
+
+lm-eval 0.4.13 reads no entry points, so an installed package cannot add tasks to it. The wheel therefore ships a
+one-line ``.pth`` file (``import _repgeom_lm_eval_hook``), which Python runs at start-up. This module is the whole
+of what runs then: it uses the standard library only and registers an import hook. Nothing else happens until a
+program imports ``lm_eval.tasks.manager``; right after that module has run, ``patch_task_manager`` adds
+repgeom-eval's ``task_configs`` folder to the folders every ``TaskManager`` searches (as if ``--include_path`` had
+been given). The tasks themselves load the rest of repgeom-eval when lm-eval builds them.
+
+Switch it off with ``REPGEOM_LM_EVAL_AUTOLOAD=0`` (also ``false``, ``no``, ``off``). ``pip uninstall repgeom-eval``
+removes the ``.pth`` file and this module with the rest of the package.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+import threading
+import warnings
+
+ENV_VAR = "REPGEOM_LM_EVAL_AUTOLOAD"
+_OFF = {"0", "false", "no", "off"}
+
+_callbacks: dict[str, list] = {}
+_lock = threading.RLock()
+
+
+def enabled() -> bool:
+    """False when ``REPGEOM_LM_EVAL_AUTOLOAD`` switches the automatic task discovery off."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in _OFF
+
+
+def when_imported(name: str, callback) -> None:
+    """Call ``callback(module)`` once ``name`` has been imported: now if it already is, else right after it runs."""
+    with _lock:
+        module = sys.modules.get(name)
+        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+            _callbacks.setdefault(name, []).append(callback)
+            if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
+                sys.meta_path.insert(0, _PostImportFinder())
+            return
+    callback(module)
+
+
+def _run_callbacks(module) -> None:
+    with _lock:
+        pending = _callbacks.pop(module.__name__, [])
+    for callback in pending:
+        try:
+            callback(module)
+        except Exception as exc:  # noqa: BLE001 - a failing hook must never break the importing program
+            warnings.warn(f"repgeom-eval: its hook for {module.__name__} failed ({type(exc).__name__}: {exc}); "
+                          f"set {ENV_VAR}=0 to switch the lm-eval integration off", RuntimeWarning, stacklevel=2)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it asks the other finders and wraps the loader they return."""
+
+    def __init__(self) -> None:
+        self._busy = threading.local()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _callbacks or getattr(self._busy, fullname, False):
+            return None
+        setattr(self._busy, fullname, True)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            setattr(self._busy, fullname, False)
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _CallbackLoader(spec.loader)
+        return spec
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        # Hand the module its real loader back (pkgutil, inspect and reloads use it), then run it.
+        module.__loader__ = self.loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        _run_callbacks(module)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+# -- the task folder ---------------------------------------------------------------------------------------------
+
+MARKER = "repgeom_hardness_mmlu.yaml"  # one of the task files: proves a folder is the right one
+
+
+def tasks_dir() -> str:
+    """The folder holding repgeom-eval's lm-eval task YAMLs.
+
+    Found next to this module without importing repgeom_eval (which would load torch): ``repgeom_eval/task_configs``
+    in an installed wheel, ``task_configs`` in a source checkout (editable install).
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "repgeom_eval", "task_configs"), os.path.join(here, "task_configs")):
+        if os.path.isfile(os.path.join(candidate, MARKER)):
+            return candidate
+    import importlib.util  # unusual layout: ask the import system (this imports repgeom_eval)
+
+    spec = importlib.util.find_spec("repgeom_eval.task_configs")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("repgeom-eval's task_configs folder is missing; reinstall repgeom-eval")
+    return list(spec.submodule_search_locations)[0]
+
+
+def _as_list(include_path) -> list:
+    if include_path is None:
+        return []
+    if isinstance(include_path, (list, tuple)):
+        return list(include_path)
+    return [include_path]
+
+
+def with_tasks_dir(include_path):
+    """``include_path`` (None, a path or a list) with repgeom-eval's task folder first, unless already there.
+
+    First, because lm-eval lets later folders override earlier ones: the user's own folders keep the last word.
+    """
+    ours = tasks_dir()
+    paths = _as_list(include_path)
+    if any(os.path.realpath(os.fspath(p)) == os.path.realpath(ours) for p in paths):
+        return include_path
+    return [ours, *paths]
+
+
+def patch_task_manager(module) -> None:
+    """Make every ``TaskManager`` of ``module`` (``lm_eval.tasks.manager``) also search the task folder."""
+    import functools
+    import inspect
+
+    cls = module.TaskManager
+    if getattr(cls.__init__, "_repgeom_tasks_dir", False):
+        return
+    original = cls.__init__
+    signature = inspect.signature(original)
+    if "include_path" not in signature.parameters:
+        raise RuntimeError(f"lm-eval's TaskManager has no include_path parameter (lm-eval "
+                           f"{getattr(sys.modules.get('lm_eval'), '__version__', '?')}); repgeom-eval supports 0.4.x")
+
+    @functools.wraps(original)
+    def __init__(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["include_path"] = with_tasks_dir(bound.arguments.get("include_path"))
+        original(*bound.args, **bound.kwargs)
+
+    __init__._repgeom_tasks_dir = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+
+
+if enabled():
+    when_imported("lm_eval.tasks.manager", patch_task_manager)

@@ -1,0 +1,132 @@
+"""``repgeom slices``: the controlled-slice experiment (spec §9.6) and, with ``--calibrate``, its calibration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from repgeom_eval.slices import SEEDS, SLICE_SIZE
+
+    p.add_argument("source", metavar="SAMPLES",
+                   help="lm-eval --log_samples output of a repgeom_hardness_* task (a samples_*.jsonl file or the "
+                        "--output_path folder), or, with --vectors, a JSONL with one record per query")
+    p.add_argument("--task", default=None, help="task whose samples to read when the folder holds several")
+    p.add_argument("--vectors", default=None, metavar="FILE",
+                   help="per-query vectors (.npy [N, d] or .safetensors), row i = record i of SAMPLES")
+    p.add_argument("--correct-field", default="correct", help="field of each record holding correctness (with "
+                                                              "--vectors; default: correct)")
+    p.add_argument("--ppl-field", default="ppl", help="field holding the query's perplexity, optional (with "
+                                                      "--vectors; default: ppl)")
+    p.add_argument("--size", type=_positive_int, default=SLICE_SIZE,
+                   help=f"queries per slice (default {SLICE_SIZE}; reduced, with a warning, if the pool is smaller)")
+    p.add_argument("--seeds", type=_positive_int, default=SEEDS, help=f"slices per fraction (default {SEEDS})")
+    p.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also predict slice accuracy from slice dispersion: 20/10/70 %% calibration/validation/test "
+                        "split, 2 %% slices, isotonic/linear/polynomial chosen on validation; prints the test MAE")
+    p.add_argument("--output", "-o", default=None, help="results JSON (written atomically)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="plot of the slice curves")
+    p.add_argument("--json", action="store_true", help="print the results JSON instead of a table")
+
+
+def _fmt(value: float | None, se: float | None = None) -> str:
+    if value is None or not math.isfinite(value):
+        return "nan"
+    if se is None:
+        return f"{value:.4f}"
+    return f"{value:.4f} ± {se:.4f}" if math.isfinite(se) else f"{value:.4f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from repgeom_eval import __version__
+    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.io import check_writable, jsonable, write_json
+    from repgeom_eval.queries import from_samples, from_vector_file
+    from repgeom_eval.slices import calibrate, controlled_slices
+
+    for path in (args.output, args.plot):
+        if path:
+            check_writable(path)
+    if args.vectors:
+        queries = from_vector_file(args.source, args.vectors, args.correct_field, args.ppl_field)
+    else:
+        queries = from_samples(args.source, args.task)
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        curve = controlled_slices(queries.vectors, queries.correct, queries.ppl, size=args.size, seeds=args.seeds,
+                                  seed=args.seed)
+        calibration = None
+        if args.calibrate:
+            try:
+                calibration = calibrate(queries.vectors, queries.correct, size=args.size, seeds=args.seeds,
+                                        seed=args.seed)
+            except ValueError as exc:
+                raise RepgeomError(f"--calibrate: {exc}") from None
+    notes += [str(w.message) for w in caught]
+    if curve.size < 2:
+        raise RepgeomError(f"{int(queries.correct.sum())} correct and {int(len(queries.correct) - queries.correct.sum())}"
+                           " incorrect queries: slices need at least 2 of each kind at every fraction")
+    result = {
+        "source": queries.source,
+        "n_queries": int(len(queries.correct)),
+        "n_correct": int(queries.correct.sum()),
+        "dim": int(queries.vectors.shape[1]),
+        "config": {"size": args.size, "seeds": args.seeds, "seed": args.seed, "fractions": curve.fractions,
+                   "slice_dispersion": "D across the slice's pooled vectors (spec §9.6)", "version": __version__},
+        "slices": curve.to_dict(),
+        "calibration": calibration.to_dict() if calibration else None,
+        "notes": notes,
+    }
+    if args.output:
+        write_json(args.output, result)
+    if args.plot:
+        from repgeom_eval.plotting import plot_slices
+
+        plot_slices(curve.to_dict(), args.plot)
+    if args.json:
+        print(json.dumps(jsonable(result), indent=2))
+        return 0
+    console = Console()
+    for note in notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    table = Table(title=escape(f"{queries.source}: {result['n_queries']} queries, {result['n_correct']} correct; "
+                               f"{curve.size} per slice, {curve.seeds} seeds (mean ± s.e.)"))
+    table.add_column("correct", justify="right")
+    table.add_column("slice dispersion", justify="right")
+    if curve.perplexity_mean is not None:
+        table.add_column("slice perplexity", justify="right")
+    for i, f in enumerate(curve.fractions):
+        row = [f"{100 * f:.0f}%", _fmt(curve.dispersion_mean[i], curve.dispersion_se[i])]
+        if curve.perplexity_mean is not None:
+            row.append(_fmt(curve.perplexity_mean[i], curve.perplexity_se[i]))
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"Spearman ρ(fraction correct, slice dispersion) = {_fmt(curve.spearman)} "
+                  f"(over all {len(curve.fractions) * curve.seeds} slices: {_fmt(curve.spearman_all_slices)})")
+    if curve.perplexity_mean is not None:
+        console.print(f"Spearman ρ(fraction correct, slice perplexity) = {_fmt(curve.spearman_perplexity)}")
+    if calibration:
+        chosen = ", ".join(f"{name} ×{calibration.chosen.count(name)}" for name in dict.fromkeys(calibration.chosen))
+        console.print(f"Calibration MAE on test slices = {_fmt(calibration.mae_mean, calibration.mae_se)} over "
+                      f"{calibration.seeds} seeds ({calibration.size} per slice; chosen on validation: {chosen})")
+    return 0

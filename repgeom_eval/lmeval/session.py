@@ -1,0 +1,104 @@
+"""Runs that include repgeom tasks read hidden states; every other run is left exactly as lm-eval makes it.
+
+:func:`install` wraps ``lm_eval.evaluator.evaluate`` (once; the task module calls it on import). The wrapper looks
+at the run's tasks: without a repgeom task it calls lm-eval's function unchanged. With one, it checks the model
+before any compute is spent and fails loudly instead of producing a silently missing metric:
+
+* ``--use_cache`` (lm-eval's ``CachingLM``) answers requests from a database without running the model;
+* a backend that is not ``HFLM`` (vLLM, APIs, GGUF servers, …) has no hidden states to read;
+* a seq2seq model has no single "last context token" in the decoder;
+
+then reads the hidden states of HFLM's own forward passes for the duration of the run
+(:class:`~repgeom_eval.lmeval.capture.HiddenStates`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import RepgeomError
+
+
+def install() -> None:
+    """Wrap ``lm_eval.evaluator.evaluate`` now, or as soon as that module is imported."""
+    from _repgeom_lm_eval_hook import when_imported
+
+    when_imported("lm_eval.evaluator", _wrap_evaluate)
+
+
+def _wrap_evaluate(module: Any) -> None:
+    original = module.evaluate
+    if getattr(original, "_repgeom_wrapped", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def evaluate(*args: Any, **kwargs: Any):
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        tasks = geometry_tasks(bound.get("task_dict"))
+        if not tasks:
+            return original(*args, **kwargs)
+        with hidden_states_for(bound.get("lm"), tasks):
+            return original(*args, **kwargs)
+
+    evaluate._repgeom_wrapped = True  # type: ignore[attr-defined]
+    module.evaluate = evaluate
+
+
+def geometry_tasks(task_dict: Any) -> list:
+    """The repgeom tasks of a run (``TaskManager.load()`` result or lm-eval's older nested dict)."""
+    from .task import GeometryTask
+
+    found: list = []
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, GeometryTask):
+            if all(obj is not t for t in found):
+                found.append(obj)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                walk(value)
+
+    if isinstance(task_dict, dict) and "tasks" in task_dict:
+        walk(task_dict["tasks"])
+    else:
+        walk(task_dict)
+    return found
+
+
+def check_model(lm: Any) -> Any:
+    """The HFLM to read hidden states from, or a RepgeomError saying why there is none."""
+    from lm_eval.api.model import CachingLM
+    from lm_eval.models.huggingface import HFLM
+
+    if isinstance(lm, CachingLM):
+        raise RepgeomError("repgeom_* tasks cannot run with --use_cache: cached answers skip the forward pass that "
+                           "the geometry metrics read, so they would be missing; run without --use_cache")
+    if not isinstance(lm, HFLM):
+        raise RepgeomError(f"repgeom_* tasks read hidden states of a Hugging Face model; the {type(lm).__name__} "
+                           "backend has none. Use --model hf (or repgeom-hf)")
+    if getattr(lm, "backend", "causal") != "causal":
+        raise RepgeomError(f"repgeom_* tasks need a decoder-only (causal) model; this one is {lm.backend}")
+    return lm
+
+
+@contextmanager
+def hidden_states_for(lm: Any, tasks: list) -> Iterator[Any]:
+    """Attach the hidden states ``tasks`` need to ``lm``'s results for the duration of the block."""
+    from .capture import HiddenStates
+
+    check_model(lm)
+    method = "extra" if any(t.settings.capture == "extra" for t in tasks) else "fused"
+    with HiddenStates(lm, {t.want for t in tasks}, method=method) as states:
+        for task in tasks:
+            task.record_capture({"address": str(states.addresses[task.want]), "capture": states.method,
+                                 **({"fused_disabled_because": states.reason} if states.reason else {})})
+        yield states
+    if states.method == "fused" and states.extra_requests:
+        warnings.warn(f"repgeom: {states.extra_requests} requests needed an extra forward pass", RuntimeWarning,
+                      stacklevel=3)

@@ -1,0 +1,282 @@
+"""The task classes the repgeom YAMLs name (``class: !function repgeom_eval.lmeval.task.…``).
+
+Each is lm-eval's own ``ConfigurableTask`` (the YAML gives upstream's prompt, choices, target and metrics) plus
+geometry. Importing this module registers the metrics with lm-eval and installs the hidden-state capture for
+runs that include a repgeom task (``session``).
+
+Settings come from ``--metadata`` (all optional; every value used is written into the results' task config under
+``metadata.repgeom``):
+
+====================== ============ ========================================================================
+key                    default      meaning
+====================== ============ ========================================================================
+``repgeom_data``       (Hub)        local file or folder in the upstream schema (``data``)
+``repgeom_layer``      ``final``    layer address (``final``, ``resid_post:-1``, ``mlp_in:12``, a hidden-state index)
+``repgeom_pooling``    ``last``     ``last`` context token (spec §9.6) or ``mean`` over the context (hardness tasks)
+``repgeom_correct``    ``acc``      which 0/1 metric defines a correct query (``acc`` or ``acc_norm``)
+``repgeom_capture``    ``fused``    ``fused``: read lm-eval's own forward pass; ``extra``: one more pass
+``repgeom_slice_size`` ``100``      queries per controlled slice
+``repgeom_slice_seeds`` ``10``      seeds per fraction
+====================== ============ ========================================================================
+
+Why ``apply_filters`` does the geometry: lm-eval runs every request of every task before it scores any document,
+then calls ``apply_filters`` once per task on every rank (in the same order), then ``process_results`` per
+document. At that point each query's vector is known, so c_i (its mean cosine distance to all queries, spec §1.4)
+can be computed against the whole population — the sums of the unit vectors are added across ranks there — and
+``process_results`` can put c_i into each document's log-samples record.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from lm_eval.api.samplers import ContextSampler
+from lm_eval.api.task import ConfigurableTask
+
+from .. import slices
+from ..errors import RepgeomError
+from . import metrics, session
+from .capture import POOLINGS, Want
+from .data import SCHEMAS
+
+PREFIX = "repgeom_"
+
+
+@dataclass
+class Settings:
+    data: str | None = None
+    layer: str = "final"
+    pooling: str = "last"
+    correct: str = "acc"
+    capture: str = "fused"
+    slice_size: int = slices.SLICE_SIZE
+    slice_seeds: int = slices.SEEDS
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any], kind: str) -> "Settings":
+        valid = {f"{PREFIX}{k}" for k in asdict(cls())}
+        unknown = sorted(k for k in metadata if k.startswith(PREFIX) and k not in valid | {"repgeom_schema"})
+        if unknown:
+            raise RepgeomError(f"unknown metadata key {unknown[0]!r} for repgeom tasks (valid: {', '.join(sorted(valid))})")
+        values = {k[len(PREFIX):]: v for k, v in metadata.items() if k in valid}
+        out = cls(**values)
+        out.layer = str(out.layer)
+        if kind == "perplexity":
+            out.pooling = "tokens"
+        elif out.pooling not in ("last", "mean"):
+            raise RepgeomError(f"repgeom_pooling must be last or mean, got {out.pooling!r}")
+        if out.capture not in ("fused", "extra"):
+            raise RepgeomError(f"repgeom_capture must be fused or extra, got {out.capture!r}")
+        for name in ("slice_size", "slice_seeds"):
+            value = getattr(out, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RepgeomError(f"repgeom_{name} must be a positive integer, got {value!r}")
+        assert out.pooling in POOLINGS
+        return out
+
+
+def sum_across_ranks(values: np.ndarray | None, world_size: int) -> np.ndarray | None:
+    """Element-wise sum of ``values`` over the ranks lm-eval shards documents across (identity for one rank).
+
+    A collective: every rank must call it, also one that got no documents (it passes None and is left out of
+    the sum). None when no rank had any."""
+    if world_size <= 1:
+        return values
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RepgeomError(f"lm-eval reports {world_size} ranks but torch.distributed is not initialised; "
+                           "geometry needs the sums of every rank")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    present = [g for g in gathered if g is not None]
+    return np.sum(np.stack(present), axis=0) if present else None
+
+
+class GeometryTask(ConfigurableTask):
+    """A YAML task plus geometry; subclasses say what one document contributes."""
+
+    KIND = ""
+
+    def __init__(self, config: dict | None = None, **kwargs: Any):
+        config = dict(config or {})
+        config.pop("class", None)  # lm-eval's PY_TASK route passes the YAML's `class:` key along
+        metadata = dict(config.get("metadata") or {})
+        self.settings = Settings.from_metadata(metadata, self.KIND)
+        schema = (config.get("dataset_kwargs") or {}).get("repgeom_schema")
+        record = {k: v for k, v in asdict(self.settings).items() if self.KIND == "hardness" or k in
+                  ("data", "layer", "pooling", "capture")}
+        record["data"] = self.settings.data or (
+            "/".join(x for x in SCHEMAS[schema].hub if x) + " (Hugging Face Hub)" if schema in SCHEMAS else None)
+        metadata["repgeom"] = record
+        config["metadata"] = metadata
+        self.capture_info: dict[str, Any] | None = None
+        self._world_size = 1
+        super().__init__(config=config, **kwargs)
+
+    @property
+    def want(self) -> Want:
+        return Want(self.settings.layer, self.settings.pooling)
+
+    def record_capture(self, info: dict[str, Any]) -> None:
+        """Called by the session: how the hidden states were obtained (goes into the results' task config)."""
+        self.capture_info = info
+        self.config.metadata["repgeom"].update(info)
+
+    def build_all_requests(self, *args: Any, **kwargs: Any) -> None:
+        self._world_size = int(kwargs.get("world_size", 1) or 1)
+        return super().build_all_requests(*args, **kwargs)
+
+    def _bypassed(self) -> bool:
+        """``--predict_only`` replaces every metric by lm-eval's ``bypass``."""
+        return "bypass" in self._metric_fn_list
+
+    def _geometry_metrics(self, names: tuple[str, ...]) -> list[str]:
+        return [m for m in names if m in self._metric_fn_list]
+
+    def _missing(self, what: str) -> RepgeomError:
+        return RepgeomError(
+            f"task {self.config.task}: no hidden states reached {what}. The run did not go through repgeom's "
+            "capture: use `--model hf` without --use_cache, and import lm_eval.evaluator.evaluate only after "
+            "loading the task (or call repgeom_eval.lmeval.session.install() first)")
+
+
+class HardnessTask(GeometryTask):
+    """Multiple-choice task: one vector per query, correctness from lm-eval's own ``acc`` (or ``acc_norm``)."""
+
+    KIND = "hardness"
+
+    def __init__(self, config: dict | None = None, **kwargs: Any):
+        super().__init__(config=config, **kwargs)
+        if self.OUTPUT_TYPE != "multiple_choice":
+            raise RepgeomError(f"{type(self).__name__} needs output_type multiple_choice, got {self.OUTPUT_TYPE}")
+        if self.multiple_input or self.multiple_target:
+            raise RepgeomError(f"task {self.config.task}: multiple inputs or targets per document are not supported")
+        if self.settings.correct not in self._metric_fn_list:
+            raise RepgeomError(f"repgeom_correct {self.settings.correct!r} is not a metric of task "
+                               f"{self.config.task} (its metrics: {', '.join(self._metric_fn_list)})")
+        if len(self._filters) != 1:
+            raise RepgeomError(f"task {self.config.task}: geometry supports one filter pipeline, got "
+                               f"{len(self._filters)}")
+        if "repgeom_slice_spearman" in self._aggregation_list:
+            self._aggregation_list["repgeom_slice_spearman"] = functools.partial(
+                metrics.slice_spearman, size=self.settings.slice_size, seeds=self.settings.slice_seeds)
+
+    def _gold(self, doc: dict) -> int:
+        gold = self.doc_to_target(doc)
+        if isinstance(gold, str):
+            gold = self.doc_to_choice(doc).index(gold)
+        return int(gold)
+
+    def apply_filters(self):
+        out = super().apply_filters()
+        # Every rank reaches the same decision here: the sums below are a collective, also for a rank with no
+        # documents of its own.
+        if self._bypassed() or not self._geometry_metrics(metrics.HARDNESS_METRICS):
+            return out
+        by_doc: dict[int, list] = defaultdict(list)
+        for inst in self._instances:
+            by_doc[inst.doc_id].append(inst)
+        carriers, doc_ids, vectors, correct, ppl = [], [], [], [], []
+        for doc_id in sorted(by_doc):
+            insts = sorted(by_doc[doc_id], key=lambda x: x.idx)
+            key = next(iter(insts[0].filtered_resps))
+            results = [inst.filtered_resps[key] for inst in insts]
+            geometry = getattr(results[0], "geometry", None)
+            if not geometry or self.want not in geometry:
+                raise self._missing(f"document {doc_id}")
+            doc = insts[0].doc
+            base = ConfigurableTask.process_results(self, doc, results)
+            gold = self._gold(doc)
+            n_tokens = getattr(results[gold], "n_tokens", None) or 1
+            carriers.append(results[0])
+            doc_ids.append(doc_id)
+            vectors.append(np.asarray(geometry[self.want], dtype=np.float64))
+            correct.append(bool(base[self.settings.correct]))
+            ppl.append(math.exp(-float(results[gold][0]) / n_tokens))
+        local = None
+        if vectors:
+            u = slices.unit_rows(np.stack(vectors))
+            ok = np.asarray(correct)
+            everyone = np.ones(len(u), dtype=bool)
+            local = np.concatenate([slices.SetSums.of(u[m]).pack() for m in (everyone, ok, ~ok)])
+        total = sum_across_ranks(local, self._world_size)
+        if not vectors:
+            return out
+        total = total.reshape(3, -1)
+        sums = [slices.SetSums.unpack(row) for row in total]
+        c = slices.scores_against(u, everyone, sums[0])
+        c_ok = slices.scores_against(u, ok, sums[1])
+        c_bad = slices.scores_against(u, ~ok, sums[2])
+        for i, carrier in enumerate(carriers):
+            carrier.repgeom_items = metrics.query_items(c[i], c_ok[i], c_bad[i], correct[i], ppl[i], vectors[i],
+                                                         doc_ids[i])
+        return out
+
+    def process_results(self, doc: dict, results: list) -> dict[str, Any]:
+        base = super().process_results(doc, results)
+        wanted = self._geometry_metrics(metrics.HARDNESS_METRICS)
+        if self._bypassed() or not wanted:
+            return base
+        items = getattr(results[0], "repgeom_items", None)
+        if items is None:
+            raise self._missing("this document")
+        return {**base, **{m: items[m] for m in wanted}}
+
+
+class MMLUHardnessTask(HardnessTask):
+    """All MMLU subjects as one task; few-shot examples come from the document's own subject, as upstream."""
+
+    def fewshot_context(self, doc: dict, num_fewshot: int, *args: Any, **kwargs: Any):
+        if isinstance(getattr(self, "sampler", None), SubjectFirstNSampler):
+            self.sampler.subject = doc.get("subject")
+        return super().fewshot_context(doc, num_fewshot, *args, **kwargs)
+
+
+class SubjectFirstNSampler(ContextSampler):
+    """The first n few-shot documents of the evaluated document's subject (upstream MMLU: ``first_n`` on the dev
+    split of one subject)."""
+
+    subject: str | None = None
+
+    def sample(self, n: int, eval_doc: dict | None = None, df: Any = None, **kwargs: Any):
+        if n == 0:
+            return []
+        subject = (eval_doc or {}).get("subject", self.subject)
+        pool = [d for d in self.fewshot_docs() if d.get("subject") == subject and d != eval_doc]
+        if len(pool) < n:
+            raise RepgeomError(f"{n}-shot MMLU needs {n} few-shot documents of subject {subject!r}, the dev split "
+                               f"has {len(pool)}; pass a repgeom_data folder with test.jsonl and dev.jsonl")
+        return pool[:n]
+
+
+class PerplexityGeometryTask(GeometryTask):
+    """Rolling perplexity per document plus the dispersion of the document's token vectors."""
+
+    KIND = "perplexity"
+
+    def __init__(self, config: dict | None = None, **kwargs: Any):
+        super().__init__(config=config, **kwargs)
+        if self.OUTPUT_TYPE != "loglikelihood_rolling":
+            raise RepgeomError(f"{type(self).__name__} needs output_type loglikelihood_rolling, got {self.OUTPUT_TYPE}")
+
+    def process_results(self, doc: dict, results: list) -> dict[str, Any]:
+        base = super().process_results(doc, results)
+        wanted = self._geometry_metrics(metrics.PERPLEXITY_METRICS)
+        if self._bypassed() or not wanted:
+            return base
+        (loglikelihood,) = results
+        stats = getattr(loglikelihood, "geometry", {}).get(self.want)
+        if stats is None:
+            raise self._missing("this document")
+        n_tokens = max(1, int(getattr(loglikelihood, "n_tokens", 0) or 0))
+        items = metrics.document_items(math.exp(-float(loglikelihood) / n_tokens), stats.dispersion())
+        return {**base, **{m: items[m] for m in wanted}}
+
+
+session.install()

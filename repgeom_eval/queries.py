@@ -1,0 +1,147 @@
+"""Per-query vectors with correctness labels, read from lm-eval's samples output or from a JSONL + vector file.
+
+* lm-eval ``--log_samples`` output of a repgeom hardness task: a ``samples_<task>_<date>.jsonl`` file, or the
+  ``--output_path`` folder holding it. Each record's ``repgeom_slice_spearman`` field carries the query's vector
+  (base64 float32), its correctness and its perplexity.
+* Any JSONL with one record per query (a ``correct`` field: true/false or 0/1; optionally ``ppl``) together with
+  a vector file holding one row per record, in the same order: ``.npy`` ([N, d]) or ``.safetensors`` (one tensor).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import RepgeomError
+
+SAMPLES_FIELD = "repgeom_slice_spearman"
+
+
+def encode_vector(vector: np.ndarray) -> str:
+    """float32 little-endian bytes, base64: exact, about 5.3 bytes per dimension in a samples file."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_vector(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype="<f4")
+
+
+@dataclass
+class Queries:
+    vectors: np.ndarray  # [N, d]
+    correct: np.ndarray  # [N] float 0/1
+    ppl: np.ndarray | None  # [N] or None
+    source: str
+
+
+def _json_lines(path: Path) -> list[dict]:
+    records = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise RepgeomError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+                if not isinstance(record, dict):
+                    raise RepgeomError(f"{path}:{lineno}: expected a JSON object per line")
+                records.append(record)
+    except UnicodeDecodeError as exc:
+        raise RepgeomError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
+    if not records:
+        raise RepgeomError(f"{path} holds no records")
+    return records
+
+
+def find_samples_file(folder: Path, task: str | None) -> Path:
+    """The newest ``samples_<task>_*.jsonl`` under an lm-eval output folder."""
+    found = sorted(folder.rglob("samples_*.jsonl"))
+    if task:
+        found = [p for p in found if p.name.startswith(f"samples_{task}_")]
+    if not found:
+        raise RepgeomError(f"no lm-eval samples file{f' of task {task!r}' if task else ''} under {str(folder)!r}; "
+                           "run lm_eval with --log_samples --output_path DIR")
+    tasks = sorted({p.name[len("samples_"):].rsplit("_", 1)[0] for p in found})
+    if len(tasks) > 1:
+        raise RepgeomError(f"{str(folder)!r} holds samples of several tasks ({', '.join(tasks)}); choose one with "
+                           "--task")
+    return max(found, key=lambda p: (p.name, str(p)))  # lm-eval's file names end with a sortable date
+
+
+def from_samples(path: str | Path, task: str | None = None) -> Queries:
+    """Queries from lm-eval samples output (a file, or an ``--output_path`` folder)."""
+    p = Path(path)
+    if p.is_dir():
+        p = find_samples_file(p, task)
+    elif not p.is_file():
+        raise RepgeomError(f"{str(path)!r} does not exist")
+    records = _json_lines(p)
+    vectors, correct, ppl = [], [], []
+    for number, record in enumerate(records, 1):
+        item = record.get(SAMPLES_FIELD)
+        if not isinstance(item, dict) or "vector" not in item:
+            raise RepgeomError(f"{p}: record {number} has no {SAMPLES_FIELD} vector; the file must come from a "
+                               "repgeom_hardness_* task run with --log_samples (and that metric kept)")
+        vectors.append(decode_vector(item["vector"]))
+        correct.append(float(item["correct"]))
+        ppl.append(float(item.get("ppl", math.nan)))
+    if len({len(v) for v in vectors}) != 1:
+        raise RepgeomError(f"{p}: the vectors do not all have the same length")
+    return Queries(np.stack(vectors), np.asarray(correct), np.asarray(ppl), str(p))
+
+
+def _load_vectors(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise RepgeomError(f"vector file {str(path)!r} does not exist")
+    if path.suffix == ".npy":
+        try:
+            array = np.load(path, allow_pickle=False)
+        except ValueError as exc:
+            raise RepgeomError(f"{path}: not a numeric .npy array ({exc})") from None
+    elif path.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(path))
+        if len(tensors) != 1:
+            raise RepgeomError(f"{path} holds {len(tensors)} tensors ({', '.join(tensors)}); expected exactly one")
+        array = next(iter(tensors.values()))
+    else:
+        raise RepgeomError(f"vector file {str(path)!r}: expected .npy or .safetensors")
+    if array.ndim != 2:
+        raise RepgeomError(f"{path}: expected an [N, d] array, got shape {tuple(array.shape)}")
+    return np.asarray(array, dtype=np.float64)
+
+
+def _truth(value: object, where: str) -> float:
+    if isinstance(value, bool) or value in (0, 1):
+        return float(value)
+    raise RepgeomError(f"{where}: correct must be true/false or 0/1, got {value!r}")
+
+
+def from_vector_file(queries: str | Path, vectors: str | Path, correct_field: str = "correct",
+                     ppl_field: str = "ppl") -> Queries:
+    """Queries from a JSONL (correctness, optional perplexity) and a vector file, row i ↔ record i."""
+    qp, vp = Path(queries), Path(vectors)
+    if not qp.is_file():
+        raise RepgeomError(f"queries file {str(qp)!r} does not exist")
+    records = _json_lines(qp)
+    array = _load_vectors(vp)
+    if len(array) != len(records):
+        raise RepgeomError(f"{vp} has {len(array)} vectors but {qp} has {len(records)} records; they must match "
+                           "row for row")
+    correct, ppl = [], []
+    for number, record in enumerate(records, 1):
+        if correct_field not in record:
+            raise RepgeomError(f"{qp}: record {number} has no {correct_field!r} field (use --correct-field)")
+        correct.append(_truth(record[correct_field], f"{qp}: record {number}"))
+        value = record.get(ppl_field)
+        ppl.append(math.nan if value is None else float(value))
+    has_ppl = any(math.isfinite(x) for x in ppl)
+    return Queries(array, np.asarray(correct), np.asarray(ppl) if has_ppl else None, str(qp))

@@ -1,0 +1,71 @@
+"""`repgeom slices` on a JSONL + vector file: the printed and written results are the library's, `--calibrate`
+prints the MAE, and bad input is one clear line (exit 2) with nothing written."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from repgeom_eval import slices
+from repgeom_eval.entrypoints.cli import main
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """600 queries: the correct ones spread over all directions, the incorrect ones clustered."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.normal(size=(300, 12)), np.ones((300, 12)) + 0.3 * rng.normal(size=(300, 12))])
+    ok = np.arange(600) < 300
+    ppl = np.where(ok, 5.0, 9.0) + rng.random(600)
+    np.save(tmp_path / "vectors.npy", x)
+    with open(tmp_path / "queries.jsonl", "w") as fh:
+        for i in range(600):
+            fh.write(json.dumps({"id": i, "is_right": bool(ok[i]), "ppl": float(ppl[i])}) + "\n")
+    return tmp_path, x, ok, ppl
+
+
+def test_vectors_and_calibration(planted, capsys):
+    d, x, ok, ppl = planted
+    out = d / "slices.json"
+    code = main(["slices", str(d / "queries.jsonl"), "--vectors", str(d / "vectors.npy"), "--correct-field",
+                 "is_right", "--seeds", "4", "--calibrate", "--output", str(out), "--plot", str(d / "s.png")])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "Calibration MAE on test slices" in printed and "Spearman" in printed
+    result = json.loads(out.read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        curve = slices.controlled_slices(x, ok, ppl, size=100, seeds=4)
+        calibration = slices.calibrate(x, ok, size=100, seeds=4)
+    assert result["slices"]["dispersion_mean"] == pytest.approx(curve.dispersion_mean, abs=1e-12)
+    assert result["slices"]["perplexity_mean"] == pytest.approx(curve.perplexity_mean, abs=1e-12)
+    assert result["slices"]["spearman"] == pytest.approx(1.0)  # planted: dispersion rises with accuracy
+    assert result["slices"]["spearman_perplexity"] == pytest.approx(-1.0)
+    assert result["calibration"]["mae_mean"] == pytest.approx(calibration.mae_mean, abs=1e-12)
+    assert f"{calibration.mae_mean:.4f}" in printed
+    assert (d / "s.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda d: np.save(d / "vectors.npy", np.zeros((5, 12))), "has 5 vectors but"),
+    (lambda d: (d / "queries.jsonl").write_text((d / "queries.jsonl").read_text().replace("true", "2", 1)),
+     "record 1: correct must be"),
+    (lambda d: (d / "vectors.npy").unlink(), "does not exist"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(planted, capsys, change, match):
+    d = planted[0]
+    change(d)
+    code = main(["slices", str(d / "queries.jsonl"), "--vectors", str(d / "vectors.npy"), "--correct-field",
+                 "is_right", "--output", str(d / "out.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err and "Traceback" not in err
+    assert not (d / "out.json").exists()
+
+
+def test_samples_without_vectors_are_named(tmp_path, capsys):
+    (tmp_path / "samples_x_2026.jsonl").write_text('{"doc_id": 0, "acc": 1.0}\n')
+    assert main(["slices", str(tmp_path)]) == 2
+    assert "repgeom_slice_spearman" in capsys.readouterr().err
