@@ -130,13 +130,12 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.io import check_creatable_dir
     from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
 
     if args.batch_size < 1:
         raise RepgeomError(f"--batch-size must be positive, got {args.batch_size}")
-    out = Path(args.output_folder)
-    if out.exists() and not out.is_dir():
-        raise RepgeomError(f"--output-folder {str(out)!r} is a file; pass a folder")
+    out = check_creatable_dir(args.output_folder, "--output-folder")
     tasks = resolve_tasks(_words(args.tasks), tasks_file=args.tasks_file, task_types=_words(args.task_types),
                           categories=_words(args.categories), languages=_words(args.languages),
                           benchmarks=_words(args.benchmarks), eval_splits=_words(args.eval_splits))

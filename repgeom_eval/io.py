@@ -32,6 +32,24 @@ def check_writable(path: str | Path) -> Path:
     return p
 
 
+def check_creatable_dir(path: str | Path, what: str = "output folder") -> Path:
+    """Fail early if the folder ``path`` neither is nor can become a writable directory."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise RepgeomError(f"{what} {str(p)!r} is a file; pass a folder")
+    base = p
+    while not base.exists():  # the nearest existing ancestor is where the folder would be created
+        base = base.parent
+    if not base.is_dir():
+        raise RepgeomError(f"cannot create {what} {str(p)!r}: {str(base)!r} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as exc:
+        raise RepgeomError(f"cannot write {what} {str(p)!r}: {exc.strerror or exc}") from None
+    return p
+
+
 @contextmanager
 def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     """Write to a temporary file next to ``path`` and rename it into place only on success."""

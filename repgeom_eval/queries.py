@@ -129,6 +129,8 @@ def from_vector_file(queries: str | Path, vectors: str | Path, correct_field: st
                      ppl_field: str = "ppl") -> Queries:
     """Queries from a JSONL (correctness, optional perplexity) and a vector file, row i ↔ record i."""
     qp, vp = Path(queries), Path(vectors)
+    if qp.is_dir():
+        raise RepgeomError(f"queries file {str(qp)!r} is a directory; with --vectors, pass the JSONL file itself")
     if not qp.is_file():
         raise RepgeomError(f"queries file {str(qp)!r} does not exist")
     records = _json_lines(qp)

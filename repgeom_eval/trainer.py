@@ -64,14 +64,17 @@ class AuxLossTrainer(Trainer):
 
     def __init__(self, *args: Any, aux_losses: Sequence[AuxLoss] = (), domain_key: str = "domain",
                  dispersion_layer: str = "final", host: Any = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
         self.aux_losses = list(aux_losses)
-        names = [loss.name for loss in self.aux_losses]
-        self._keys = [name if names.count(name) == 1 else f"{name}{i}" for i, name in enumerate(names)]
-        self.domain_key = domain_key
         self.dispersion_layer = dispersion_layer
         self._host = host
         self._plan_cache: tuple[int, _Plan] | None = None
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not None:  # bad layer addresses fail here, before transformers.Trainer creates output_dir
+            self._build_plan(model)
+        super().__init__(*args, **kwargs)
+        names = [loss.name for loss in self.aux_losses]
+        self._keys = [name if names.count(name) == 1 else f"{name}{i}" for i, name in enumerate(names)]
+        self.domain_key = domain_key
         self._reset_running()
         self._fix_label_shift_count()
 
@@ -93,7 +96,9 @@ class AuxLossTrainer(Trainer):
 
     # -- hook plan -------------------------------------------------------------------------------------------------
     def _plan(self, model: torch.nn.Module) -> _Plan:
-        module = self.accelerator.unwrap_model(model)
+        return self._build_plan(self.accelerator.unwrap_model(model))
+
+    def _build_plan(self, module: torch.nn.Module) -> _Plan:
         if self._plan_cache is not None and self._plan_cache[0] == id(module):
             return self._plan_cache[1]
         loaded = wrap_model(module, host=self._host)

@@ -459,13 +459,13 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
             data_summary[name]["train_blocks_used"] = len(d)
     import datasets
 
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
     train_ds = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
 
     steps = [s for s in cfg.evaluate_at if args.max_steps <= 0 or s <= args.max_steps]
     trainer = AuxLossTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_sets or None,
                              aux_losses=losses, dispersion_layer=cfg.dispersion_layer, host=host,
-                             callbacks=[EvaluateAtSteps(steps)] if eval_sets else None)
+                             callbacks=[EvaluateAtSteps(steps)] if eval_sets else None)  # checks the addresses
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
     # The Trainer prints every log dict (PrinterCallback) or writes it under its bar (ProgressCallback); one bar
     # with the running CE / aux / dispersion says the same without flooding the terminal.
     trainer.remove_callback(transformers.PrinterCallback)

@@ -67,11 +67,18 @@ def _read_records(value: Any, what: str, base_dir: Path | None) -> tuple[list[di
         path = Path(value).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
+        if path.is_dir():
+            raise RepgeomError(f"{what}: {str(path)!r} is a directory, expected a JSONL file")
         if not path.is_file():
             raise RepgeomError(f"{what}: file {str(path)!r} not found")
         raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RepgeomError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); re-encode it as "
+                               "UTF-8") from None
         records = []
-        for lineno, line in enumerate(raw.decode("utf-8").splitlines(), 1):
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -146,10 +153,15 @@ def make_task(spec: Mapping[str, Any], base_dir: str | Path | None = None):
 def load_tasks_file(path: str | Path) -> list:
     """All tasks of a YAML/JSON tasks file (see the module docstring)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise RepgeomError(f"tasks file {str(path)!r} is a directory; pass the YAML/JSON tasks file")
     if not path.is_file():
         raise RepgeomError(f"tasks file {str(path)!r} not found")
     try:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RepgeomError(f"tasks file {str(path)!r} is not UTF-8 text (byte {exc.start}); re-encode it as "
+                           "UTF-8") from None
     except yaml.YAMLError as exc:
         raise RepgeomError(f"tasks file {str(path)!r} is not valid YAML/JSON: {exc}") from None
     entries = doc.get("tasks") if isinstance(doc, dict) else doc
