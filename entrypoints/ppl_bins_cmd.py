@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
                       max_ppl=args.max_ppl, confound_ratio=args.confound_ratio, text_field=args.text_field,
                       source_field=args.source_field, batch_size=args.batch_size, dtype=args.dtype,
                       device=args.device, per_chunk_path=args.per_chunk, progress=progress(args))
+    if not result.is_main:
+        return 0  # a rank > 0 of a distributed run: rank 0 writes the merged result
     if args.output:
         result.write(args.output)
     out = result.to_dict()

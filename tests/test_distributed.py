@@ -86,3 +86,35 @@ def test_half_configured_environment_is_refused(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(RepgeomError, match="torchrun or accelerate launch"):
         Distributed.from_env("cpu")
+
+
+def test_ppl_bins_two_processes_equal_one(tmp_path, tiny_model_dir, texts):
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:30]))
+    model = tiny_model_dir("llama")
+
+    def args(out: Path) -> list[str]:
+        return ["ppl-bins", "--model", model, "--data", str(data), "--chunk-len", "16", "--group-size", "3",
+                "--bins", "5", "--layers", "embed", "resid_post:0", "final", "--batch-size", "3", "--no-progress",
+                "--output", str(out), "--per-chunk", str(out.with_suffix(".jsonl"))]
+
+    single, multi = tmp_path / "single.json", tmp_path / "multi.json"
+    one = subprocess.run([sys.executable, "-m", "repgeom_eval", *args(single)], capture_output=True, text=True,
+                         env=_env(), timeout=300)
+    assert one.returncode == 0, one.stderr
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    two = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29562", "-m", "repgeom_eval",
+                          *args(multi)], capture_output=True, text=True, env=_env(), timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = json.loads(single.read_text()), json.loads(multi.read_text())
+    assert b["config"]["distributed"] == {"world_size": 2, "backend": "gloo"}
+    assert a["data"] == b["data"] and a["data"]["n_chunks_used"] >= 15
+    rows_a = [json.loads(line) for line in single.with_suffix(".jsonl").read_text().splitlines()]
+    rows_b = [json.loads(line) for line in multi.with_suffix(".jsonl").read_text().splitlines()]
+    assert len(rows_a) == len(rows_b) == a["data"]["n_chunks_used"]
+    for ra, rb in zip(rows_a, rows_b):  # every chunk's numbers, in the same order
+        assert (ra["doc"], ra["start"]) == (rb["doc"], rb["start"])
+        assert rb["ppl"] == pytest.approx(ra["ppl"], rel=1e-9)
+        assert rb["dispersion"] == pytest.approx(ra["dispersion"], rel=1e-9)
+    for layer, corr in a["results"]["pooled"]["correlation"].items():
+        assert b["results"]["pooled"]["correlation"][layer] == pytest.approx(corr, rel=1e-9)

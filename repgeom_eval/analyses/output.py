@@ -39,6 +39,7 @@ class AnalysisResult:
     data: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    is_main: bool = True  # False on ranks > 0 of a distributed run: rank 0 holds the merged result and writes it
 
     def warn(self, message: str) -> None:
         """Record a caveat in the output and show it (once) on stderr."""

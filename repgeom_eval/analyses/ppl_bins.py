@@ -39,7 +39,8 @@ from ..io import write_jsonl
 from ..models import LoadedModel, load_model
 from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents,
                      sample_chunks)
-from .forward import TokenRunner, batches, next_token_logprobs, parse_addresses
+from ..distributed import Distributed
+from .forward import TokenRunner, next_token_logprobs, parse_addresses
 from .output import AnalysisResult
 from .stats import correlations
 
@@ -82,23 +83,37 @@ def uniform_ppl_groups(ppl: Sequence[float], group_size: int, n_bins: int = DEFA
 
 
 def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Sequence[Any], batch_size: int = 4,
-                     progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(perplexity [N], token dispersion [N, n_addresses]) of every chunk; one forward pass per batch."""
-    ppl = np.empty(len(chunks), dtype=np.float64)
-    disp = np.empty((len(chunks), len(addresses)), dtype=np.float64)
-    done = 0
+                     progress: bool = True, dist: Distributed | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(perplexity [N], token dispersion [N, n_addresses]) of every chunk; one forward pass per batch.
+
+    Under ``torch.distributed`` (``dist``), batch ``b`` runs on rank ``b % world`` — the same batches as one
+    process, so the same numbers — and the per-chunk rows are gathered on rank 0; other ranks get empty arrays.
+    """
+    dist = dist or Distributed()
+    ppl = np.full(len(chunks), np.nan, dtype=np.float64)
+    disp = np.full((len(chunks), len(addresses)), np.nan, dtype=np.float64)
+    mine = [(b, lo) for b, lo in enumerate(range(0, len(chunks), batch_size)) if dist.owns(b)]
     with TokenRunner(loaded, addresses, logits=True) as runner, tqdm(
-            total=len(chunks), unit="chunk", desc="ppl-bins", disable=not progress, leave=False) as bar:
-        for batch in batches(chunks, batch_size):
+            total=sum(min(batch_size, len(chunks) - lo) for _, lo in mine), unit="chunk", desc="ppl-bins",
+            disable=not progress or not dist.is_main, leave=False) as bar:
+        for _, lo in mine:
+            batch = chunks[lo:lo + batch_size]
             out = runner.run([c.ids for c in batch])
             logprob, valid = next_token_logprobs(out.logits, out.ids, out.mask)
             nll = -(logprob.sum(1) / valid.sum(1).clamp(min=1))
-            ppl[done:done + len(batch)] = torch.exp(nll).numpy()
+            ppl[lo:lo + len(batch)] = torch.exp(nll).numpy()
             for j, addr in enumerate(addresses):
                 values, _ = token_dispersion(out.hidden[addr], out.mask.to(out.hidden[addr].device))
-                disp[done:done + len(batch), j] = values.cpu().numpy()
-            done += len(batch)
+                disp[lo:lo + len(batch), j] = values.cpu().numpy()
             bar.update(len(batch))
+    if not dist.active:
+        return ppl, disp
+    rows = [lo + i for _, lo in mine for i in range(min(batch_size, len(chunks) - lo))]
+    parts = dist.gather((rows, ppl[rows], disp[rows]))
+    if parts is None:
+        return np.empty(0), np.empty((0, len(addresses)))
+    for rows, p, d in parts:
+        ppl[rows], disp[rows] = p, d
     return ppl, disp
 
 
@@ -181,8 +196,9 @@ def ppl_bins(
     if batch_size < 1:
         raise RepgeomError(f"batch size must be positive, got {batch_size}")
     docs, data_path = load_documents(data, text_field, source_field)
+    dist = Distributed.from_env(device)  # torchrun / accelerate launch: chunks spread over ranks, rows merged on 0
     t0 = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=dist.device(device))
     t_load = time.perf_counter() - t0
     check_context(chunk_len, loaded.info.max_positions)
     addrs = parse_addresses(loaded, layers)
@@ -200,10 +216,14 @@ def ppl_bins(
             f"{group_size * MIN_GROUPS}; give more text, or lower --group-size or --chunk-len")
 
     t0 = time.perf_counter()
-    ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, progress)
+    ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, progress, dist)
     t_forward = time.perf_counter() - t0
 
     result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
+    if not dist.is_main:  # rank 0 bins, correlates and writes
+        result.is_main = False
+        dist.close()
+        return result
     pooled = bin_and_correlate(ppl, disp, names, group_size, n_bins, max_ppl)
     sources = sorted({c.source for c in sampled})
     by_source: dict[str, dict[str, Any]] = {}
@@ -238,6 +258,7 @@ def ppl_bins(
                      "chunk_len": chunk_len, "n_chunks": n_chunks, "group_size": group_size, "n_bins": n_bins,
                      "packing": packing, "seed": seed, "max_ppl": max_ppl, "confound_ratio": confound_ratio,
                      "batch_size": batch_size, "dtype": loaded.info.dtype, "device": str(loaded.device),
+                     "distributed": dist.config(),
                      "text_field": text_field, "source_field": source_field,
                      "perplexity": "exp(mean next-token cross-entropy over the chunk's chunk_len-1 positions)",
                      "dispersion": "token dispersion: mean pairwise cosine distance of the chunk's token vectors",
@@ -250,4 +271,5 @@ def ppl_bins(
     result.timings = {"load_model_s": t_load, "tokenize_s": t_tok, "forward_s": t_forward,
                       "total_s": time.perf_counter() - t_start,
                       "tokens_per_s": result.data["n_tokens_used"] / max(t_forward, 1e-9)}
+    dist.close()
     return result
