@@ -129,6 +129,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from repgeom_eval.distributed import Distributed
     from repgeom_eval.errors import RepgeomError
     from repgeom_eval.io import check_creatable_dir
     from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
@@ -139,13 +140,24 @@ def _run(args: argparse.Namespace) -> int:
     tasks = resolve_tasks(_words(args.tasks), tasks_file=args.tasks_file, task_types=_words(args.task_types),
                           categories=_words(args.categories), languages=_words(args.languages),
                           benchmarks=_words(args.benchmarks), eval_splits=_words(args.eval_splits))
-    progress = not args.no_progress and sys.stderr.isatty()
+    # Under torchrun / accelerate launch, whole tasks are spread over the ranks (mteb evaluates a task in one
+    # process); each rank writes its tasks into the shared mteb cache, and rank 0 reports and summarizes them all.
+    dist = Distributed.from_env(args.device)
+    mine = [t for i, t in enumerate(tasks) if dist.owns(i)]
+    progress = not args.no_progress and sys.stderr.isatty() and dist.is_main
     result = run_layers(
-        args.model, tasks, _words(args.layers), pooling=args.pooling, normalize=args.normalize,
-        max_length=args.max_length, batch_size=args.batch_size, dtype=args.dtype, device=args.device,
+        args.model, mine, _words(args.layers), pooling=args.pooling, normalize=args.normalize,
+        max_length=args.max_length, batch_size=args.batch_size, dtype=args.dtype, device=dist.device(args.device),
         output_folder=str(out), overwrite_strategy=args.overwrite_strategy, name=args.name, revision=args.revision,
         co2_tracker=args.co2_tracker, prediction_folder=args.prediction_folder, num_proc=args.num_proc,
         progress=progress)
+    parts = dist.gather((result.rows, result.forward_passes))
+    dist.close()
+    if parts is None:
+        return 0
+    if dist.active:
+        result.rows = [row for rows, _ in parts for row in rows]
+        result.forward_passes = sum(n for _, n in parts)
     console = Console(width=max(Console().width, 120))  # a score table truncated to "0.…" is useless
     console.print(f"{result.model} @ {result.revision}: {len(result.layers)} layer(s) × {len(tasks)} task(s), "
                   f"{result.forward_passes} forward sweep(s), {result.seconds:.1f}s")

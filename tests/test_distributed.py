@@ -118,3 +118,30 @@ def test_ppl_bins_two_processes_equal_one(tmp_path, tiny_model_dir, texts):
         assert rb["dispersion"] == pytest.approx(ra["dispersion"], rel=1e-9)
     for layer, corr in a["results"]["pooled"]["correlation"].items():
         assert b["results"]["pooled"]["correlation"][layer] == pytest.approx(corr, rel=1e-9)
+
+
+def test_mteb_sweep_spreads_tasks_over_two_processes(tmp_path, tiny_model_dir):
+    from repgeom_eval.mteb_layers.examples import write_example_tasks
+
+    tasks_file = write_example_tasks(tmp_path / "tasks", size="small")
+
+    def args(out: Path) -> list[str]:
+        return ["mteb", "run", "-m", tiny_model_dir("bert"), "--layer", "all", "--tasks-file", str(tasks_file),
+                "-t", "PydocSTS", "PydocTopicClustering", "--batch-size", "4", "--no-progress",
+                "--output-folder", str(out)]
+
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    one = subprocess.run([sys.executable, "-m", "repgeom_eval", *args(single)], capture_output=True, text=True,
+                         env=_env(), timeout=300)
+    assert one.returncode == 0, one.stderr
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    two = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29563", "-m", "repgeom_eval",
+                          *args(multi)], capture_output=True, text=True, env=_env(), timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "3 layer(s) × 2 task(s)" in two.stdout  # rank 0 reports every rank's tasks, once
+    assert two.stdout.count("PydocSTS") == one.stdout.count("PydocSTS")
+
+    def summary(folder: Path) -> list[str]:
+        return sorted((folder / "repgeom_summary.csv").read_text().splitlines())
+
+    assert summary(single) == summary(multi) and len(summary(single)) == 1 + 2 * 3
