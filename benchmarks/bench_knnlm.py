@@ -61,8 +61,9 @@ def main() -> None:
               f"float16 {keys['float16'].nbytes / 2**20:.0f} MiB")
         print(f"{'index':<14}{'build s':>9}{'index MiB':>11}{'search s':>10}{'recall@k':>10}{'max |Δlog p|':>14}")
         reference = None
-        for label, kind, fp16, store in (("flat fp32", "flat", False, "float32"), ("flat fp16", "flat", True, "float16"),
-                                         ("ivf fp32", "ivf", False, "float32"), ("ivf fp16", "ivf", True, "float16")):
+        variants = (("flat fp32", "flat", False, "float32"), ("flat fp16", "flat", True, "float16"),
+                    ("ivf fp32", "ivf", False, "float32"), ("ivf fp16", "ivf", True, "float16"))
+        for label, kind, fp16, store in variants:
             t0 = time.perf_counter()
             index, used, params = build_index(keys[store], kind, fp16=fp16)
             t_build = time.perf_counter() - t0
