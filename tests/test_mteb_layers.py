@@ -262,6 +262,8 @@ def test_results_on_disk_resume_and_summary(tiny_model_dir, specs, tmp_path):
     (tmp_path / "a-file").write_text("keep")
     with pytest.raises(RepgeomError, match="is a file"):
         write_summary(out, tmp_path / "a-file")
+    with pytest.raises(RepgeomError, match="cannot create output folder"):
+        write_summary(out, tmp_path / "a-file" / "below")
     assert (tmp_path / "a-file").read_text() == "keep"
 
 
