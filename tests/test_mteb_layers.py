@@ -256,6 +256,15 @@ def test_results_on_disk_resume_and_summary(tiny_model_dir, specs, tmp_path):
     assert paths["csv"].read_text().splitlines()[0].startswith("model,revision,pooling")
     assert "### PydocSTS" in paths["markdown"].read_text()
     assert len(paths["plots"]) == 1 and paths["plots"][0].stat().st_size > 1000
+    # a new output folder is created; a file in its place is refused and left alone
+    elsewhere = write_summary(out, tmp_path / "new" / "dir", plots=False)["paths"]
+    assert elsewhere["csv"].read_text() == paths["csv"].read_text()
+    (tmp_path / "a-file").write_text("keep")
+    with pytest.raises(RepgeomError, match="is a file"):
+        write_summary(out, tmp_path / "a-file")
+    with pytest.raises(RepgeomError, match="cannot create output folder"):
+        write_summary(out, tmp_path / "a-file" / "below")
+    assert (tmp_path / "a-file").read_text() == "keep"
 
 
 def test_geometry_scores_match_the_functional_core():

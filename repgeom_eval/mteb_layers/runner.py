@@ -71,8 +71,8 @@ def resolve_tasks(tasks: Sequence[Any] | None = None, *, tasks_file: str | Path 
         for bench in mteb.get_benchmarks(names=list(benchmarks)) if benchmarks else []:
             chosen += list(bench.tasks)
     except (KeyError, ValueError) as exc:
-        msg = str(exc.args[0]) if exc.args else str(exc)
-        raise RepgeomError(f"{msg}" + (f" (local tasks in {tasks_file}: {', '.join(local)})" if local else "")) \
+        msg = (str(exc.args[0]) if exc.args else str(exc)).removeprefix("KeyError: ")
+        raise RepgeomError(f"cannot select the tasks: {msg}" + (f" (local tasks in {tasks_file}: {', '.join(local)})" if local else "")) \
             from None
     if eval_splits:
         chosen = [t.filter_eval_splits(list(eval_splits)) if t.metadata.name in local else t for t in chosen]

@@ -205,8 +205,12 @@ def write_summary(folder: str | Path, out_dir: str | Path | None = None, prefix:
     ``out_dir`` (default: ``folder``). Returns the rows and the paths written."""
     rows = summarize(folder)
     out = Path(out_dir).expanduser() if out_dir is not None else Path(folder).expanduser()
-    if not out.is_dir():
-        raise RepgeomError(f"output folder {str(out)!r} does not exist; create it first")
+    if out.exists() and not out.is_dir():
+        raise RepgeomError(f"output folder {str(out)!r} is a file; pass a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a parent folder should be, no permission ...
+        raise RepgeomError(f"cannot create output folder {str(out)!r}: {exc.strerror or exc}") from None
     paths = {"csv": out / f"{prefix}.csv", "markdown": out / f"{prefix}.md", "plots": []}
     with atomic_open(paths["csv"]) as fh:
         fh.write(to_csv(rows))
