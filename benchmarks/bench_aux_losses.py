@@ -13,7 +13,8 @@ by ``build_aux_loss``). Modes, interleaved repeat by repeat so that load from ot
 
 Printed: per mode the median wall time and the median process CPU time of a step, their ratios to ``ce`` (target
 for push_away: <= 1.05), the aux-loss value, and the rise of the process's peak RSS during the first ``pairwise``
-step (the N×N matrix and its gradient). The order of the modes is shuffled (seeded) in every repeat. On a machine
+step (the N×N matrix and its gradient), and ("alone") the CPU time of the loss's forward + backward by itself on
+a [B, T, d] tensor, as a fraction of the CE-only step: the loss's own cost, which step-to-step noise hides. The order of the modes is shuffled (seeded) in every repeat. On a machine
 shared with other work, wall time measures the load as much as the step; CPU time (``time.process_time``, all of
 this process's threads) does not, so its ratio is the one to read there (run with ``--threads 1``: with more,
 OpenMP threads spinning while they wait for a core count as CPU time too).
@@ -66,7 +67,7 @@ MODES = {
 
 
 def make_step(model, loaded, optimizer, batch, spec):
-    """A closure running one training step; returns the aux-loss value (or None)."""
+    """(a closure running one training step and returning the aux-loss value or None, the loss object or None)."""
     loss_obj = None if spec is None else PairwisePushAway(weight=0.1) if spec == "pairwise" else build_aux_loss(spec)
     points = resolve(loss_obj.addresses(loaded.info), loaded) if loss_obj is not None else {}
 
@@ -84,7 +85,21 @@ def make_step(model, loaded, optimizer, batch, spec):
         optimizer.step()
         return None if aux is None else float(aux.detach())
 
-    return step
+    return step, loss_obj
+
+
+def isolated_cpu_s(loss_obj, batch, d: int, repeats: int) -> float:
+    """Median CPU seconds of L_aux forward + backward alone on a [B, T, d] tensor: the loss's own cost, free of
+    the step-to-step noise of the model's forward and backward."""
+    b, t = batch["input_ids"].shape
+    h = torch.randn(b, t, d, requires_grad=True)
+    times = []
+    for _ in range(repeats + 1):
+        c0 = time.process_time()
+        loss_obj(h, batch["attention_mask"], batch["domain"]).backward()
+        times.append(time.process_time() - c0)
+        h.grad = None
+    return statistics.median(times[1:])
 
 
 def peak_rss_gb() -> float:
@@ -108,7 +123,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=max(args.n_embd // 32, 1),
-                     vocab_size=args.vocab, n_positions=max(args.seq_len, 128))
+                     vocab_size=args.vocab, n_positions=max(args.seq_len, 128), bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg).train()
     loaded = wrap_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -120,7 +135,8 @@ def main() -> None:
     print(f"model: GPT-2, {args.n_layer} blocks, width {args.n_embd}, vocab {args.vocab}, {n_params:,} parameters; "
           f"batch {b} x {t} = {b * t:,} tokens; {args.threads} torch threads; median of {args.repeats} steps "
           "after 1 warm-up, modes interleaved")
-    steps = {name: make_step(model, loaded, optimizer, batch, spec) for name, spec in modes.items()}
+    built = {name: make_step(model, loaded, optimizer, batch, spec) for name, spec in modes.items()}
+    steps = {name: step for name, (step, _) in built.items()}
     wall: dict[str, list[float]] = {name: [] for name in modes}
     cpu: dict[str, list[float]] = {name: [] for name in modes}
     values: dict[str, float | None] = {}
@@ -139,11 +155,13 @@ def main() -> None:
                 wall[name].append(w1 - w0)
                 cpu[name].append(c1 - c0)
     wall_ce, cpu_ce = statistics.median(wall["ce"]), statistics.median(cpu["ce"])
-    print(f"\n{'mode':<17}{'wall s':>8}{'x ce':>8}{'CPU s':>8}{'x ce':>8}{'L_aux':>10}")
+    alone = {name: isolated_cpu_s(obj, batch, args.n_embd, 5) for name, (_, obj) in built.items() if obj is not None}
+    print(f"\n{'mode':<17}{'wall s':>8}{'x ce':>8}{'CPU s':>8}{'x ce':>8}{'L_aux':>10}{'alone CPU s':>13}{'/ ce':>8}")
     for name in modes:
         w, c = statistics.median(wall[name]), statistics.median(cpu[name])
         value = "-" if values[name] is None else f"{values[name]:.4f}"
-        print(f"{name:<17}{w:>8.3f}{w / wall_ce:>8.3f}{c:>8.3f}{c / cpu_ce:>8.3f}{value:>10}")
+        solo = f"{alone[name]:>13.4f}{alone[name] / cpu_ce * 100:>7.2f}%" if name in alone else f"{'-':>13}{'-':>8}"
+        print(f"{name:<17}{w:>8.3f}{w / wall_ce:>8.3f}{c:>8.3f}{c / cpu_ce:>8.3f}{value:>10}{solo}")
     for label, table, base in (("wall", wall, wall_ce), ("CPU", cpu, cpu_ce)):
         ratio = statistics.median(table["push_away"]) / base
         print(f"push_away overhead over CE-only ({label} time): {(ratio - 1) * 100:+.1f}% (target <= 5%): "
