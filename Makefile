@@ -24,6 +24,7 @@ bench: venv
 	$(VENV)/bin/python benchmarks/bench_capture.py
 	$(VENV)/bin/python benchmarks/bench_gap.py
 	$(VENV)/bin/python benchmarks/bench_metrics.py
+	$(VENV)/bin/python benchmarks/bench_lmeval.py
 
 clean:
 	rm -rf $(VENV) repgeom-demo .pytest_cache
