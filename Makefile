@@ -25,6 +25,10 @@ bench: venv
 	$(VENV)/bin/python benchmarks/bench_gap.py
 	$(VENV)/bin/python benchmarks/bench_metrics.py
 	$(VENV)/bin/python benchmarks/bench_aux_losses.py
+	$(VENV)/bin/python benchmarks/bench_lmeval.py
+	$(VENV)/bin/python benchmarks/bench_mteb_sweep.py
+	$(VENV)/bin/python benchmarks/bench_knnlm.py
+	$(VENV)/bin/python benchmarks/bench_streaming.py
 
 clean:
 	rm -rf $(VENV) repgeom-demo .pytest_cache
