@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.plotting import plot_profile
     from repgeom_eval.report import results_table
 
-    console = Console()
+    console = Console(soft_wrap=True)  # long paths stay whole (copyable), lines are never hard-wrapped
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = args.model or str(smollm2_path())

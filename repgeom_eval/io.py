@@ -21,7 +21,7 @@ def check_writable(path: str | Path) -> Path:
         raise RepgeomError(f"output path {str(p)!r} is a directory; pass a file name")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.exists():
-        raise RepgeomError(f"output directory {str(parent)!r} of {str(p)!r} does not exist; create it first")
+        raise RepgeomError(f"output directory {str(parent)!r} does not exist (for {str(p)!r}); create it first")
     if not parent.is_dir():
         raise RepgeomError(f"cannot write {str(p)!r}: {str(parent)!r} is a file, not a directory")
     try:  # the real test (os.access says yes to root on read-only mounts, and knows nothing of quotas)
