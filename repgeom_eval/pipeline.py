@@ -626,11 +626,11 @@ def _report(run: _RunState, specs: list[MetricSpec], per_text: bool, massive_sha
                 "top_shares": [round(float(shares[i]), 6) for i in top]}
         diagnostics.setdefault(str(addr), {})["energy"] = info
         if float(shares[top[0]]) >= massive_share_warning:
-            flagged.append(f"{addr} (dim {int(top[0])}: {float(shares[top[0]]):.0%})")
+            flagged.append((addr, int(top[0]), float(shares[top[0]])))
     if flagged:  # one warning for the whole run, not one line per layer
         warnings.warn(
             f"one hidden dimension carries at least {massive_share_warning:.0%} of the squared norm of the "
-            f"mean-pooled vectors at {len(flagged)} address(es): {', '.join(flagged)}; cosine-based metrics there "
+            f"mean-pooled vectors at {len(flagged)} address(es): {_compact(flagged)}; cosine-based metrics there "
             "mostly measure that dimension. See the massive_activations metric, or try --preprocess standardize",
             stacklevel=4)
     summary: dict[str, Any] = {}
@@ -646,6 +646,26 @@ def _report(run: _RunState, specs: list[MetricSpec], per_text: bool, massive_sha
                          "truncated": None if n_tok is None else n_tok > context,
                          "scores": per_text_cols.get(i, {})})
     return results, diagnostics, summary, rows
+
+
+def _compact(flagged: list[tuple[Address, int, float]]) -> str:
+    """``resid_post:1..27 (dim 507: 53-98%), final (dim 17: 76%)``: runs of consecutive layers of one site with the
+    same dominant dimension are merged, so a 30-layer model gives one short line."""
+    runs: list[list[tuple[Address, int, float]]] = []
+    for item in flagged:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and item[0].layer is not None and last[0].layer is not None
+                and item[0].site == last[0].site and item[0].layer == last[0].layer + 1 and item[1] == last[1]):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    parts = []
+    for run in runs:
+        lo, hi = min(r[2] for r in run), max(r[2] for r in run)
+        share = f"{lo:.0%}" if len(run) == 1 or round(lo * 100) == round(hi * 100) else f"{lo:.0%}-{hi:.0%}"
+        name = str(run[0][0]) if len(run) == 1 else f"{run[0][0]}..{run[-1][0].layer}"
+        parts.append(f"{name} (dim {run[0][1]}: {share})")
+    return ", ".join(parts)
 
 
 def _feed(
