@@ -14,7 +14,7 @@ from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.models import load_model
 
-pytest.importorskip("faiss", reason="faiss-cpu is part of the dev extra")  # installed in CI: never skipped there
+import faiss  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 SAME_TEXT = "the datastore is built from the evaluation text"
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lm_eval")
-pytest.importorskip("accelerate")
+import lm_eval  # noqa: E402,F401  (dev extra: missing must fail, not skip)
+import accelerate  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402

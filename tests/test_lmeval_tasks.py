@@ -13,8 +13,8 @@ import warnings
 import numpy as np
 import pytest
 
-pytest.importorskip("lm_eval")
-torch = pytest.importorskip("torch")
+import lm_eval  # noqa: E402,F401  (dev extra: missing must fail, not skip)
+import torch  # noqa: E402
 
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402

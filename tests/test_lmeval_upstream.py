@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lm_eval")
+import lm_eval  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 import lm_eval  # noqa: E402
 from lm_eval.api.task import ConfigurableTask  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lm_eval")
+import lm_eval  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.testing import write_task_data  # noqa: E402
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-pytest.importorskip("accelerate")
-pytest.importorskip("datasets")
+import accelerate  # noqa: E402,F401  (dev extra: missing must fail, not skip)
+import datasets  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.entrypoints.cli import main  # noqa: E402
 from repgeom_eval.training import parse_config, read_config, split_texts  # noqa: E402

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
-pytest.importorskip("datasets")
+import accelerate  # noqa: E402,F401  (dev extra: missing must fail, not skip)
+import datasets  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from transformers import TrainingArguments  # noqa: E402
 
