@@ -12,15 +12,7 @@ from pathlib import Path
 
 from repgeom_eval.errors import RepgeomError
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from .ppl_bins_cmd import positive_int  # one argparse type for every command
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -36,7 +28,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"reference token set T̄, same forms; T is excluded from it (default: {DEFAULT_REFERENCE})")
     p.add_argument("--distance", choices=list(DISTANCES), default="cosine",
                    help="cosine distance (default, paper A) or Euclidean")
-    p.add_argument("--size", type=_positive_int, default=DEFAULT_SIZE,
+    p.add_argument("--size", type=positive_int, default=DEFAULT_SIZE,
                    help=f"sample size of sampled token sets such as general (default: {DEFAULT_SIZE})")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"seed of sampled token sets (default: {DEFAULT_SEED})")

@@ -6,15 +6,7 @@ import argparse
 import json
 import math
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from .ppl_bins_cmd import positive_int  # one argparse type for every command
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -30,9 +22,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                                                               "--vectors; default: correct)")
     p.add_argument("--ppl-field", default="ppl", help="field holding the query's perplexity, optional (with "
                                                       "--vectors; default: ppl)")
-    p.add_argument("--size", type=_positive_int, default=SLICE_SIZE,
+    p.add_argument("--size", type=positive_int, default=SLICE_SIZE,
                    help=f"queries per slice (default {SLICE_SIZE}; reduced, with a warning, if the pool is smaller)")
-    p.add_argument("--seeds", type=_positive_int, default=SEEDS, help=f"slices per fraction (default {SEEDS})")
+    p.add_argument("--seeds", type=positive_int, default=SEEDS, help=f"slices per fraction (default {SEEDS})")
     p.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
     p.add_argument("--calibrate", action="store_true",
                    help="also predict slice accuracy from slice dispersion: 20/10/70 %% calibration/validation/test "
