@@ -1,7 +1,7 @@
 """Benchmark: the step-time cost of auxiliary losses in training, at 16k tokens per batch.
 
 One training step = forward with labels (CE) -> + λ·L_aux from the hidden states captured in the same pass ->
-backward -> AdamW step, done exactly as :class:`repgeom_eval.trainer.AuxLossTrainer.compute_loss` does it
+backward -> AdamW step, done exactly as :class:`repgeom_eval.training.trainer.AuxLossTrainer.compute_loss` does it
 (``Capture(..., stop_early=False, keep_grad=True)`` on the loss's addresses, the loss object built from its config
 by ``build_aux_loss``). Modes, interleaved repeat by repeat so that load from other processes hits all alike:
 
@@ -41,11 +41,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from repgeom_eval.addresses import resolve  # noqa: E402
-from repgeom_eval.auxloss import AuxLoss, build_aux_loss  # noqa: E402
-from repgeom_eval.capture import Capture  # noqa: E402
+from repgeom_eval.modeling.addresses import resolve  # noqa: E402
+from repgeom_eval.training.auxloss import AuxLoss, build_aux_loss  # noqa: E402
+from repgeom_eval.modeling.hooks import Capture  # noqa: E402
 from repgeom_eval.functional.losses import push_away_pairwise  # noqa: E402
-from repgeom_eval.models import wrap_model  # noqa: E402
+from repgeom_eval.modeling.loading import wrap_model  # noqa: E402
 
 
 class PairwisePushAway(AuxLoss):

@@ -41,15 +41,15 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # GGUF de-quantization and shard-wri
 
 import torch  # noqa: E402
 
-from repgeom_eval.addresses import parse_layers, resolve  # noqa: E402
-from repgeom_eval.capture import Capture  # noqa: E402
+from repgeom_eval.modeling.addresses import parse_layers, resolve  # noqa: E402
+from repgeom_eval.modeling.hooks import Capture  # noqa: E402
 from repgeom_eval.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
 from repgeom_eval.errors import RepgeomError  # noqa: E402
 from repgeom_eval.metric import LayerBatch  # noqa: E402
-from repgeom_eval.models import load_model  # noqa: E402
-from repgeom_eval.pipeline import _check_finite, _context_length, measure  # noqa: E402  (private: same as measure)
+from repgeom_eval.modeling.loading import load_model  # noqa: E402
+from repgeom_eval.measurement.engine import _check_finite, _context_length, measure  # noqa: E402  (private: same as measure)
 from repgeom_eval.plugins.dispersion import Dispersion  # noqa: E402
-from repgeom_eval.pooling import pool  # noqa: E402
+from repgeom_eval.measurement.pooling import pool  # noqa: E402
 from repgeom_eval.testing import make_tiny_model  # noqa: E402
 
 

@@ -62,7 +62,7 @@ def _peak_kib() -> int:
 
 def _host():
     """The plugin host with the built-in token sets, registered or not yet (entry point added by the lead)."""
-    from repgeom_eval import plugin_host
+    from repgeom_eval.plugin_system import host as plugin_host
     from repgeom_eval.plugins import token_sets
 
     host = plugin_host.get_host()

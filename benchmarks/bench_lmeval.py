@@ -41,7 +41,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 
 from repgeom_eval.errors import RepgeomError  # noqa: E402
-from repgeom_eval.lmeval.data import load_local  # noqa: E402
+from repgeom_eval.lmeval.documents import load_local  # noqa: E402
 from repgeom_eval.testing import MMLU_TEST_SUBJECTS, make_tiny_model, write_task_data  # noqa: E402
 
 UPSTREAM_MMLU = Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "default"
@@ -52,7 +52,7 @@ def load_lm(tiny: bool, tmpdir: str, batch_size: int) -> tuple[HFLM, str]:
     if not tiny:
         try:
             from repgeom_eval.demo import smollm2_path
-            from repgeom_eval.models import load_model
+            from repgeom_eval.modeling.loading import load_model
 
             loaded = load_model(str(smollm2_path()), device="cpu")
             lm = HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=batch_size, device="cpu")

@@ -41,16 +41,16 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from repgeom_eval.addresses import parse_layers, resolve  # noqa: E402
-from repgeom_eval.augment import Augmenter  # noqa: E402
-from repgeom_eval.capture import Capture  # noqa: E402
+from repgeom_eval.modeling.addresses import parse_layers, resolve  # noqa: E402
+from repgeom_eval.measurement.augment import Augmenter  # noqa: E402
+from repgeom_eval.modeling.hooks import Capture  # noqa: E402
 from repgeom_eval.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
 from repgeom_eval.errors import RepgeomError  # noqa: E402
 from repgeom_eval.metric import Consumes, LayerBatch  # noqa: E402
-from repgeom_eval.models import load_model  # noqa: E402
-from repgeom_eval.pipeline import _context_length  # noqa: E402  (private: the same context as measure())
-from repgeom_eval.plugin_host import get_host  # noqa: E402
-from repgeom_eval.pooling import pool  # noqa: E402
+from repgeom_eval.modeling.loading import load_model  # noqa: E402
+from repgeom_eval.measurement.engine import _context_length  # noqa: E402  (private: the same context as measure())
+from repgeom_eval.plugin_system.host import get_host  # noqa: E402
+from repgeom_eval.measurement.pooling import pool  # noqa: E402
 from repgeom_eval.testing import make_tiny_model  # noqa: E402
 
 ALL = ("dispersion", "token_dispersion", "massive_activations", "curvature", "condensation", "prompt_entropy",

@@ -40,7 +40,7 @@ def child(model: str, data: str) -> None:
     import torch  # noqa: F401  - imports first, so that the baseline includes them
     import transformers  # noqa: F401
 
-    from repgeom_eval.pipeline import measure
+    from repgeom_eval.measurement.engine import measure
 
     torch.set_num_threads(2)
     base = _kib("VmRSS")

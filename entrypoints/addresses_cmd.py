@@ -16,10 +16,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from repgeom_eval.addresses import available_addresses, parse_layers, resolve
-    from repgeom_eval.architectures import SITE_MEANING
-    from repgeom_eval.models import load_model
-    from repgeom_eval.plugin_host import get_host
+    from repgeom_eval.modeling.addresses import available_addresses, parse_layers, resolve
+    from repgeom_eval.modeling.architectures import SITE_MEANING
+    from repgeom_eval.modeling.loading import load_model
+    from repgeom_eval.plugin_system.host import get_host
 
     host = get_host()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)

@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or bool(os.environ.get("REPGEOM_DEBUG"))
     try:
-        from repgeom_eval.plugin_host import get_host
+        from repgeom_eval.plugin_system.host import get_host
 
         host = get_host()
         parser = build_parser(host)

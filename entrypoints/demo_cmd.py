@@ -32,10 +32,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from repgeom_eval.demo import python_doc_paragraphs, smollm2_path
-    from repgeom_eval.models import load_model
-    from repgeom_eval.pipeline import measure
-    from repgeom_eval.plotting import plot_profile
-    from repgeom_eval.report import results_table
+    from repgeom_eval.modeling.loading import load_model
+    from repgeom_eval.measurement.engine import measure
+    from repgeom_eval.output.plotting import plot_profile
+    from repgeom_eval.output.console import results_table
 
     console = Console(soft_wrap=True)  # long paths stay whole (copyable), lines are never hard-wrapped
     out = Path(args.output_dir)

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from repgeom_eval.gap import screen, spearman
-    from repgeom_eval.io import check_writable, jsonable
+    from repgeom_eval.output.files import check_writable, jsonable
 
     if args.output:
         check_writable(args.output)  # fail before reading any checkpoint

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.knn_keys import knn_keys
     from repgeom_eval.analyses.plots import figure_knn_keys, save_png
-    from repgeom_eval.io import check_writable
+    from repgeom_eval.output.files import check_writable
 
     if args.output:
         check_writable(args.output)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from repgeom_eval.analyses.knnlm import knnlm
-    from repgeom_eval.io import check_writable
+    from repgeom_eval.output.files import check_writable
 
     if args.output:
         check_writable(args.output)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from repgeom_eval.pooling import POOLING_ALIASES, POOLINGS
+from repgeom_eval.measurement.pooling import POOLING_ALIASES, POOLINGS
 
 
 def _metric_param(text: str) -> tuple[str, str, object]:
@@ -76,9 +76,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from repgeom_eval.io import check_writable, jsonable
-    from repgeom_eval.pipeline import measure
-    from repgeom_eval.report import results_table
+    from repgeom_eval.output.files import check_writable, jsonable
+    from repgeom_eval.measurement.engine import measure
+    from repgeom_eval.output.console import results_table
 
     for path in (args.output, args.per_text, args.save_preprocess_stats):
         if path:
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             result.write(args.output, args.per_text)
         else:
-            from repgeom_eval.io import write_jsonl
+            from repgeom_eval.output.files import write_jsonl
 
             write_jsonl(args.per_text, result.per_text)
     if args.json:

@@ -129,9 +129,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from repgeom_eval.distributed import Distributed
+    from repgeom_eval.measurement.distributed import Distributed
     from repgeom_eval.errors import RepgeomError
-    from repgeom_eval.io import check_creatable_dir
+    from repgeom_eval.output.files import check_creatable_dir
     from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
 
     if args.batch_size < 1:

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.perturb import perturb
     from repgeom_eval.analyses.plots import figure_perturb, save_png
-    from repgeom_eval.io import check_writable
+    from repgeom_eval.output.files import check_writable
 
     if args.output:
         check_writable(args.output)

@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from repgeom_eval.plugin_host import get_host
+    from repgeom_eval.plugin_system.host import get_host
 
     host = get_host()
     rows = [r for r in host.listing() if args.kind in (None, r["kind"])]

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.plots import figure_correlation_vs_depth, figure_ppl_vs_dispersion, save_png
     from repgeom_eval.analyses.ppl_bins import ppl_bins
-    from repgeom_eval.io import check_writable
+    from repgeom_eval.output.files import check_writable
 
     for path in (args.output, args.per_chunk):
         if path:

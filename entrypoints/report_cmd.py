@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from repgeom_eval.analyses.html_report import write_report
-    from repgeom_eval.io import check_writable
+    from repgeom_eval.output.files import check_writable
 
     check_writable(args.output)
     path = write_report(args.results, args.output, args.title)

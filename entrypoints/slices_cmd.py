@@ -10,7 +10,7 @@ from .ppl_bins_cmd import positive_int  # one argparse type for every command
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.slices import SEEDS, SLICE_SIZE
+    from repgeom_eval.analyses.slices import SEEDS, SLICE_SIZE
 
     p.add_argument("source", metavar="SAMPLES",
                    help="lm-eval --log_samples output of a repgeom_hardness_* task (a samples_*.jsonl file or the "
@@ -51,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval import __version__
     from repgeom_eval.errors import RepgeomError
-    from repgeom_eval.io import check_writable, jsonable, write_json
-    from repgeom_eval.queries import from_samples, from_vector_file
-    from repgeom_eval.slices import calibrate, controlled_slices
+    from repgeom_eval.output.files import check_writable, jsonable, write_json
+    from repgeom_eval.analyses.queries import from_samples, from_vector_file
+    from repgeom_eval.analyses.slices import calibrate, controlled_slices
 
     for path in (args.output, args.plot):
         if path:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         write_json(args.output, result)
     if args.plot:
-        from repgeom_eval.plotting import plot_slices
+        from repgeom_eval.output.plotting import plot_slices
 
         plot_slices(curve.to_dict(), args.plot)
     if args.json:

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from repgeom_eval.training import read_config, train
+    from repgeom_eval.training.loop import read_config, train
 
     cfg = read_config(args.config, args.overrides)
     result = train(cfg, progress=not args.no_progress)

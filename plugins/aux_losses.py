@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from repgeom_eval import hookimpl
-from repgeom_eval.auxloss import AuxLoss
+from repgeom_eval.training.auxloss import AuxLoss
 from repgeom_eval.functional.losses import (
     LOSS_VARIANTS,
     angular_spread,
@@ -33,7 +33,7 @@ from repgeom_eval.functional.losses import (
     push_away,
     subsample_tokens,
 )
-from repgeom_eval.pooling import POOLINGS, check_pooling
+from repgeom_eval.measurement.pooling import POOLINGS, check_pooling
 
 GRANULARITIES = ("token", "sequence")
 
@@ -82,7 +82,7 @@ class PushAway(AuxLoss):
             mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
         mask = mask.bool()
         if self.granularity == "sequence":
-            from repgeom_eval.pooling import pool
+            from repgeom_eval.measurement.pooling import pool
 
             keep = mask.any(1)
             vectors, _ = pool(hidden, mask, self.pooling)

@@ -11,26 +11,26 @@ Quick start::
 __version__ = "0.1.0"
 
 from .hookspecs import hookimpl  # noqa: E402  (plugins need this before anything heavy)
-from .architectures import ArchitectureSpec, SiteHook, post_ln_encoder, pre_ln_decoder  # noqa: E402
+from .modeling.architectures import ArchitectureSpec, SiteHook, post_ln_encoder, pre_ln_decoder  # noqa: E402
 from .errors import RepgeomError, UnknownNameError  # noqa: E402
 from .metric import Consumes, LayerBatch, Metric  # noqa: E402
-from .registry import Command  # noqa: E402
+from .plugin_system.kinds import Command  # noqa: E402
 
 
 def __getattr__(name: str):
     # Heavy pieces (transformers) load lazily so `import repgeom_eval` in a plugin stays cheap.
     if name in {"measure", "MeasureResult"}:
-        from . import pipeline as _m
+        from .measurement import engine as _m
 
         return getattr(_m, name)
     if name in {"load_model", "LoadedModel", "ModelInfo"}:
-        from . import models as _models
+        from .modeling import loading as _models
 
         return getattr(_models, name)
     if name in {"get_host", "PluginHost"}:
-        from . import plugin_host
+        from .plugin_system import host
 
-        return getattr(plugin_host, name)
+        return getattr(host, name)
     raise AttributeError(f"module 'repgeom_eval' has no attribute {name!r}")
 
 

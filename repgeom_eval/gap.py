@@ -97,7 +97,7 @@ class EmbeddingInfo:
 
 def _locate_checkpoint(model: str) -> tuple[Path, dict[str, Any], str]:
     """(directory, extra from_pretrained kwargs, source kind) for a directory, a .gguf file or a cached hub id."""
-    from .models import _locate
+    from repgeom_eval.modeling.loading import _locate
 
     target, extra, source = _locate(model)
     if source != "hub":
@@ -576,7 +576,7 @@ def resolve_token_set(spec: str, tokenizer: Any, host: Any = None, exclude: Iter
         return _token_set(spec, vocab, ids, missing, config)
 
     if host is None:
-        from .plugin_host import get_host
+        from repgeom_eval.plugin_system.host import get_host
 
         host = get_host()
     if spec in host.token_sets:
@@ -750,7 +750,7 @@ class GapResult:
         return d
 
     def write(self, path: str | os.PathLike) -> None:
-        from .io import write_json
+        from repgeom_eval.output.files import write_json
 
         write_json(path, self.to_dict())
 
@@ -776,7 +776,7 @@ def screen(models: Sequence[str], domain: str = DEFAULT_DOMAIN, reference: str =
     if not isinstance(size, int) or size < 1:
         raise RepgeomError(f"reference sample size must be a positive integer, got {size!r}")
     if host is None:
-        from .plugin_host import get_host
+        from repgeom_eval.plugin_system.host import get_host
 
         host = get_host()
     for m in models:  # every path problem before any work

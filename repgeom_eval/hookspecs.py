@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover - imported for annotations only
-    from .registry import Registry
+    from repgeom_eval.plugin_system.kinds import Registry
 
 PROJECT = "repgeom_eval"
 
@@ -71,4 +71,4 @@ def repgeom_register_token_sets(registry: "Registry") -> None:
 
 @hookspec
 def repgeom_register_commands(registry: "Registry") -> None:
-    """Register ``repgeom`` sub-commands as :class:`repgeom_eval.registry.Command` objects."""
+    """Register ``repgeom`` sub-commands as :class:`repgeom_eval.plugin_system.kinds.Command` objects."""

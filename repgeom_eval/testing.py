@@ -194,7 +194,7 @@ MMLU_TEST_SUBJECTS = ("abstract_algebra", "anatomy", "world_religions")
 
 
 def task_records(schema: str, n: int, seed: int = 0, words: tuple[int, int] = (3, 10)) -> list[dict[str, Any]]:
-    """``n`` records in the schema of a repgeom lm-eval task (``repgeom_eval.lmeval.data.SCHEMAS``), made of
+    """``n`` records in the schema of a repgeom lm-eval task (``repgeom_eval.lmeval.documents.SCHEMAS``), made of
     random words of Python's own documentation: real words, short enough for a tiny model's 128-token context."""
     import random
 

@@ -47,7 +47,7 @@ def texts():
 
 @pytest.fixture
 def host():
-    from repgeom_eval.plugin_host import get_host
+    from repgeom_eval.plugin_system.host import get_host
 
     return get_host()
 

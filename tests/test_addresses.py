@@ -2,9 +2,9 @@
 
 import pytest
 
-from repgeom_eval.addresses import Address, available_addresses, hidden_state_address, parse_layers, resolve
+from repgeom_eval.modeling.addresses import Address, available_addresses, hidden_state_address, parse_layers, resolve
 from repgeom_eval.errors import RepgeomError, UnknownNameError
-from repgeom_eval.models import load_model
+from repgeom_eval.modeling.loading import load_model
 
 
 def names(spec, n=4, host=None):

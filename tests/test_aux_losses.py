@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from repgeom_eval.addresses import Address
-from repgeom_eval.auxloss import AuxLoss, build_aux_loss
+from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.training.auxloss import AuxLoss, build_aux_loss
 from repgeom_eval.errors import RepgeomError, UnknownNameError
 from repgeom_eval.functional.losses import push_away_pairwise, subsample_tokens
 
@@ -222,7 +222,7 @@ def test_token_sampling_is_seeded_and_matches_subsample_tokens():
 
 
 def test_layer_sets_resolve_on_a_model(tiny_model_dir):
-    from repgeom_eval.models import load_model
+    from repgeom_eval.modeling.loading import load_model
 
     info = load_model(tiny_model_dir("gpt2", n_layers=4)).info
     names = lambda loss: [str(a) for a in loss.addresses(info)]  # noqa: E731

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from repgeom_eval.addresses import available_addresses, parse_layers, resolve
-from repgeom_eval.capture import Capture
-from repgeom_eval.models import load_model
+from repgeom_eval.modeling.addresses import available_addresses, parse_layers, resolve
+from repgeom_eval.modeling.hooks import Capture
+from repgeom_eval.modeling.loading import load_model
 
 DECODERS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "olmo", "gpt_neox_sequential"]
 

@@ -8,8 +8,8 @@ import pytest
 
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import NonFiniteError, RepgeomError
-from repgeom_eval.models import load_model
-from repgeom_eval.pipeline import measure
+from repgeom_eval.modeling.loading import load_model
+from repgeom_eval.measurement.engine import measure
 
 
 @pytest.fixture

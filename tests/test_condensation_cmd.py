@@ -11,7 +11,7 @@ from repgeom_eval.analyses.condensation import condensation
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.condensation import cosine_matrix
-from repgeom_eval.models import load_model
+from repgeom_eval.modeling.loading import load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*texts are longer than")
 

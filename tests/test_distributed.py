@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from repgeom_eval.distributed import Distributed
+from repgeom_eval.measurement.distributed import Distributed
 
 METRICS = ["dispersion", "token_dispersion", "prompt_entropy", "curvature", "condensation", "effective_rank",
            "dataset_entropy", "massive_activations", "infonce", "lidar"]

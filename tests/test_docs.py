@@ -225,7 +225,7 @@ def _run_python(block: Block, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_doc_block(block: Block, request, monkeypatch, tmp_path):
-    from repgeom_eval.plugin_host import reset_host
+    from repgeom_eval.plugin_system.host import reset_host
 
     if block.language == "bash":
         commands = bash_commands(block.code)

@@ -120,7 +120,7 @@ def test_measure_uses_the_installed_metric(cli_runs):
 
 
 def test_installed_module_conforms(site, monkeypatch):
-    from repgeom_eval.plugin_host import PluginHost
+    from repgeom_eval.plugin_system.host import PluginHost
     from repgeom_eval.testing import check_metric
 
     monkeypatch.syspath_prepend(str(site))

@@ -21,7 +21,7 @@ from repgeom_eval.gap import (Vocabulary, dispersion_gap, open_output_embeddings
 @pytest.fixture
 def gap_host():
     """The process host: the built-in token sets and the `gap` command come through the entry points."""
-    from repgeom_eval.plugin_host import get_host
+    from repgeom_eval.plugin_system.host import get_host
 
     host = get_host()
     assert {"digits", "python_keywords", "general"} <= set(host.token_sets) and "gap" in host.commands

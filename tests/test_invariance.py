@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from repgeom_eval.functional import pairwise_dispersion
-from repgeom_eval.models import load_model
-from repgeom_eval.pipeline import measure
+from repgeom_eval.modeling.loading import load_model
+from repgeom_eval.measurement.engine import measure
 
 KINDS = ["gpt2", "llama", "bert"]
 POOLINGS = ["last", "mean", "first", "tokens"]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from repgeom_eval.analyses.corpus import Document, corpus_chunks
-from repgeom_eval.analyses.forward import TokenRunner, next_token_logprobs, parse_addresses
+from repgeom_eval.measurement.forward import TokenRunner, next_token_logprobs, parse_addresses
 from repgeom_eval.analyses.knnlm import Datastore, build_index, interpolate, knn_logprob, knnlm
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.models import load_model
+from repgeom_eval.modeling.loading import load_model
 
 import faiss  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 

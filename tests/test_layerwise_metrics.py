@@ -603,8 +603,8 @@ def test_information_flow_dataset_entropy_follows_the_code_branch_in_the_streame
 def test_pipeline_matches_hand_computation(tiny_model_dir, texts):
     import transformers
 
-    from repgeom_eval.pipeline import measure
-    from repgeom_eval.plugin_host import PluginHost
+    from repgeom_eval.measurement.engine import measure
+    from repgeom_eval.plugin_system.host import PluginHost
 
     host = PluginHost(entry_points=list(md.entry_points(group="repgeom_eval")))  # registered as built-ins
     assert not host.failures

@@ -22,7 +22,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from repgeom_eval.errors import RepgeomError  # noqa: E402
 from repgeom_eval.functional.dispersion import pairwise_dispersion  # noqa: E402
-from repgeom_eval.queries import decode_vector  # noqa: E402
+from repgeom_eval.analyses.queries import decode_vector  # noqa: E402
 from repgeom_eval.testing import write_task_data  # noqa: E402
 
 GEOMETRY = ("repgeom_dispersion", "repgeom_dispersion_correct", "repgeom_dispersion_incorrect", "repgeom_auroc",
@@ -156,7 +156,7 @@ def test_extra_pass_fallback_gives_the_same_vectors(lm, data):
 
 def test_missed_rows_are_detected_and_filled_by_an_extra_pass(lm, data, monkeypatch):
     """If lm-eval's private call order changed (rows not read), the run warns and still gets every vector."""
-    from repgeom_eval.lmeval.capture import HiddenStates
+    from repgeom_eval.lmeval.fused import HiddenStates
 
     monkeypatch.setattr(HiddenStates, "_read_row", lambda self, *a: None)
     tm = TaskManager(include_defaults=False, metadata={"repgeom_data": str(data["piqa"])})
@@ -169,7 +169,7 @@ def test_missed_rows_are_detected_and_filled_by_an_extra_pass(lm, data, monkeypa
 
 
 def test_untested_lm_eval_version_switches_to_the_extra_pass(lm, data, monkeypatch):
-    from repgeom_eval.lmeval import capture
+    from repgeom_eval.lmeval import fused
 
     monkeypatch.setattr(capture, "fused_capture_problem", lambda lm: "lm-eval 9.9 is outside the tested range")
     tm = TaskManager(include_defaults=False, metadata={"repgeom_data": str(data["piqa"])})
@@ -181,7 +181,7 @@ def test_untested_lm_eval_version_switches_to_the_extra_pass(lm, data, monkeypat
 
 def test_fused_preconditions_hold_for_the_installed_lm_eval(lm):
     """The private HFLM call path this integration reads is the one installed (lm-eval pinned <0.5)."""
-    from repgeom_eval.lmeval.capture import fused_capture_problem
+    from repgeom_eval.lmeval.fused import fused_capture_problem
 
     assert fused_capture_problem(lm) is None
 
@@ -280,7 +280,7 @@ def test_bad_local_data_is_named(tmp_path):
 def test_hub_default_fails_offline_with_the_local_route_named(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from repgeom_eval.lmeval.data import load_dataset
+    from repgeom_eval.lmeval.documents import load_dataset
 
     with pytest.raises(RepgeomError, match="repgeom_data.*question"):
         load_dataset("mmlu")

@@ -15,7 +15,7 @@ from lm_eval.api.task import ConfigurableTask  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 
-from repgeom_eval.lmeval.data import load_local  # noqa: E402
+from repgeom_eval.lmeval.documents import load_local  # noqa: E402
 from repgeom_eval.testing import MMLU_TEST_SUBJECTS, write_task_data  # noqa: E402
 
 UPSTREAM = Path(lm_eval.__file__).parent / "tasks"

@@ -4,7 +4,7 @@ import pytest
 
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.plugin_host import get_host
+from repgeom_eval.plugin_system.host import get_host
 
 BAD_PARAMS = [
     ("massive_activations", {"top_k": 0}, "top_k"),

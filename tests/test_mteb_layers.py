@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from repgeom_eval.addresses import Address
+from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.mteb_layers import (
@@ -80,7 +80,7 @@ def _pool_by_hand(states, k: int, pooling: str) -> np.ndarray:
 
 @pytest.mark.parametrize("kind,causal", [("bert", False), ("llama", True), ("gpt2", True)])
 def test_layer_k_equals_hidden_states_k_pooled_by_hand(tiny_model_dir, kind, causal):
-    from repgeom_eval.models import load_model
+    from repgeom_eval.modeling.loading import load_model
     from repgeom_eval.mteb_layers import LayerSweep
 
     model_dir = tiny_model_dir(kind)

@@ -12,7 +12,7 @@ from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import dispersion
 from repgeom_eval.functional.entropy import prompt_entropy
-from repgeom_eval.models import load_model
+from repgeom_eval.modeling.loading import load_model
 
 
 @pytest.fixture(scope="module")

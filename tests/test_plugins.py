@@ -12,7 +12,7 @@ import pytest
 import repgeom_eval
 from repgeom_eval import Consumes, Metric
 from repgeom_eval.errors import PluginError, UnknownNameError
-from repgeom_eval.plugin_host import PluginHost, PluginLoadWarning
+from repgeom_eval.plugin_system.host import PluginHost, PluginLoadWarning
 
 
 class Extra(Metric):

@@ -12,11 +12,11 @@ from scipy import stats
 from repgeom_eval.analyses.corpus import Document, chunk_documents, corpus_chunks, read_documents, sample_chunks
 from repgeom_eval.analyses.ppl_bins import (bin_and_correlate, chunk_statistics, confound_check, ppl_bins,
                                             uniform_ppl_groups)
-from repgeom_eval.analyses.forward import parse_addresses
+from repgeom_eval.measurement.forward import parse_addresses
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import pairwise_dispersion
-from repgeom_eval.models import load_model
+from repgeom_eval.modeling.loading import load_model
 
 
 def reference_selection(ppl, group_size, n_bins):

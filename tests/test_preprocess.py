@@ -5,9 +5,9 @@ import torch
 
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional import pairwise_dispersion
-from repgeom_eval.models import load_model
-from repgeom_eval.pipeline import measure
-from repgeom_eval.preprocess import Preprocessor, VectorStats
+from repgeom_eval.modeling.loading import load_model
+from repgeom_eval.measurement.engine import measure
+from repgeom_eval.measurement.preprocess import Preprocessor, VectorStats
 
 
 def final_vectors(loaded, texts, pooling="mean"):

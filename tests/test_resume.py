@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.pipeline import measure
+from repgeom_eval.measurement.engine import measure
 
 # The child run sleeps after each checkpoint so that the test can kill it between shards, like a real crash.
 SLOW_CHILD = """
 import sys, time
-from repgeom_eval import runstate
-save = runstate.RunDir.save
+from repgeom_eval.measurement import checkpoint
+save = checkpoint.RunDir.save
 def slow_save(self, state):
     save(self, state)
     time.sleep(0.4)
-runstate.RunDir.save = slow_save
+checkpoint.RunDir.save = slow_save
 from repgeom_eval.entrypoints.cli import main
 sys.exit(main(sys.argv[1:]))
 """

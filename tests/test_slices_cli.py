@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from repgeom_eval import slices
+from repgeom_eval.analyses import slices
 from repgeom_eval.entrypoints.cli import main
 
 

@@ -1,4 +1,4 @@
-"""Hardness analysis math (repgeom_eval.slices, lm-eval aggregations) against brute force and the spec's oracles."""
+"""Hardness analysis math (repgeom_eval.analyses.slices, lm-eval aggregations) against brute force and the spec's oracles."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from repgeom_eval import slices
+from repgeom_eval.analyses import slices
 from repgeom_eval.functional.dispersion import pairwise_dispersion
-from repgeom_eval.queries import decode_vector, encode_vector
+from repgeom_eval.analyses.queries import decode_vector, encode_vector
 
 import torch  # noqa: E402
 

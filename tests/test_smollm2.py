@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from repgeom_eval.addresses import parse_layers, resolve
-from repgeom_eval.capture import Capture
+from repgeom_eval.modeling.addresses import parse_layers, resolve
+from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.demo import python_doc_paragraphs, smollm2_path
-from repgeom_eval.models import load_model
-from repgeom_eval.pipeline import measure
+from repgeom_eval.modeling.loading import load_model
+from repgeom_eval.measurement.engine import measure
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch
         b = cached.model(**enc, output_hidden_states=True).hidden_states
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     monkeypatch.setenv("REPGEOM_GGUF_CACHE", "0")
-    from repgeom_eval.models import _gguf_cache_dir
+    from repgeom_eval.modeling.loading import _gguf_cache_dir
 
     assert _gguf_cache_dir(smollm2_path(), torch.float32) is None
 

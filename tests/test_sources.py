@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from repgeom_eval.data import DatasetSource, FileSource, ListSource, load_texts, open_source
+from repgeom_eval.measurement.texts import DatasetSource, FileSource, ListSource, load_texts, open_source
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.pipeline import measure
+from repgeom_eval.measurement.engine import measure
 
 
 def write_jsonl(path, rows):

@@ -10,7 +10,7 @@ import accelerate  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 import datasets  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.entrypoints.cli import main  # noqa: E402
-from repgeom_eval.training import parse_config, read_config, split_texts  # noqa: E402
+from repgeom_eval.training.loop import parse_config, read_config, split_texts  # noqa: E402
 
 
 def write_jsonl(path, texts):
@@ -20,14 +20,14 @@ def write_jsonl(path, texts):
 @pytest.fixture
 def two_domains(tmp_path, texts):
     """Prose (Python's docs) and code (repgeom-eval's own source), read at test time."""
-    import repgeom_eval.addresses
-    import repgeom_eval.data
+    import repgeom_eval.modeling.addresses
+    import repgeom_eval.measurement.texts
 
     write_jsonl(tmp_path / "prose.jsonl", texts[:30])
     write_jsonl(tmp_path / "prose_test.jsonl", texts[30:])
-    code = inspect.getsource(repgeom_eval.addresses).split("\n\n\n")
+    code = inspect.getsource(repgeom_eval.modeling.addresses).split("\n\n\n")
     write_jsonl(tmp_path / "code.jsonl", code)
-    write_jsonl(tmp_path / "code_test.jsonl", inspect.getsource(repgeom_eval.data).split("\n\n\n"))
+    write_jsonl(tmp_path / "code_test.jsonl", inspect.getsource(repgeom_eval.measurement.texts).split("\n\n\n"))
     return tmp_path
 
 
@@ -109,7 +109,7 @@ save_model: false
 
 
 def test_split_is_seeded_and_disjoint():
-    from repgeom_eval.data import from_texts
+    from repgeom_eval.measurement.texts import from_texts
 
     ts = from_texts([f"text {i}" for i in range(20)])
     a, b = split_texts(ts, 0.2, 0), split_texts(ts, 0.2, 0)

@@ -11,13 +11,13 @@ import datasets  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from transformers import TrainingArguments  # noqa: E402
 
-from repgeom_eval.addresses import Address, parse_layers, resolve  # noqa: E402
-from repgeom_eval.auxloss import build_aux_loss  # noqa: E402
-from repgeom_eval.capture import Capture  # noqa: E402
+from repgeom_eval.modeling.addresses import Address, parse_layers, resolve  # noqa: E402
+from repgeom_eval.training.auxloss import build_aux_loss  # noqa: E402
+from repgeom_eval.modeling.hooks import Capture  # noqa: E402
 from repgeom_eval.functional.losses import push_away  # noqa: E402
-from repgeom_eval.models import load_model  # noqa: E402
-from repgeom_eval.trainer import AuxLossTrainer  # noqa: E402
-from repgeom_eval.training import pack_blocks  # noqa: E402
+from repgeom_eval.modeling.loading import load_model  # noqa: E402
+from repgeom_eval.training.trainer import AuxLossTrainer  # noqa: E402
+from repgeom_eval.training.loop import pack_blocks  # noqa: E402
 
 
 def trainable(path):

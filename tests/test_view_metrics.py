@@ -248,7 +248,7 @@ def test_metric_classes_declare_views():
 
 
 def test_plugin_registers_the_three_metrics():
-    from repgeom_eval.plugin_host import PluginHost
+    from repgeom_eval.plugin_system.host import PluginHost
 
     host = PluginHost(entry_points=[], strict=True, extra_plugins=[("views", views_metrics)])
     assert host.metrics.names() == ["dime", "infonce", "lidar"]

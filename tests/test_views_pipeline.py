@@ -8,10 +8,10 @@ import torch
 
 import repgeom_eval
 from repgeom_eval import Consumes, Metric
-from repgeom_eval.augment import Augmenter
-from repgeom_eval.models import load_model
-from repgeom_eval.pipeline import measure
-from repgeom_eval.plugin_host import PluginHost
+from repgeom_eval.measurement.augment import Augmenter
+from repgeom_eval.modeling.loading import load_model
+from repgeom_eval.measurement.engine import measure
+from repgeom_eval.plugin_system.host import PluginHost
 
 
 class ViewRecorder(Metric):

@@ -29,11 +29,11 @@ import torch
 
 from ..errors import RepgeomError
 from ..functional.dispersion import dispersion, unit
-from ..models import LoadedModel, load_model
+from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, load_documents, tokenize_documents
-from .forward import parse_addresses
+from repgeom_eval.measurement.forward import parse_addresses
 from .knn_keys import last_token_vectors
-from .output import AnalysisResult
+from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "clusters"
 DEFAULT_NGRAM = 10

@@ -1,6 +1,6 @@
 """Embedding condensation by depth, for one model or several side by side (paper C Fig. 2; spec §4.7).
 
-For each model, one :func:`~repgeom_eval.pipeline.measure` run with the ``condensation`` metric at every hidden state
+For each model, one :func:`~repgeom_eval.measurement.engine.measure` run with the ``condensation`` metric at every hidden state
 (``all``: embeddings, every block, final) gives per layer the mean token–token cosine (diagonal included, paper C's
 statistic) and the histogram of all S² cosines of each text (the heatmap's rows), plus the Spearman ρ and Kendall τ_b
 of the mean cosine against depth. Texts are truncated to ``max_length`` tokens (paper C: 512). Models of different
@@ -16,8 +16,8 @@ from typing import Any
 
 from ..errors import RepgeomError
 from ..functional.condensation import CONDENSATION_EPS, DEFAULT_BINS
-from ..models import LoadedModel
-from .output import AnalysisResult
+from repgeom_eval.modeling.loading import LoadedModel
+from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "condensation"
 DEFAULT_MAX_LENGTH = 512
@@ -45,14 +45,14 @@ def condensation(
 ) -> AnalysisResult:
     """Per-layer condensation of every model in ``models`` over the same texts; returns the ``condensation``
     result (``results["models"][label]``: layers, mean cosine, histogram densities, ρ, τ)."""
-    from ..pipeline import measure
+    from repgeom_eval.measurement.engine import measure
 
     t_start = time.perf_counter()
     if not models:
         raise RepgeomError("give at least one model")
     if not (isinstance(bins, int) and bins >= 1):
         raise RepgeomError(f"bins must be a positive integer, got {bins!r}")
-    from ..data import from_texts, load_texts
+    from repgeom_eval.measurement.texts import from_texts, load_texts
 
     textset = load_texts(data, text_field=text_field) if isinstance(data, (str, Path)) else (
         data if hasattr(data, "texts") else from_texts(list(data)))

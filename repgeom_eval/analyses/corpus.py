@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..data import _decode
+from repgeom_eval.measurement.texts import _decode
 from ..errors import RepgeomError
 
 PACKINGS = ("concat", "document")

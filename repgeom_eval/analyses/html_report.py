@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import RepgeomError
-from ..io import atomic_open
+from repgeom_eval.output.files import atomic_open
 from . import plots
 
 Section = tuple[str, list[str]]  # (title, HTML blocks)
@@ -154,7 +154,7 @@ def _scalars(per_metric: dict[str, Any]) -> dict[str, float]:
 
 @renderer("measure")
 def _measure(doc: dict[str, Any]) -> list[str]:
-    from ..plotting import plot_profile
+    from repgeom_eval.output.plotting import plot_profile
 
     results = {a: _scalars(per) for a, per in doc["results"].items()}
     metrics: list[str] = []

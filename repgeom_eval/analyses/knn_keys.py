@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 
 from ..errors import RepgeomError
 from ..functional.dispersion import dispersion
-from ..models import LoadedModel, load_model
+from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents
-from .forward import TokenRunner, batches, parse_addresses
-from .output import AnalysisResult
+from repgeom_eval.measurement.forward import TokenRunner, batches, parse_addresses
+from repgeom_eval.analyses.envelope import AnalysisResult
 from .stats import mean_std
 
 KIND = "knn-keys"

@@ -31,10 +31,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import RepgeomError
-from ..models import LoadedModel, load_model
+from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import PACKINGS, Chunk, check_context, corpus_chunks, load_documents
-from .forward import TokenRunner, batches, next_token_logprobs, parse_addresses
-from .output import AnalysisResult
+from repgeom_eval.measurement.forward import TokenRunner, batches, next_token_logprobs, parse_addresses
+from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "knnlm"
 DEFAULT_K = 1024

@@ -28,10 +28,10 @@ from tqdm.auto import tqdm
 from ..errors import RepgeomError
 from ..functional.dispersion import dispersion
 from ..functional.entropy import prompt_entropy
-from ..models import LoadedModel, load_model
+from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import load_documents, tokenize_documents
-from .forward import TokenRunner, batches, parse_addresses
-from .output import AnalysisResult
+from repgeom_eval.measurement.forward import TokenRunner, batches, parse_addresses
+from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "perturb"
 SWEEPS = ("repetition", "random", "length")

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..io import atomic_open
-from ..plotting import _pyplot
+from repgeom_eval.output.files import atomic_open
+from repgeom_eval.output.plotting import _pyplot
 
 
 def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:

@@ -35,13 +35,13 @@ from tqdm.auto import tqdm
 
 from ..errors import RepgeomError
 from ..functional.dispersion import token_dispersion
-from ..io import write_jsonl
-from ..models import LoadedModel, load_model
+from repgeom_eval.output.files import write_jsonl
+from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents,
                      sample_chunks)
-from ..distributed import Distributed
-from .forward import TokenRunner, next_token_logprobs, parse_addresses
-from .output import AnalysisResult
+from repgeom_eval.measurement.distributed import Distributed
+from repgeom_eval.measurement.forward import TokenRunner, next_token_logprobs, parse_addresses
+from repgeom_eval.analyses.envelope import AnalysisResult
 from .stats import correlations
 
 KIND = "ppl-bins"

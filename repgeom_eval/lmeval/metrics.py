@@ -33,8 +33,8 @@ import lm_eval.api.metrics  # noqa: F401  (fills lm-eval's built-in registries b
 import numpy as np
 from lm_eval.api.registry import aggregation_registry, metric_registry, register_aggregation, register_metric
 
-from .. import slices
-from ..queries import decode_vector, encode_vector
+from repgeom_eval.analyses import slices
+from repgeom_eval.analyses.queries import decode_vector, encode_vector
 
 HARDNESS_METRICS = ("repgeom_dispersion", "repgeom_dispersion_correct", "repgeom_dispersion_incorrect",
                     "repgeom_auroc", "repgeom_acc_low_c", "repgeom_acc_high_c", "repgeom_slice_spearman")

@@ -9,7 +9,7 @@ before any compute is spent and fails loudly instead of producing a silently mis
 * a seq2seq model has no single "last context token" in the decoder;
 
 then reads the hidden states of HFLM's own forward passes for the duration of the run
-(:class:`~repgeom_eval.lmeval.capture.HiddenStates`).
+(:class:`~repgeom_eval.lmeval.fused.HiddenStates`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def check_model(lm: Any) -> Any:
 @contextmanager
 def hidden_states_for(lm: Any, tasks: list) -> Iterator[Any]:
     """Attach the hidden states ``tasks`` need to ``lm``'s results for the duration of the block."""
-    from .capture import HiddenStates
+    from repgeom_eval.lmeval.fused import HiddenStates
 
     check_model(lm)
     method = "extra" if any(t.settings.capture == "extra" for t in tasks) else "fused"

@@ -38,11 +38,11 @@ import numpy as np
 from lm_eval.api.samplers import ContextSampler
 from lm_eval.api.task import ConfigurableTask
 
-from .. import slices
+from repgeom_eval.analyses import slices
 from ..errors import RepgeomError
 from . import metrics, session
-from .capture import POOLINGS, Want
-from .data import SCHEMAS
+from repgeom_eval.lmeval.fused import POOLINGS, Want
+from repgeom_eval.lmeval.documents import SCHEMAS
 
 PREFIX = "repgeom_"
 

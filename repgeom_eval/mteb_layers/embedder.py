@@ -17,14 +17,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from repgeom_eval.addresses import Address, HookPoint, parse_layers, resolve
-from repgeom_eval.capture import Capture
+from repgeom_eval.modeling.addresses import Address, HookPoint, parse_layers, resolve
+from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
-from repgeom_eval.models import LoadedModel, load_model
-from repgeom_eval.pipeline import _context_length
-from repgeom_eval.plugin_host import PluginHost, get_host
-from repgeom_eval.pooling import check_pooling, pool
+from repgeom_eval.modeling.loading import LoadedModel, load_model
+from repgeom_eval.measurement.engine import _context_length
+from repgeom_eval.plugin_system.host import PluginHost, get_host
+from repgeom_eval.measurement.pooling import check_pooling, pool
 
 from .st_config import STConfig, st_config_for
 
@@ -55,7 +55,7 @@ class LayerEmbedder:
 
     Args:
         model: Hugging Face hub id, local model directory (a sentence-transformers folder works), ``.gguf`` file, or
-            an already loaded :class:`~repgeom_eval.models.LoadedModel`.
+            an already loaded :class:`~repgeom_eval.modeling.loading.LoadedModel`.
         pooling: ``auto`` (the model's sentence-transformers pooling if it has one, else ``mean``), ``st``, ``mean``,
             ``last`` or ``cls``/``first``.
         normalize: unit-normalise the embeddings; ``None`` = the model's own choice (its Normalize module), else off.

@@ -23,7 +23,7 @@ import numpy as np
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
-from repgeom_eval.addresses import Address
+from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.errors import RepgeomError
 
 from .embedder import LayerEmbedder
@@ -244,7 +244,7 @@ def model_revision(source: str, loaded: Any) -> str:
 
 
 def _base_meta(embedder: LayerEmbedder) -> ModelMeta:
-    from .registry import load_layer_encoder
+    from repgeom_eval.mteb_layers.model_meta import load_layer_encoder
 
     info = embedder.loaded.info
     frameworks = ["PyTorch", "Transformers"] + (["Sentence Transformers"] if embedder.st else []) + \

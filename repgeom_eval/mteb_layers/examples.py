@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.io import atomic_open
+from repgeom_eval.output.files import atomic_open
 
 SOURCES = ("pydoc", "fortunes")
 FORTUNES_DIR = Path("/usr/share/games/fortunes")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from repgeom_eval.metric import LayerBatch
-from repgeom_eval.plugin_host import PluginHost, get_host
+from repgeom_eval.plugin_system.host import PluginHost, get_host
 
 #: score key → (metric plugin, field of its result or None for a float result)
 GEOMETRY_KEYS = {

@@ -22,7 +22,7 @@ from mteb.evaluate import OverwriteStrategy
 from tqdm.auto import tqdm
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.models import LoadedModel
+from repgeom_eval.modeling.loading import LoadedModel
 
 from .embedder import LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep

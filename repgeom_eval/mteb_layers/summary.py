@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.io import atomic_open
+from repgeom_eval.output.files import atomic_open
 
 from .geometry import GEOMETRY_KEYS
 
@@ -172,7 +172,7 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: str | Path, title: str | None = None) -> Path:
     """Main score and the three geometry values against depth, one line per task (rows of ONE model/recipe)."""
-    from repgeom_eval.plotting import _pyplot
+    from repgeom_eval.output.plotting import _pyplot
 
     plt = _pyplot()
     tasks = next(iter(_groups(rows).values()))

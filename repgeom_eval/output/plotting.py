@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import RepgeomError
-from .io import atomic_open
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.output.files import atomic_open
 
 
 def _pyplot():

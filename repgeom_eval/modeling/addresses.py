@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .architectures import SITES, SiteHook
-from .errors import RepgeomError, UnknownNameError
+from repgeom_eval.modeling.architectures import SITES, SiteHook
+from repgeom_eval.errors import RepgeomError, UnknownNameError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .models import LoadedModel, ModelInfo
+    from repgeom_eval.modeling.loading import LoadedModel, ModelInfo
 
 ALIASES = ("embed", "final")
 _SITE_ORDER = {s: i for i, s in enumerate(SITES)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnknownNameError
+from repgeom_eval.errors import UnknownNameError
 
 POOLINGS = ("last", "mean", "first", "tokens")
 POOLING_ALIASES = {"cls": "first"}

@@ -39,10 +39,10 @@ from typing import Any
 
 import yaml
 
-from . import __version__
-from .data import TextSet, load_texts
-from .errors import RepgeomError
-from .io import write_json
+from repgeom_eval import __version__
+from repgeom_eval.measurement.texts import TextSet, load_texts
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.output.files import write_json
 
 TOP_KEYS = ("model", "from_scratch", "data", "aux_losses", "training", "evaluate_at", "dispersion_layer",
             "output_dir", "seed", "save_model", "torch_threads")
@@ -296,7 +296,7 @@ def build_model(cfg: TrainConfig, train_texts: Sequence[str]):
     import transformers
 
     if cfg.model is not None:
-        from .models import load_model
+        from repgeom_eval.modeling.loading import load_model
 
         loaded = load_model(cfg.model, dtype="float32", device="cpu")  # the Trainer moves it to its device
         model = loaded.model.train().requires_grad_(True)
@@ -410,9 +410,9 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
     import torch
     import transformers
 
-    from .auxloss import build_aux_loss
-    from .plugin_host import get_host
-    from .trainer import AuxLossTrainer, EvaluateAtSteps
+    from repgeom_eval.training.auxloss import build_aux_loss
+    from repgeom_eval.plugin_system.host import get_host
+    from repgeom_eval.training.trainer import AuxLossTrainer, EvaluateAtSteps
 
     t_start = time.perf_counter()
     host = host or get_host()
@@ -485,7 +485,7 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
     train_log = [row for row in trainer.state.log_history if "loss" in row and "ce" in row]
     if cfg.save_model:
         _save_model(trainer, tokenizer, cfg.output_dir / "model")
-    from .models import wrap_model
+    from repgeom_eval.modeling.loading import wrap_model
 
     info = wrap_model(trainer.accelerator.unwrap_model(trainer.model), name=cfg.model or "gpt2 (from scratch)",
                       source=source["kind"], host=host).info

@@ -4,7 +4,7 @@ from a config mapping.
 The shape follows sentence-transformers' losses: the object *gathers* its inputs (the hidden states of the layer
 addresses it declares, the attention mask, the per-example domain labels) and hands each layer's tensor to a pure
 function of tensors (:mod:`repgeom_eval.functional.losses`); :meth:`AuxLoss.get_config_dict` records the
-hyper-parameters. The trainer (:mod:`repgeom_eval.trainer`) captures the declared addresses in the same forward
+hyper-parameters. The trainer (:mod:`repgeom_eval.training.trainer`) captures the declared addresses in the same forward
 pass that computes the cross-entropy and minimizes ``L_CE + weight · L_aux``.
 
 Aux losses are plugins (``repgeom_register_aux_losses``); ``repgeom plugins`` lists them.
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .addresses import Address, parse_layers
-from .errors import RepgeomError
+from repgeom_eval.modeling.addresses import Address, parse_layers
+from repgeom_eval.errors import RepgeomError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .models import ModelInfo
-    from .plugin_host import PluginHost
+    from repgeom_eval.modeling.loading import ModelInfo
+    from repgeom_eval.plugin_system.host import PluginHost
 
 
 class AuxLoss:
@@ -115,8 +115,8 @@ class AuxLoss:
 
 
 def parse_addresses(layers: str | Sequence[str], info: "ModelInfo", host: "PluginHost | None" = None) -> list[Address]:
-    """:func:`repgeom_eval.addresses.parse_layers` with the registered layer selectors (``all``, ``last`` ...)."""
-    from .plugin_host import get_host
+    """:func:`repgeom_eval.modeling.addresses.parse_layers` with the registered layer selectors (``all``, ``last`` ...)."""
+    from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
 
@@ -131,7 +131,7 @@ def build_aux_loss(spec: Mapping[str, Any], host: "PluginHost | None" = None, wh
 
     Unknown names and parameters, a missing weight and bad values are :class:`RepgeomError` naming the culprit.
     """
-    from .plugin_host import get_host
+    from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
     if not isinstance(spec, Mapping):
@@ -155,5 +155,5 @@ def build_aux_loss(spec: Mapping[str, Any], host: "PluginHost | None" = None, wh
         raise RepgeomError(f"{where} {name!r}: {exc}") from None
     if not isinstance(loss, AuxLoss):
         raise RepgeomError(f"{where} {name!r} from plugin {host.aux_losses.entry(name).plugin!r} built "
-                           f"{type(loss).__name__}, not a repgeom_eval.auxloss.AuxLoss")
+                           f"{type(loss).__name__}, not a repgeom_eval.training.auxloss.AuxLoss")
     return loss

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .errors import RepgeomError
-from .io import atomic_open, jsonable
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.output.files import atomic_open, jsonable
 
 STATE_VERSION = 1
 _FULL_HASH_LIMIT = 1 << 30  # files above 1 GiB are hashed by 64 sampled blocks of 1 MiB plus their size

@@ -1,6 +1,6 @@
 """Datasets of the repgeom tasks: the upstream Hub dataset by default, or a local file in the same schema.
 
-Each task YAML names ``custom_dataset: !function repgeom_eval.lmeval.data.load_dataset`` with
+Each task YAML names ``custom_dataset: !function repgeom_eval.lmeval.documents.load_dataset`` with
 ``dataset_kwargs: {repgeom_schema: NAME}``. lm-eval calls it with the task's metadata (``--metadata`` and the
 model arguments) as keyword arguments, so ``--metadata '{"repgeom_data": "PATH"}'`` selects a local source:
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import RepgeomError
+from repgeom_eval.errors import RepgeomError
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 

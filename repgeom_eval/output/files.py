@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from .errors import RepgeomError
+from repgeom_eval.errors import RepgeomError
 
 
 def check_writable(path: str | Path) -> Path:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .errors import PluginError, UnknownNameError
+from repgeom_eval.errors import PluginError, UnknownNameError
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ token: at the requested layer it is the query's vector (spec §9.6). Positions `
 the ones whose predictions are scored, i.e. the tokens of a rolling-perplexity window.
 
 While a run has repgeom tasks, :class:`HiddenStates` shadows those methods on the HFLM *instance*: ``_model_call``
-runs under :class:`~repgeom_eval.capture.Capture` hooks at the requested addresses, ``_select_cont_toks`` reads its
+runs under :class:`~repgeom_eval.modeling.hooks.Capture` hooks at the requested addresses, ``_select_cont_toks`` reads its
 row, and ``_loglikelihood_tokens`` returns lm-eval's own results as :class:`Scored` tuples that also carry the
 vectors. Log-likelihoods are never touched. Vectors are matched to requests by a hash of the exact tokens they
 depend on, so nothing is assumed about lm-eval's reordering and batching; a request whose vector did not arrive
@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..addresses import Address, parse_layers, resolve
-from ..capture import Capture
-from ..errors import RepgeomError
-from ..functional.dispersion import unit
+from repgeom_eval.modeling.addresses import Address, parse_layers, resolve
+from repgeom_eval.modeling.hooks import Capture
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.functional.dispersion import unit
 
 POOLINGS = ("last", "mean", "tokens")
 METHODS = ("fused", "extra")
@@ -114,7 +114,7 @@ def fused_capture_problem(lm: Any) -> str | None:
     """Why fused capture cannot be trusted on ``lm`` (None when it can)."""
     from importlib.metadata import version
 
-    from . import SUPPORTED_LM_EVAL
+    from repgeom_eval.lmeval import SUPPORTED_LM_EVAL
 
     try:
         found = tuple(int(x) for x in version("lm_eval").split(".")[:3])
@@ -182,15 +182,15 @@ class HiddenStates:
     # -- set-up ---------------------------------------------------------------------------------------------------
 
     def _loaded_view(self):
-        from ..models import LoadedModel
-        from ..plugin_host import get_host
+        from repgeom_eval.modeling.loading import LoadedModel
+        from repgeom_eval.plugin_system.host import get_host
 
         spec = get_host().architectures.get(self.model.config.model_type)
         return LoadedModel(model=self.model, tokenizer=getattr(self.lm, "tokenizer", None), spec=spec, info=None,
                            device=getattr(self.lm, "device", None))
 
     def _resolve_addresses(self) -> dict[Want, Address]:
-        from ..plugin_host import get_host
+        from repgeom_eval.plugin_system.host import get_host
 
         loaded = self._loaded_view()
         n_layers = len(self.model.base_model.get_submodule(loaded.spec.blocks))

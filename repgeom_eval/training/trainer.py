@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from .addresses import Address, HookPoint, resolve
-from .auxloss import AuxLoss, parse_addresses
-from .capture import Capture
-from .functional.losses import push_away
-from .models import wrap_model
+from repgeom_eval.modeling.addresses import Address, HookPoint, resolve
+from repgeom_eval.training.auxloss import AuxLoss, parse_addresses
+from repgeom_eval.modeling.hooks import Capture
+from repgeom_eval.functional.losses import push_away
+from repgeom_eval.modeling.loading import wrap_model
 
 
 @dataclass
@@ -54,7 +54,7 @@ class AuxLossTrainer(Trainer):
     """A ``transformers.Trainer`` that adds weighted auxiliary losses on hidden states to the language-model loss.
 
     Args:
-        aux_losses: :class:`repgeom_eval.auxloss.AuxLoss` objects (``build_aux_loss`` makes them from config
+        aux_losses: :class:`repgeom_eval.training.auxloss.AuxLoss` objects (``build_aux_loss`` makes them from config
             mappings); empty = plain CE, still logging the batch dispersion.
         domain_key: batch key of the per-example domain labels (kept out of the model's forward).
         dispersion_layer: the address whose batch dispersion is logged every step (default ``final``).

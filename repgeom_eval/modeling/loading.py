@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .architectures import ArchitectureSpec
-from .errors import RepgeomError
+from repgeom_eval.modeling.architectures import ArchitectureSpec
+from repgeom_eval.errors import RepgeomError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,7 +100,7 @@ def load_model(
     import transformers
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    from .plugin_host import get_host
+    from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
     dev = resolve_device(device)
@@ -151,7 +151,7 @@ def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, sourc
 
     Looks up the architecture table by ``config.model_type``, so layer addresses resolve on it as on a loaded one.
     """
-    from .plugin_host import get_host
+    from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
     config = model.config

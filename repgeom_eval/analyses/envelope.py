@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..io import write_json
+from repgeom_eval import __version__
+from repgeom_eval.output.files import write_json
 
 
 def versions() -> dict[str, Any]:
     import torch
 
-    from ..pipeline import _version
+    from repgeom_eval.measurement.engine import _version
 
     return {"repgeom_eval": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
             "python": platform.python_version()}

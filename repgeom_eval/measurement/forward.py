@@ -1,9 +1,9 @@
 """Token-id batches through the model, one forward pass each, every requested address captured by hooks.
 
 The analyses work on token ids (chunks, perturbed prompts), not strings, so they cannot go through
-:func:`repgeom_eval.pipeline.measure`'s tokenizer step; they share its pieces instead: layer addresses
-(:func:`~repgeom_eval.addresses.parse_layers`, :func:`~repgeom_eval.addresses.resolve`) and
-:class:`~repgeom_eval.capture.Capture`. When logits are needed the pass runs to the end; otherwise it stops after the
+:func:`repgeom_eval.measurement.engine.measure`'s tokenizer step; they share its pieces instead: layer addresses
+(:func:`~repgeom_eval.modeling.addresses.parse_layers`, :func:`~repgeom_eval.modeling.addresses.resolve`) and
+:class:`~repgeom_eval.modeling.hooks.Capture`. When logits are needed the pass runs to the end; otherwise it stops after the
 deepest requested module.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from ..addresses import Address, parse_layers, resolve
-from ..capture import Capture
-from ..models import LoadedModel
-from ..plugin_host import get_host
+from repgeom_eval.modeling.addresses import Address, parse_layers, resolve
+from repgeom_eval.modeling.hooks import Capture
+from repgeom_eval.modeling.loading import LoadedModel
+from repgeom_eval.plugin_system.host import get_host
 
 
 def parse_addresses(loaded: LoadedModel, layers: str | Sequence[str], host: Any = None) -> list[Address]:

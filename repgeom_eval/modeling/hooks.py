@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .addresses import Address, HookPoint
+from repgeom_eval.modeling.addresses import Address, HookPoint
 
 
 class _StopForward(Exception):

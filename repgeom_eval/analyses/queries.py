@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import RepgeomError
+from repgeom_eval.errors import RepgeomError
 
 SAMPLES_FIELD = "repgeom_slice_spearman"
 

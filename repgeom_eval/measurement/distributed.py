@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import RepgeomError
+from repgeom_eval.errors import RepgeomError
 
 
 @dataclass

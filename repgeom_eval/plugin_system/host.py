@@ -18,9 +18,9 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from .errors import PluginError
-from .registry import Command, Registry
+from repgeom_eval import hookspecs
+from repgeom_eval.errors import PluginError
+from repgeom_eval.plugin_system.kinds import Command, Registry
 
 ENTRY_POINT_GROUP = "repgeom_eval"
 STRICT_ENV = "REPGEOM_STRICT_PLUGINS"
@@ -53,7 +53,7 @@ def _strict_from_env() -> bool:
 
 
 def _check_metric(obj: Any) -> str | None:
-    from .metric import Metric
+    from repgeom_eval.metric import Metric
 
     if not (isinstance(obj, type) and issubclass(obj, Metric)):
         return f"expected a subclass of repgeom_eval.Metric, got {obj!r}"
@@ -61,7 +61,7 @@ def _check_metric(obj: Any) -> str | None:
 
 
 def _check_architecture(obj: Any) -> str | None:
-    from .architectures import ArchitectureSpec
+    from repgeom_eval.modeling.architectures import ArchitectureSpec
 
     return None if isinstance(obj, ArchitectureSpec) else f"expected an ArchitectureSpec, got {obj!r}"
 
@@ -71,7 +71,7 @@ def _check_callable(obj: Any) -> str | None:
 
 
 def _check_command(obj: Any) -> str | None:
-    return None if isinstance(obj, Command) else f"expected a repgeom_eval.registry.Command, got {obj!r}"
+    return None if isinstance(obj, Command) else f"expected a repgeom_eval.plugin_system.kinds.Command, got {obj!r}"
 
 
 def _check_token_set(obj: Any) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import RepgeomError
+from repgeom_eval.errors import RepgeomError
 
 METHODS = ("none", "center", "standardize", "whiten")
 EPS = 1e-6  # relative floor on variances / covariance eigenvalues
@@ -133,7 +133,7 @@ class Preprocessor:
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save
 
-        from .io import atomic_open
+        from repgeom_eval.output.files import atomic_open
 
         tensors = {f"{key}|{name}": t.contiguous() for key, params in self.transforms.items()
                    for name, t in params.items()}

@@ -26,7 +26,7 @@ _LOADER_OPTIONS = ("model", "layer", "pooling", "normalize", "max_length", "dtyp
 
 def load_layer_encoder(name: str, revision: str | None = None, **kwargs: Any):
     """mteb ``ModelMeta.loader``: builds a :class:`LayerEncoder` from ``model=`` and the layer options."""
-    from .encoder import layer_encoder
+    from repgeom_eval.mteb_layers.encoder import layer_encoder
 
     unknown = sorted(set(kwargs) - set(_LOADER_OPTIONS))
     if unknown:
@@ -60,7 +60,7 @@ def register_model(model: str, name: str | None = None, revision: str | None = N
     """
     from pathlib import Path
 
-    from .encoder import content_hash, model_name
+    from repgeom_eval.mteb_layers.encoder import content_hash, model_name
 
     name = name or model_name(model)
     if "/" not in name:

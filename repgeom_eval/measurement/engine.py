@@ -17,20 +17,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__
-from .addresses import Address, HookPoint, parse_layers, resolve
-from .capture import Capture
-from .data import Record, TextSet, TextSource, open_source
-from .distributed import Distributed
-from .errors import NonFiniteError, RepgeomError
-from .io import write_json, write_jsonl
-from .metric import Consumes, LayerBatch, Metric
-from .models import LoadedModel, load_model
-from .plugin_host import PluginHost, get_host
-from .pooling import check_pooling, pool
-from .preprocess import METHODS as PREPROCESS_METHODS
-from .preprocess import Preprocessor, VectorStats
-from .runstate import RunDir, model_fingerprint
+from repgeom_eval import __version__
+from repgeom_eval.modeling.addresses import Address, HookPoint, parse_layers, resolve
+from repgeom_eval.modeling.hooks import Capture
+from repgeom_eval.measurement.texts import Record, TextSet, TextSource, open_source
+from repgeom_eval.measurement.distributed import Distributed
+from repgeom_eval.errors import NonFiniteError, RepgeomError
+from repgeom_eval.output.files import write_json, write_jsonl
+from repgeom_eval.metric import Consumes, LayerBatch, Metric
+from repgeom_eval.modeling.loading import LoadedModel, load_model
+from repgeom_eval.plugin_system.host import PluginHost, get_host
+from repgeom_eval.measurement.pooling import check_pooling, pool
+from repgeom_eval.measurement.preprocess import METHODS as PREPROCESS_METHODS
+from repgeom_eval.measurement.preprocess import Preprocessor, VectorStats
+from repgeom_eval.measurement.checkpoint import RunDir, model_fingerprint
 
 DEFAULT_SHARD_SIZE = 1024  # texts read, batched and checkpointed together
 
@@ -280,7 +280,7 @@ def _measure(model, source: TextSource, dist: Distributed, host: PluginHost, spe
     need_originals = any(spec.cls.consumes != Consumes.VIEWS for spec in specs)
     augmenter = None
     if n_views:
-        from .augment import Augmenter
+        from repgeom_eval.measurement.augment import Augmenter
 
         augmenter = Augmenter(seed=seed)
 

@@ -1,0 +1,1 @@
+"""The measurement engine: texts → model inputs → capture → pool → metric states → results."""

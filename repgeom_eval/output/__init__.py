@@ -1,0 +1,1 @@
+"""Writing results: atomic files, console tables, plots."""

@@ -1,0 +1,1 @@
+"""Plugin machinery: loading entry points, the registries of each plugin kind."""

@@ -1,0 +1,1 @@
+"""Training with auxiliary losses on hidden states."""
