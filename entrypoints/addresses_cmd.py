@@ -16,20 +16,16 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from repgeom_eval.modeling.addresses import available_addresses, parse_layers, resolve
+    from repgeom_eval.modeling.addresses import available_addresses, resolve, resolve_request
     from repgeom_eval.modeling.architectures import SITE_MEANING
     from repgeom_eval.modeling.loading import load_model
     from repgeom_eval.plugin_system.host import get_host
 
-    host = get_host()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.layers:
-        addresses = parse_layers(
-            args.layers, loaded.info.n_layers,
-            lambda n: host.layer_selectors.get(n) if n in host.layer_selectors else None, loaded.info)
+        points = resolve_request(args.layers, loaded, get_host()).points
     else:
-        addresses = available_addresses(loaded)
-    points = resolve(addresses, loaded)
+        points = resolve(available_addresses(loaded), loaded)
     table = Table(title=f"{args.model} ({loaded.info.model_type}, {loaded.info.n_layers} blocks)")
     for col in ("address", "hook", "meaning"):
         table.add_column(col)

@@ -112,15 +112,15 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(console, rows: list[dict]) -> None:
     from rich.table import Table
 
-    from repgeom_eval.mteb_layers.summary import _fmt
+    from repgeom_eval.mteb_layers.summary import fmt_number
 
     table = Table()
     for col in ("task", "split", "subset", "layer", "main score", "dataset entropy", "dispersion", "eff. rank"):
         table.add_column(col, justify="left" if col in ("task", "split", "subset", "layer") else "right")
     for r in rows:
-        table.add_row(r["task"], r["split"], str(r["subset"]), r["layer"], _fmt(r["main_score"]),
-                      _fmt(r["repgeom_dataset_entropy"]), _fmt(r["repgeom_dispersion"]),
-                      _fmt(r["repgeom_effective_rank"]))
+        table.add_row(r["task"], r["split"], str(r["subset"]), r["layer"], fmt_number(r["main_score"]),
+                      fmt_number(r["repgeom_dataset_entropy"]), fmt_number(r["repgeom_dispersion"]),
+                      fmt_number(r["repgeom_effective_rank"]))
     console.print(table)
 
 
@@ -174,11 +174,11 @@ def _run(args: argparse.Namespace) -> int:
 def _summary(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from repgeom_eval.mteb_layers.summary import best_vs_last, write_summary, _groups
+    from repgeom_eval.mteb_layers.summary import best_vs_last, write_summary, rows_by_group
 
     written = write_summary(args.folder, args.output_dir, prefix=args.prefix, plots=not args.no_plot)
     console = Console()
-    for (model, revision, family), tasks in _groups(written["rows"]).items():
+    for (model, revision, family), tasks in rows_by_group(written["rows"]).items():
         console.print(f"[bold]{model}[/bold] @ {revision} ({family})")
         for label, rows in tasks.items():
             v = best_vs_last(rows)

@@ -19,6 +19,10 @@ from .plugin_system.kinds import Command  # noqa: E402
 
 def __getattr__(name: str):
     # Heavy pieces (transformers) load lazily so `import repgeom_eval` in a plugin stays cheap.
+    if name == "RunConfig":
+        from .measurement.config import RunConfig
+
+        return RunConfig
     if name in {"measure", "MeasureResult"}:
         from .measurement import engine as _m
 
@@ -36,6 +40,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "ArchitectureSpec", "Command", "Consumes", "LayerBatch", "Metric", "RepgeomError", "SiteHook",
-    "UnknownNameError", "hookimpl", "measure", "MeasureResult", "load_model", "LoadedModel", "ModelInfo",
+    "UnknownNameError", "hookimpl", "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo",
     "get_host", "PluginHost", "post_ln_encoder", "pre_ln_decoder", "__version__",
 ]

@@ -233,8 +233,9 @@ def test_layer_sets_resolve_on_a_model(tiny_model_dir):
     assert names(make("l2_repel", layers="last")) == ["final"]
     assert names(make("orthogonalization", layers="early_half")) == ["resid_post:0", "resid_post:1"]
     assert names(make("orthogonalization", layers="late_half")) == ["resid_post:2", "final"]
-    assert names(make("push_away", layers=["mlp_in:-1", "resid_mid:[0,1]"])) == ["mlp_in:3", "resid_mid:0",
-                                                                               "resid_mid:1"]
+    # every layer request resolves in depth order, as in measure and the analyses
+    assert names(make("push_away", layers=["mlp_in:-1", "resid_mid:[0,1]"])) == ["resid_mid:0", "resid_mid:1",
+                                                                               "mlp_in:3"]
 
 
 def test_config_dict_records_every_hyper_parameter():

@@ -171,7 +171,7 @@ def test_missed_rows_are_detected_and_filled_by_an_extra_pass(lm, data, monkeypa
 def test_untested_lm_eval_version_switches_to_the_extra_pass(lm, data, monkeypatch):
     from repgeom_eval.lmeval import fused
 
-    monkeypatch.setattr(capture, "fused_capture_problem", lambda lm: "lm-eval 9.9 is outside the tested range")
+    monkeypatch.setattr(fused, "fused_capture_problem", lambda lm: "lm-eval 9.9 is outside the tested range")
     tm = TaskManager(include_defaults=False, metadata={"repgeom_data": str(data["piqa"])})
     with pytest.warns(RuntimeWarning, match="fused capture disabled"):
         out = simple_evaluate(model=lm, tasks=["repgeom_hardness_piqa"], task_manager=tm, bootstrap_iters=0)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.measurement.texts import _decode
+from repgeom_eval.measurement.texts import decode_line
 from ..errors import RepgeomError
 
 PACKINGS = ("concat", "document")
@@ -64,7 +64,7 @@ def read_documents(path: str | Path, text_field: str = "text", source_field: str
     is_jsonl = p.suffix.lower() in {".jsonl", ".json", ".ndjson"}
     with_source: bool | None = None
     for lineno, raw in enumerate(lines, start=1):
-        line = _decode(raw, p, lineno)
+        line = decode_line(raw, p, lineno)
         if not line.strip():
             continue
         if not is_jsonl:

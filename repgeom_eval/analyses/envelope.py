@@ -10,7 +10,6 @@ can tell files apart without guessing from their shape::
 
 from __future__ import annotations
 
-import platform
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,15 +17,7 @@ from typing import Any
 
 from repgeom_eval import __version__
 from repgeom_eval.output.files import write_json
-
-
-def versions() -> dict[str, Any]:
-    import torch
-
-    from repgeom_eval.measurement.engine import _version
-
-    return {"repgeom_eval": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
-            "python": platform.python_version()}
+from repgeom_eval.output.versions import versions
 
 
 @dataclass

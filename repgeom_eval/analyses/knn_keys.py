@@ -25,7 +25,7 @@ from ..errors import RepgeomError
 from ..functional.dispersion import dispersion
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents
-from repgeom_eval.measurement.forward import TokenRunner, batches, parse_addresses
+from repgeom_eval.measurement.forward import Forward, batches, parse_addresses
 from repgeom_eval.analyses.envelope import AnalysisResult
 from .stats import mean_std
 
@@ -53,10 +53,10 @@ def last_token_vectors(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: 
                        progress: bool = True) -> dict[Any, torch.Tensor]:
     """{address: [len(chunks), D] float64}: the hidden state at each chunk's last token."""
     parts: dict[Any, list[torch.Tensor]] = {a: [] for a in addresses}
-    with TokenRunner(loaded, addresses) as runner, tqdm(total=len(chunks), unit="chunk", desc="knn-keys",
+    with Forward.at(loaded, addresses) as runner, tqdm(total=len(chunks), unit="chunk", desc="knn-keys",
                                                          disable=not progress, leave=False) as bar:
         for batch in batches(chunks, batch_size):
-            out = runner.run([c.ids for c in batch])
+            out = runner.token_ids([c.ids for c in batch])
             last = out.mask.long().sum(1) - 1
             rows = torch.arange(len(batch))
             for a in addresses:

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from ..errors import RepgeomError
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import PACKINGS, Chunk, check_context, corpus_chunks, load_documents
-from repgeom_eval.measurement.forward import TokenRunner, batches, next_token_logprobs, parse_addresses
+from repgeom_eval.measurement.forward import Forward, batches, next_token_logprobs, parse_addresses
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "knnlm"
@@ -120,10 +120,10 @@ def build_datastores(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Se
                                               shape=(total, dim)) for a in addresses}
     values = np.empty(total, dtype=np.int64)
     row = 0
-    with TokenRunner(loaded, addresses) as runner, tqdm(total=len(chunks), unit="chunk", desc="datastore",
+    with Forward.at(loaded, addresses) as runner, tqdm(total=len(chunks), unit="chunk", desc="datastore",
                                                          disable=not progress, leave=False) as bar:
         for batch in batches(chunks, batch_size):
-            out = runner.run([c.ids for c in batch])
+            out = runner.token_ids([c.ids for c in batch])
             for i, c in enumerate(batch):
                 n = len(c) - 1
                 values[row:row + n] = np.asarray(c.ids[1:], dtype=np.int64)
@@ -264,10 +264,10 @@ def knnlm(
         lm_parts: list[np.ndarray] = []
         knn_parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
         hit_parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
-        with TokenRunner(loaded, addrs, logits=True) as runner, tqdm(
+        with Forward.at(loaded, addrs, logits=True) as runner, tqdm(
                 total=len(eval_chunks), unit="chunk", desc="evaluate", disable=not progress, leave=False) as bar:
             for batch in batches(eval_chunks, batch_size):
-                out = runner.run([c.ids for c in batch])
+                out = runner.token_ids([c.ids for c in batch])
                 logprob, valid = next_token_logprobs(out.logits, out.ids, out.mask)
                 lm_parts.append(logprob[valid].numpy())
                 targets = out.ids[:, 1:][valid].numpy()

@@ -30,7 +30,7 @@ from ..functional.dispersion import dispersion
 from ..functional.entropy import prompt_entropy
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import load_documents, tokenize_documents
-from repgeom_eval.measurement.forward import TokenRunner, batches, parse_addresses
+from repgeom_eval.measurement.forward import Forward, batches, parse_addresses
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "perturb"
@@ -55,13 +55,13 @@ def random_tokens(ids: Sequence[int], p: float, rng: np.random.Generator, vocab:
     return [int(d) if h else t for t, h, d in zip(ids, hit, draws)]
 
 
-def _measure(runner: TokenRunner, addrs: Sequence[Any], prompts: Sequence[Sequence[int]],
+def _measure(runner: Forward, addrs: Sequence[Any], prompts: Sequence[Sequence[int]],
              batch_size: int) -> dict[str, list[float]]:
     """Mean over prompts of prompt entropy (normalized) and token dispersion at every address."""
     ent = {a: [] for a in addrs}
     disp = {a: [] for a in addrs}
     for batch in batches(prompts, batch_size):
-        out = runner.run(batch)
+        out = runner.token_ids(batch)
         for a in addrs:
             for i in range(len(batch)):
                 tokens = out.hidden[a][i][out.mask[i].to(out.hidden[a].device)].double().cpu()
@@ -129,7 +129,7 @@ def perturb(
                 got = [list(ids[:int(v)]) for ids in prompts]
             conditions.append((sweep, v, got))
     results: dict[str, Any] = {}
-    with torch.no_grad(), TokenRunner(loaded, addrs) as runner, tqdm(
+    with torch.no_grad(), Forward.at(loaded, addrs) as runner, tqdm(
             total=len(conditions), unit="condition", desc="perturb", disable=not progress, leave=False) as bar:
         for sweep, v, got in conditions:
             r = results.setdefault(sweep, {"values": [], "prompt_entropy": [], "token_dispersion": []})

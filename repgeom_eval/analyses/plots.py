@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from repgeom_eval.output.files import atomic_open
-from repgeom_eval.output.plotting import _pyplot
+from repgeom_eval.output.plotting import pyplot
 
 
 def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     try:
         with atomic_open(path, "wb") as fh:
             fig.savefig(fh, format="png", dpi=dpi)
@@ -27,7 +27,7 @@ def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
 
 
 def png_bytes(fig: Any, dpi: int = 100) -> bytes:
-    plt = _pyplot()
+    plt = pyplot()
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=dpi)
@@ -63,7 +63,7 @@ def ppl_plot_layers(result: dict[str, Any], max_panels: int = 3) -> list[str]:
 
 def figure_ppl_vs_dispersion(result: dict[str, Any], layers: Sequence[str] | None = None) -> Any:
     """Paper A Fig. 3: group mean perplexity vs group mean token dispersion, one panel per address."""
-    plt = _pyplot()
+    plt = pyplot()
     res = result["results"]
     layers = list(layers or ppl_plot_layers(result))
     fig, axes = plt.subplots(1, len(layers), figsize=(4.6 * len(layers), 3.8), squeeze=False)
@@ -93,7 +93,7 @@ def figure_ppl_vs_dispersion(result: dict[str, Any], layers: Sequence[str] | Non
 
 def figure_correlation_vs_depth(result: dict[str, Any]) -> Any:
     """Paper A Fig. 5: Pearson and Spearman correlation of perplexity and dispersion at every address."""
-    plt = _pyplot()
+    plt = pyplot()
     res = result["results"]
     layers = res["layers"]
     xs = list(range(len(layers)))
@@ -123,7 +123,7 @@ def figure_correlation_vs_depth(result: dict[str, Any]) -> Any:
 
 def figure_knn_keys(result: dict[str, Any]) -> Any:
     """Mean ± std (over seeds) dispersion of last-token vectors per candidate key, against the sample size N."""
-    plt = _pyplot()
+    plt = pyplot()
     res = result["results"]
     fig, ax = plt.subplots(figsize=(6.0, 3.6))
     for k, name in enumerate(res["candidates"]):
@@ -151,7 +151,7 @@ def figure_condensation(result: dict[str, Any]) -> Any:
     mean cosine against relative depth for every model, with Spearman ρ and Kendall τ in the legend."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     res = result["results"]
     models = res["models"]
     edges = res["edges"]
@@ -188,7 +188,7 @@ def figure_condensation(result: dict[str, Any]) -> Any:
 def figure_clusters(result: dict[str, Any]) -> Any:
     """Within- and between-cluster cosine distance against relative depth, one line per model; with several models
     (a checkpoint series) a third panel shows both at the last address against the checkpoint."""
-    plt = _pyplot()
+    plt = pyplot()
     models = result["results"]["models"]
     series = len(models) > 1
     fig, axes = plt.subplots(1, 3 if series else 2, figsize=(13.5 if series else 9.5, 3.6), squeeze=False)
@@ -222,7 +222,7 @@ def figure_clusters(result: dict[str, Any]) -> Any:
 def figure_perturb(result: dict[str, Any]) -> Any:
     """Paper B §5: prompt entropy (top) and token dispersion (bottom) against depth, one panel per sweep, one line
     per perturbation strength (darker = stronger)."""
-    plt = _pyplot()
+    plt = pyplot()
     res = result["results"]
     layers = res["layers"]
     sweeps = res["sweeps"]

@@ -40,7 +40,7 @@ from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents,
                      sample_chunks)
 from repgeom_eval.measurement.distributed import Distributed
-from repgeom_eval.measurement.forward import TokenRunner, next_token_logprobs, parse_addresses
+from repgeom_eval.measurement.forward import Forward, next_token_logprobs, parse_addresses
 from repgeom_eval.analyses.envelope import AnalysisResult
 from .stats import correlations
 
@@ -93,12 +93,12 @@ def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Se
     ppl = np.full(len(chunks), np.nan, dtype=np.float64)
     disp = np.full((len(chunks), len(addresses)), np.nan, dtype=np.float64)
     mine = [(b, lo) for b, lo in enumerate(range(0, len(chunks), batch_size)) if dist.owns(b)]
-    with TokenRunner(loaded, addresses, logits=True) as runner, tqdm(
+    with Forward.at(loaded, addresses, logits=True) as runner, tqdm(
             total=sum(min(batch_size, len(chunks) - lo) for _, lo in mine), unit="chunk", desc="ppl-bins",
             disable=not progress or not dist.is_main, leave=False) as bar:
         for _, lo in mine:
             batch = chunks[lo:lo + batch_size]
-            out = runner.run([c.ids for c in batch])
+            out = runner.token_ids([c.ids for c in batch])
             logprob, valid = next_token_logprobs(out.logits, out.ids, out.mask)
             nll = -(logprob.sum(1) / valid.sum(1).clamp(min=1))
             ppl[lo:lo + len(batch)] = torch.exp(nll).numpy()

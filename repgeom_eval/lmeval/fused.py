@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from repgeom_eval.modeling.addresses import Address, parse_layers, resolve
+from repgeom_eval.measurement.forward import Forward, check_finite
+from repgeom_eval.measurement.pooling import pool
+from repgeom_eval.modeling.addresses import Address, resolve, resolve_request
 from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
@@ -159,8 +161,9 @@ class HiddenStates:
         bad = [w.pooling for w in self.wants if w.pooling not in POOLINGS]
         if bad:
             raise RepgeomError(f"unknown pooling {bad[0]!r} for lm-eval tasks (valid: last, mean)")
+        self.loaded = self._loaded_view()
         self.addresses = self._resolve_addresses()
-        self.points = resolve(sorted(set(self.addresses.values()), key=str), self._loaded_view())
+        self.points = resolve(sorted(set(self.addresses.values()), key=str), self.loaded)
         self.method = method
         self.reason = None
         if method == "fused":
@@ -182,26 +185,14 @@ class HiddenStates:
     # -- set-up ---------------------------------------------------------------------------------------------------
 
     def _loaded_view(self):
-        from repgeom_eval.modeling.loading import LoadedModel
-        from repgeom_eval.plugin_system.host import get_host
+        from repgeom_eval.modeling.loading import wrap_model
 
-        spec = get_host().architectures.get(self.model.config.model_type)
-        return LoadedModel(model=self.model, tokenizer=getattr(self.lm, "tokenizer", None), spec=spec, info=None,
-                           device=getattr(self.lm, "device", None))
+        return wrap_model(self.model, getattr(self.lm, "tokenizer", None), source="lm-eval")
 
     def _resolve_addresses(self) -> dict[Want, Address]:
-        from repgeom_eval.plugin_system.host import get_host
-
-        loaded = self._loaded_view()
-        n_layers = len(self.model.base_model.get_submodule(loaded.spec.blocks))
-        host = get_host()
-
-        def selector(name: str):
-            return host.layer_selectors.get(name) if name in host.layer_selectors else None
-
         out = {}
         for want in self.wants:
-            found = parse_layers(want.address, n_layers, selector)
+            found = resolve_request(want.address, self.loaded).addresses
             if len(found) != 1:
                 raise RepgeomError(f"repgeom_layer {want.address!r} names {len(found)} layers; lm-eval tasks read "
                                    "one (e.g. final, resid_post:-1, mlp_in:12)")
@@ -234,7 +225,10 @@ class HiddenStates:
     def _model_call(self, inps: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         logits = self._originals["_model_call"](inps, *args, **kwargs)
         assert self._capture is not None
-        self._batch = _Batch(inps, self._capture.take())
+        hidden = self._capture.take()
+        for addr, h in hidden.items():
+            check_finite(addr, h, None, [f"row {i} of an lm-eval batch" for i in range(len(h))])
+        self._batch = _Batch(inps, hidden)
         return logits
 
     def _select_cont_toks(self, logits: torch.Tensor, contlen: int | None = None, inplen: int | None = None):
@@ -274,13 +268,14 @@ class HiddenStates:
 
     def _values(self, h: torch.Tensor, first: int, last: int, end: int, want: Want) -> Any:
         """The value ``want`` reads from one sequence's [T, D] tensor: context ``first..last``, scored tokens
-        ``last..end-1``."""
-        if want.pooling == "last":
-            return h[last].float().cpu().numpy()
-        if want.pooling == "mean":
-            return h[first: last + 1].double().mean(0).float().cpu().numpy()
-        u = unit(h[last:end].double())
-        return TokenStats(u.sum(0).cpu().numpy(), float((u * u).sum()), int(u.shape[0]))
+        ``last..end-1`` (pooled by the project's one :func:`~repgeom_eval.measurement.pooling.pool`)."""
+        positions = torch.arange(h.shape[0], device=h.device)
+        if want.pooling == "tokens":
+            mask = (positions >= last) & (positions < end)
+            u = unit(pool(h[None].double(), mask[None], "tokens")[0])
+            return TokenStats(u.sum(0).cpu().numpy(), float((u * u).sum()), int(u.shape[0]))
+        mask = (positions >= first) & (positions <= last)
+        return pool(h[None].double(), mask[None], want.pooling)[0][0].float().cpu().numpy()
 
     def _read_row(self, batch: _Batch, seq_len: int, contlen: int, inplen: int) -> None:
         i = batch.next_row
@@ -395,15 +390,15 @@ class HiddenStates:
         dtype = getattr(self.lm, "mixed_precision_dtype", None)
         batch_size = self.lm.batch_size if isinstance(self.lm.batch_size, int) and self.lm.batch_size > 0 else 16
         ordered = sorted(jobs.values(), key=lambda jb: -len(jb["tokens"]))
-        with Capture(self.model, self.points, stop_early=True) as cap:
+        with Forward(self.loaded, self.points) as fwd:
             for start in range(0, len(ordered), batch_size):
                 chunk = ordered[start: start + batch_size]
                 width = len(chunk[0]["tokens"])
-                ids = torch.zeros((len(chunk), width), dtype=torch.long, device=device)
+                ids = torch.zeros((len(chunk), width), dtype=torch.long)
                 for r, job in enumerate(chunk):  # right padding, no mask: the same inputs HFLM's _model_call sees
                     ids[r, : len(job["tokens"])] = torch.tensor(job["tokens"], dtype=torch.long)
                 with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
-                    hidden = cap.run(input_ids=ids)
+                    hidden = fwd.padded(ids, None, row_ids=[f"request {job['targets'][0][0]}" for job in chunk]).hidden
                 for r, job in enumerate(chunk):
                     n = len(job["tokens"])
                     values = {}

@@ -20,7 +20,7 @@ import torch
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open, jsonable
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the energy diagnostic is saved as massive_activations metric state
 _FULL_HASH_LIMIT = 1 << 30  # files above 1 GiB are hashed by 64 sampled blocks of 1 MiB plus their size
 
 

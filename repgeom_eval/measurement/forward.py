@@ -1,39 +1,52 @@
-"""Token-id batches through the model, one forward pass each, every requested address captured by hooks.
+"""One forward pass per batch, every requested address captured by hooks: the only place model inputs are built.
 
-The analyses work on token ids (chunks, perturbed prompts), not strings, so they cannot go through
-:func:`repgeom_eval.measurement.engine.measure`'s tokenizer step; they share its pieces instead: layer addresses
-(:func:`~repgeom_eval.modeling.addresses.parse_layers`, :func:`~repgeom_eval.modeling.addresses.resolve`) and
-:class:`~repgeom_eval.modeling.hooks.Capture`. When logits are needed the pass runs to the end; otherwise it stops after the
-deepest requested module.
+Every command runs its batches through :class:`Forward`, whether it starts from strings (``measure``, the MTEB
+sweep) or from token ids (the analyses, the lm-eval extra pass):
+
+* inputs: ``attention_mask`` → ``position_ids = cumsum(mask) - 1`` where the architecture table asks for it (so left
+  padding does not shift positions), ``use_cache=False`` for causal models (no key/value cache is built);
+* the pass stops after the deepest requested module unless logits are needed (:class:`~repgeom_eval.modeling.hooks.
+  Capture`);
+* float16/bfloat16 activations are upcast to float32, and a NaN or inf at a real (non-pad) token is an error that
+  names the address and the text (:func:`check_finite`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from repgeom_eval.modeling.addresses import Address, parse_layers, resolve
+from repgeom_eval.errors import NonFiniteError
+from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
 from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.modeling.loading import LoadedModel
-from repgeom_eval.plugin_system.host import get_host
 
 
-def parse_addresses(loaded: LoadedModel, layers: str | Sequence[str], host: Any = None) -> list[Address]:
-    """Canonical addresses in depth order (selectors such as ``all`` expanded); unknown ones raise."""
-    host = host or get_host()
+def context_length(loaded: LoadedModel, max_length: int | None) -> int:
+    """Tokens per sequence: ``max_length`` if given (capped at the model's context, with a warning), else the
+    model's context (the smaller of the config's positions and the tokenizer's ``model_max_length``; 512 if neither
+    says)."""
+    from repgeom_eval.errors import RepgeomError
 
-    def selector(name: str):
-        return host.layer_selectors.get(name) if name in host.layer_selectors else None
+    limit = loaded.info.max_positions
+    tok_limit = getattr(loaded.tokenizer, "model_max_length", None)
+    if tok_limit and tok_limit < 10**8:
+        limit = min(limit, tok_limit) if limit else tok_limit
+    if max_length is None:
+        return limit or 512
+    if max_length < 1:
+        raise RepgeomError(f"--max-length must be positive, got {max_length}")
+    if limit and max_length > limit:
+        warnings.warn(f"--max-length {max_length} exceeds the model context ({limit}); using {limit}", stacklevel=3)
+        return limit
+    return max_length
 
-    addrs = parse_layers(layers, loaded.info.n_layers, selector, loaded.info)
-    addrs.sort(key=lambda a: a.depth_key(loaded.info.n_layers))
-    resolve(addrs, loaded)  # fail now, naming the valid sites, if the model lacks one
-    return addrs
 
-
-def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_token_ids(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids`` [B, T] and ``attention_mask`` [B, T] (long)."""
     t = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
@@ -44,53 +57,122 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
     return ids, mask
 
 
-class TokenRunner:
-    """Context manager: hooks at ``addresses`` on ``loaded.model``; :meth:`run` feeds one batch of token ids.
+def model_inputs(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 **extra: torch.Tensor) -> dict[str, Any]:
+    """The keyword arguments of one forward pass, on the model's device.
+
+    Without ``attention_mask`` the model sees ``input_ids`` alone, as lm-eval's HFLM calls it (right padding under
+    causal attention leaves the real tokens untouched).
+    """
+    dev = loaded.device
+    inputs: dict[str, Any] = {"input_ids": input_ids.to(dev)}
+    inputs.update({k: v.to(dev) for k, v in extra.items()})
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask.to(dev)
+        if loaded.spec.position_ids_from_mask:
+            inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).to(dev)
+    if loaded.spec.causal:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None, ids: Sequence[Any]) -> None:
+    """Raise :class:`NonFiniteError` naming the address and the first affected text if a real token's vector holds a
+    NaN or inf (pad positions may legitimately hold anything)."""
+    if bool(torch.isfinite(h).all()):
+        return  # the common case: one reduction, no [B, T] temporaries
+    bad = (~torch.isfinite(h)).any(-1)
+    if mask is not None:
+        bad &= mask.to(bad.device)
+    if bool(bad.any()):
+        rows = bad.any(1).nonzero().flatten().tolist()
+        raise NonFiniteError(
+            f"NaN or inf in the hidden states at address {addr} for text id {ids[rows[0]]!r}"
+            f" ({len(rows)} text(s) of this batch affected); a float16/bfloat16 overflow is the usual cause: "
+            "try --dtype float32"
+        )
+
+
+@dataclass
+class Batch:
+    """One forward pass: the inputs, and what it captured (hidden states upcast to float32 at least)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor  # bool [B, T]
+    hidden: dict[Address, torch.Tensor]
+    logits: torch.Tensor | None
+
+
+class Forward:
+    """Context manager: hooks at ``points`` on ``loaded.model``; :meth:`texts` / :meth:`token_ids` run one batch.
 
     Example::
 
-        with TokenRunner(loaded, addrs, logits=True) as runner:
-            out = runner.run([[5, 6, 7], [8, 9]])
-            out.hidden[addr]   # [B, T, D] float32 (float16/bfloat16 upcast), pad positions as computed
-            out.logits         # [B, T, V] or None
+        plan = resolve_request("resid_post:*", loaded)
+        with Forward(loaded, plan.points, logits=True) as fwd:
+            batch = fwd.token_ids([[5, 6, 7], [8, 9]])
+            batch.hidden[addr]   # [B, T, D]
+            batch.logits         # [B, T, V]
     """
 
-    def __init__(self, loaded: LoadedModel, addresses: Sequence[Address], logits: bool = False):
+    def __init__(self, loaded: LoadedModel, points: Mapping[Address, HookPoint], logits: bool = False):
         self.loaded = loaded
-        self.addresses = list(addresses)
+        self.addresses = list(points)
         self.need_logits = logits
-        self._capture = Capture(loaded.model, resolve(self.addresses, loaded), stop_early=not logits)
+        self._capture = Capture(loaded.model, points, stop_early=not logits)
         tok = loaded.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
 
-    def __enter__(self) -> "TokenRunner":
+    @classmethod
+    def at(cls, loaded: LoadedModel, addresses: Sequence[Address], logits: bool = False) -> "Forward":
+        """A :class:`Forward` for canonical ``addresses`` (from :func:`parse_addresses`)."""
+        return cls(loaded, resolve(list(addresses), loaded), logits=logits)
+
+    def __enter__(self) -> "Forward":
         self._capture.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._capture.__exit__(*exc)
 
-    def run(self, seqs: Sequence[Sequence[int]]) -> "Batch":
-        ids, mask = pad_batch(seqs, self.pad_id)
-        dev = self.loaded.device
-        inputs: dict[str, Any] = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
-        if self.loaded.spec.position_ids_from_mask:
-            inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(dev)
-        if self.loaded.spec.causal:
-            inputs["use_cache"] = False
-        captured = self._capture.run(**inputs)
-        hidden = {a: (h.float() if h.dtype in (torch.float16, torch.bfloat16) else h) for a, h in captured.items()}
+    def texts(self, strings: Sequence[str], max_length: int, padding_side: str = "right",
+              row_ids: Sequence[Any] | None = None) -> Batch:
+        """Tokenize (truncating to ``max_length``, padding on ``padding_side``) and run one batch of strings."""
+        enc = self.loaded.tokenizer(list(strings), padding=True, truncation=True, max_length=max_length,
+                                    padding_side=padding_side, return_tensors="pt", verbose=False)
+        ids, mask = enc.pop("input_ids"), enc.pop("attention_mask")
+        return self._run(ids, mask, row_ids, **enc)
+
+    def token_ids(self, seqs: Sequence[Sequence[int]], row_ids: Sequence[Any] | None = None) -> Batch:
+        """Run one batch of token-id sequences (right-padded here)."""
+        ids, mask = pad_token_ids(seqs, self.pad_id)
+        return self._run(ids, mask, row_ids)
+
+    def padded(self, ids: torch.Tensor, mask: torch.Tensor | None, row_ids: Sequence[Any] | None = None) -> Batch:
+        """Run ``ids`` as given; with ``mask=None`` the model sees the ids alone (lm-eval's own call)."""
+        return self._run(ids, mask, row_ids)
+
+    def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, row_ids: Sequence[Any] | None,
+             **extra: torch.Tensor) -> Batch:
+        captured = self._capture.run(**model_inputs(self.loaded, ids, mask, **extra))
+        bool_mask = (mask if mask is not None else torch.ones_like(ids)).bool()
+        names = list(row_ids) if row_ids is not None else list(range(len(ids)))
+        hidden = {}
+        for addr, h in captured.items():
+            if h.dtype in (torch.float16, torch.bfloat16):
+                h = h.float()
+            check_finite(addr, h, bool_mask, names)
+            hidden[addr] = h
         logits = None
         if self.need_logits:
             outputs = self._capture.outputs
             logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
-        return Batch(ids, mask.bool(), hidden, logits)
+        return Batch(ids, bool_mask, hidden, logits)
 
 
-class Batch:
-    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, hidden: dict[Address, torch.Tensor],
-                 logits: torch.Tensor | None):
-        self.ids, self.mask, self.hidden, self.logits = ids, mask, hidden, logits
+def parse_addresses(loaded: LoadedModel, layers: str | Sequence[str], host: Any = None) -> list[Address]:
+    """Canonical addresses of a layer request on ``loaded``, in depth order; unknown ones raise."""
+    return list(resolve_request(layers, loaded, host).addresses)
 
 
 def next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor,

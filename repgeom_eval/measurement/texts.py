@@ -64,7 +64,7 @@ def _check_count(ts: TextSet, min_texts: int) -> None:
         )
 
 
-def _decode(raw: bytes, path: Path, lineno: int) -> str:
+def decode_line(raw: bytes, path: Path, lineno: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -196,7 +196,7 @@ class FileSource(TextSource):
                 raw = raw.rstrip(b"\r\n")
                 if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                     raw = raw[3:]  # UTF-8 byte-order mark
-                line = _decode(raw, self.path, lineno)
+                line = decode_line(raw, self.path, lineno)
                 if not self.is_jsonl:
                     yield lineno, line
                 elif line.strip():

@@ -16,6 +16,7 @@ Results store only the canonical form (``resid_post:11``, ``final``, ``embed``).
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -219,3 +220,59 @@ def available_addresses(loaded: "LoadedModel") -> list[Address]:
         out += [Address(s, layer) for s in SITES if s not in missing]
     out.append(Address("final"))
     return out
+
+
+# -- a layer request, resolved in one place ---------------------------------------------------------------------------
+# Every command (measure, the analyses, the lm-eval tasks, the MTEB sweep, training) turns the user's layer request
+# into addresses here: selectors looked up in the plugin host, the grammar above, depth order, and one rule for two
+# names of the same tensor.
+
+
+def parse_request(request: str | Sequence[str], info: "ModelInfo", host: Any = None) -> list[Address]:
+    """Canonical addresses of a layer request, in depth order (selectors such as ``all`` expanded).
+
+    Needs only the model's :class:`ModelInfo` (block count), so it works before any weights are loaded.
+    """
+    from repgeom_eval.plugin_system.host import get_host
+
+    host = host or get_host()
+
+    def selector(name: str):
+        return host.layer_selectors.get(name) if name in host.layer_selectors else None
+
+    found = parse_layers(request, info.n_layers, selector, info, selector_names=host.layer_selectors.names())
+    return sorted(found, key=lambda a: a.depth_key(info.n_layers))
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What a run reads: canonical addresses in depth order, and the hook point of each."""
+
+    addresses: tuple[Address, ...]
+    points: dict[Address, HookPoint]
+
+
+def resolve_request(request: str | Sequence[str], loaded: "LoadedModel", host: Any = None) -> LayerPlan:
+    """Parse a layer request and map it to hook points on ``loaded.model``.
+
+    The one rule for aliases: every tensor has one name. A requested address that reads the same tensor as
+    ``embed`` or ``final`` (``resid_pre:0`` always; BERT's ``resid_post:-1``, which has no final norm after it) is
+    reported under that alias, and a warning names what was renamed; two requested names of one tensor become one.
+    """
+    addresses = parse_request(request, loaded.info, host)
+    aliases = [Address(a) for a in ALIASES]
+    points = resolve(list(dict.fromkeys(addresses + aliases)), loaded)
+    alias_of = {points[a]: a for a in aliases}
+    kept: list[Address] = []
+    renamed: dict[Address, list[str]] = {}
+    for addr in addresses:
+        name = alias_of.get(points[addr], addr)
+        if name != addr:
+            renamed.setdefault(name, []).append(str(addr))
+        if name not in kept:
+            kept.append(name)
+    for name, others in renamed.items():
+        warnings.warn(f"{', '.join(others)} and {name} are the same tensor on this {loaded.info.model_type} model; "
+                      f"reporting it once, as {name}", stacklevel=3)
+    kept.sort(key=lambda a: a.depth_key(loaded.info.n_layers))
+    return LayerPlan(tuple(kept), {a: points[a] for a in kept})

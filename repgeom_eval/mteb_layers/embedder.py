@@ -1,6 +1,6 @@
 """Texts → one embedding per text at many layer addresses, from ONE forward pass per batch.
 
-The data path is the project's own: ``load_model`` → ``parse_layers``/``resolve`` → ``Capture`` (hooks, early stop
+The data path is the project's own: ``load_model`` → ``resolve_request`` → ``Forward`` (hooks, early stop
 after the deepest requested module) → mask-aware ``pool`` in float64 → optional unit normalisation. A
 sentence-transformers folder contributes its own recipe (pooling mode, Normalize, ``max_seq_length``, lower-casing,
 prompts) unless the caller overrides it.
@@ -17,12 +17,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from repgeom_eval.modeling.addresses import Address, HookPoint, parse_layers, resolve
-from repgeom_eval.modeling.hooks import Capture
+from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
 from repgeom_eval.modeling.loading import LoadedModel, load_model
-from repgeom_eval.measurement.engine import _context_length
+from repgeom_eval.measurement.forward import Forward, context_length
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 from repgeom_eval.measurement.pooling import check_pooling, pool
 
@@ -92,7 +91,7 @@ class LayerEmbedder:
             normalize = bool(use_st and self.st.normalize)
         st_len = self.st.max_seq_length if self.st is not None else None
         self.max_length_is_default = max_length is None
-        context = _context_length(self.loaded, max_length if max_length is not None else st_len)
+        context = context_length(self.loaded, max_length if max_length is not None else st_len)
         self.recipe = Recipe(pooling=method, normalize=bool(normalize), max_length=context,
                              lowercase=bool(self.st is not None and self.st.lowercase))
         self.prompts = dict(self.st.prompts) if self.st is not None else {}
@@ -104,24 +103,11 @@ class LayerEmbedder:
 
     def addresses(self, layers: str | int | Sequence[str | int]) -> list[Address]:
         """Canonical addresses of a layer spec, deepest last. ``layers``: ``12``, ``"resid_post:3"``, ``"all"``,
-        ``[0, 3, 6]``, ... A site that reads the same tensor as ``final`` or ``embed`` on this model (BERT's
-        ``resid_post:-1``, everyone's ``resid_pre:0``) is named by the alias, so equal embeddings share one result."""
+        ``[0, 3, 6]``, ... Two requested names of one tensor are merged as everywhere (see
+        :func:`~repgeom_eval.modeling.addresses.resolve_request`)."""
         if isinstance(layers, (int, str)):
             layers = [layers]
-        layers = [str(x) for x in layers]
-
-        def selector(name: str):
-            return self.host.layer_selectors.get(name) if name in self.host.layer_selectors else None
-
-        found = parse_layers(layers, self.n_layers, selector, self.loaded.info)
-        points = self.points(found + [Address("embed"), Address("final")])
-        alias = {points[Address(a)]: Address(a) for a in ("embed", "final")}
-        out: list[Address] = []
-        for addr in found:
-            addr = alias.get(points[addr], addr)
-            if addr not in out:
-                out.append(addr)
-        return sorted(out, key=lambda a: a.depth_key(self.n_layers))
+        return list(resolve_request([str(x) for x in layers], self.loaded, self.host).addresses)
 
     def points(self, addresses: Sequence[Address]) -> dict[Address, HookPoint]:
         return resolve(list(dict.fromkeys(addresses)), self.loaded)
@@ -146,32 +132,22 @@ class LayerEmbedder:
         out = {a: np.zeros((len(texts), dim), dtype=np.float32) for a in addresses}
         if not texts:
             return out
-        tok, loaded = self.loaded.tokenizer, self.loaded
+        tok = self.loaded.tokenizer
         lengths = [len(x) for x in tok(texts, add_special_tokens=True, verbose=False)["input_ids"]]
         empty = sum(n == 0 for n in lengths)
         if empty:
             warnings.warn(f"{empty} text(s) tokenize to no tokens; their embeddings are zero vectors", stacklevel=2)
         order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
-        points = self.points(addresses)
-        with Capture(loaded.model, points, stop_early=True) as cap, tqdm(
+        with Forward(self.loaded, self.points(addresses)) as fwd, tqdm(
             total=len(order), unit="text", desc=desc, disable=not progress, leave=False
         ) as bar:
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
-                enc = tok([texts[i] for i in rows], padding=True, truncation=True, max_length=self.recipe.max_length,
-                          padding_side="right", return_tensors="pt", verbose=False)
-                enc = {k: v.to(loaded.device) for k, v in enc.items()}
-                mask = enc["attention_mask"].bool()
-                if loaded.spec.position_ids_from_mask:
-                    enc["position_ids"] = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-                captured = cap.run(**enc, use_cache=False) if loaded.spec.causal else cap.run(**enc)
+                batch = fwd.texts([texts[i] for i in rows], self.recipe.max_length, "right", row_ids=rows)
                 for addr in addresses:
-                    vecs = pool(captured[addr].double(), mask, self.recipe.pooling)[0]
+                    vecs = pool(batch.hidden[addr].double(), batch.mask, self.recipe.pooling)[0]
                     if self.recipe.normalize:
                         vecs = unit(vecs)
-                    if not bool(torch.isfinite(vecs).all()):
-                        raise RepgeomError(f"NaN or inf in the embeddings at {addr}; a float16/bfloat16 overflow is "
-                                           "the usual cause: try --dtype float32")
                     out[addr][rows] = vecs.float().cpu().numpy()
                 bar.update(len(rows))
         return out

@@ -95,7 +95,7 @@ def _family(row: dict[str, Any]) -> str:
     return out + (f", max_length {row['max_length']}" if row.get("max_length") is not None else "")
 
 
-def _fmt(x: Any) -> str:
+def fmt_number(x: Any) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "—"
     if isinstance(x, float):
@@ -103,7 +103,7 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
-def _groups(rows: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, list[dict[str, Any]]]]:
+def rows_by_group(rows: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, list[dict[str, Any]]]]:
     """(model, revision, recipe) → task label → rows in depth order."""
     out: dict[tuple[str, str, str], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
@@ -139,7 +139,7 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
              "Geometry is computed on the embeddings each task scored: dataset entropy = von Neumann entropy of the "
              "centred, unit embeddings / log min(N, D); dispersion = mean pairwise cosine distance; effective rank "
              "= RankMe. The best layer is in bold.", ""]
-    for (model, revision, family), tasks in _groups(rows).items():
+    for (model, revision, family), tasks in rows_by_group(rows).items():
         lines += [f"## {model} @ {revision} ({family})", ""]
         wins = []
         for label, task_rows in tasks.items():
@@ -149,12 +149,12 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
                       f"| layer | depth | {name} | dataset entropy | dispersion | effective rank | texts |",
                       "|---|---:|---:|---:|---:|---:|---:|"]
             for r in task_rows:
-                score = _fmt(r["main_score"])
+                score = fmt_number(r["main_score"])
                 if verdict and r["layer"] == verdict["best_layer"]:
                     score = f"**{score}**"
-                lines.append(f"| {r['layer']} | {_fmt(r['depth'])} | {score} | {_fmt(r['repgeom_dataset_entropy'])} | "
-                             f"{_fmt(r['repgeom_dispersion'])} | {_fmt(r['repgeom_effective_rank'])} | "
-                             f"{_fmt(r['repgeom_n_texts'])} |")
+                lines.append(f"| {r['layer']} | {fmt_number(r['depth'])} | {score} | {fmt_number(r['repgeom_dataset_entropy'])} | "
+                             f"{fmt_number(r['repgeom_dispersion'])} | {fmt_number(r['repgeom_effective_rank'])} | "
+                             f"{fmt_number(r['repgeom_n_texts'])} |")
             lines.append("")
             if verdict:
                 if verdict["intermediate_wins"]:
@@ -172,10 +172,10 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: str | Path, title: str | None = None) -> Path:
     """Main score and the three geometry values against depth, one line per task (rows of ONE model/recipe)."""
-    from repgeom_eval.output.plotting import _pyplot
+    from repgeom_eval.output.plotting import pyplot
 
-    plt = _pyplot()
-    tasks = next(iter(_groups(rows).values()))
+    plt = pyplot()
+    tasks = next(iter(rows_by_group(rows).values()))
     fig, axes = plt.subplots(len(PLOTTED), 1, figsize=(7.0, 2.4 * len(PLOTTED)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], PLOTTED):
         for label, task_rows in tasks.items():
@@ -217,7 +217,7 @@ def write_summary(folder: str | Path, out_dir: str | Path | None = None, prefix:
     with atomic_open(paths["markdown"]) as fh:
         fh.write(to_markdown(rows))
     if plots:
-        for (model, revision, family), tasks in _groups(rows).items():
+        for (model, revision, family), tasks in rows_by_group(rows).items():
             group_rows = [r for task_rows in tasks.values() for r in task_rows]
             png = out / f"{prefix}-{_slug(model)}-{_slug(revision)[:8]}-{_slug(family)}.png"
             paths["plots"].append(plot(group_rows, png))

@@ -10,7 +10,7 @@ from repgeom_eval.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
@@ -24,7 +24,7 @@ def _pyplot():
 def plot_profile(result: dict[str, Any], path: str | Path, metrics: Sequence[str] | None = None,
                  title: str | None = None) -> Path:
     """Each scalar metric against depth (addresses in the result's order), one panel per metric."""
-    plt = _pyplot()
+    plt = pyplot()
     results = result["results"]
     addresses = list(results)
     if metrics is None:
@@ -55,7 +55,7 @@ def plot_profile(result: dict[str, Any], path: str | Path, metrics: Sequence[str
 def plot_slices(curve: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
     """Controlled slices (``repgeom slices``): slice dispersion, and slice perplexity where known, against the
     fraction of correct queries, mean ± s.e. over seeds."""
-    plt = _pyplot()
+    plt = pyplot()
     xs = [100 * f for f in curve["fractions"]]
     panels = [("dispersion", "slice dispersion D")]
     if curve.get("perplexity_mean"):

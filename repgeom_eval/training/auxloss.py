@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from repgeom_eval.modeling.addresses import Address, parse_layers
+from repgeom_eval.modeling.addresses import Address, parse_request
 from repgeom_eval.errors import RepgeomError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,15 +115,8 @@ class AuxLoss:
 
 
 def parse_addresses(layers: str | Sequence[str], info: "ModelInfo", host: "PluginHost | None" = None) -> list[Address]:
-    """:func:`repgeom_eval.modeling.addresses.parse_layers` with the registered layer selectors (``all``, ``last`` ...)."""
-    from repgeom_eval.plugin_system.host import get_host
-
-    host = host or get_host()
-
-    def selector(name: str):
-        return host.layer_selectors.get(name) if name in host.layer_selectors else None
-
-    return parse_layers(layers, info.n_layers, selector, info)
+    """The canonical addresses of a layer request (see :func:`repgeom_eval.modeling.addresses.parse_request`)."""
+    return parse_request(layers, info, host)
 
 
 def build_aux_loss(spec: Mapping[str, Any], host: "PluginHost | None" = None, where: str = "aux loss") -> AuxLoss:

@@ -1,0 +1,121 @@
+"""Turning a run's merged states into results: compute() every metric, diagnostics, summaries, per-text rows."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from repgeom_eval.measurement.metric_specs import MetricSpec
+from repgeom_eval.measurement.states import RunState
+from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.output.files import write_json, write_jsonl
+
+
+@dataclass
+class MeasureResult:
+    """Everything one run produced; ``to_dict()`` is the results-file schema."""
+
+    model: dict[str, Any]
+    data: dict[str, Any]
+    config: dict[str, Any]
+    results: dict[str, dict[str, Any]]
+    diagnostics: dict[str, dict[str, Any]]
+    timings: dict[str, float]
+    per_text: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)  # metric → result of Metric.across_layers
+    is_main: bool = True  # False on ranks > 0 of a distributed run: their results are merged into rank 0's
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "data": self.data, "config": self.config, "results": self.results,
+                "summary": self.summary, "diagnostics": self.diagnostics, "timings": self.timings}
+
+    def write(self, path: str | Path, per_text_path: str | Path | None = None) -> None:
+        write_json(path, self.to_dict())
+        if per_text_path is not None:
+            write_jsonl(per_text_path, self.per_text)
+
+
+@dataclass
+class Report:
+    """What :func:`report` computes from the merged states (rank 0)."""
+
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    diagnostics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    per_text: list[dict[str, Any]] = field(default_factory=list)
+
+
+def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share_warning: float) -> Report:
+    """compute() every metric; diagnostics, the massive-dimension warning, summaries and per-text rows."""
+    out = Report()
+    per_text_cols: dict[int, dict[str, Any]] = {}
+    for addr, metric_list in run.states.items():
+        key = str(addr)
+        out.results[key] = {}
+        for spec, metric in metric_list:
+            out.results[key][spec.name] = metric.compute()
+            diag = metric.diagnostics()
+            if diag:
+                out.diagnostics.setdefault(key, {})[spec.name] = diag
+            pt = metric.per_text_results() if per_text else None
+            for score_name, (idx, values) in (pt or {}).items():
+                for i, v in zip(idx.tolist(), values.tolist()):
+                    per_text_cols.setdefault(i, {}).setdefault(key, {})[score_name] = v
+    flagged = _energy_diagnostics(run, out.diagnostics, massive_share_warning)
+    if flagged:  # one warning for the whole run, not one line per layer
+        warnings.warn(
+            f"one hidden dimension carries at least {massive_share_warning:.0%} of the squared norm of the "
+            f"mean-pooled vectors at {len(flagged)} address(es): {compact(flagged)}; cosine-based metrics there "
+            "mostly measure that dimension. See the massive_activations metric, or try --preprocess standardize",
+            stacklevel=4)
+    for spec in specs:
+        across = spec.cls.across_layers({k: out.results[k][spec.name] for k in out.results},
+                                        list(range(len(out.results))))
+        if across is not None:
+            out.summary[spec.name] = across
+    if per_text:
+        for i in sorted(run.text_info):
+            rid, n_tok = run.text_info[i]
+            out.per_text.append({"index": i, "id": rid,
+                                 "n_tokens": None if n_tok is None else min(n_tok, run.context),
+                                 "truncated": None if n_tok is None else n_tok > run.context,
+                                 "scores": per_text_cols.get(i, {})})
+    return out
+
+
+def _energy_diagnostics(run: RunState, diagnostics: dict[str, dict[str, Any]],
+                        threshold: float) -> list[tuple[Address, int, float]]:
+    """``diagnostics[address]["energy"]`` from the massive_activations states; the addresses over ``threshold``."""
+    flagged = []
+    for addr, metric in run.energy.items():
+        value = metric.compute()
+        if not value["top_dimensions"]:
+            continue  # no energy at all (zero vectors): nothing to say
+        dims, shares = value["top_dimensions"], value["top_shares"]
+        diagnostics.setdefault(str(addr), {})["energy"] = {
+            "pooling": "mean", "top_dimensions": dims, "top_shares": [round(float(s), 6) for s in shares]}
+        if float(shares[0]) >= threshold:
+            flagged.append((addr, int(dims[0]), float(shares[0])))
+    return flagged
+
+
+def compact(flagged: list[tuple[Address, int, float]]) -> str:
+    """``resid_post:1..27 (dim 507: 53-98%), final (dim 17: 76%)``: runs of consecutive layers of one site with the
+    same dominant dimension are merged, so a 30-layer model gives one short line."""
+    runs: list[list[tuple[Address, int, float]]] = []
+    for item in flagged:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and item[0].layer is not None and last[0].layer is not None
+                and item[0].site == last[0].site and item[0].layer == last[0].layer + 1 and item[1] == last[1]):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    parts = []
+    for run in runs:
+        lo, hi = min(r[2] for r in run), max(r[2] for r in run)
+        share = f"{lo:.0%}" if len(run) == 1 or round(lo * 100) == round(hi * 100) else f"{lo:.0%}-{hi:.0%}"
+        name = str(run[0][0]) if len(run) == 1 else f"{run[0][0]}..{run[-1][0].layer}"
+        parts.append(f"{name} (dim {run[0][1]}: {share})")
+    return ", ".join(parts)

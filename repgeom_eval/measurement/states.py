@@ -1,0 +1,128 @@
+"""Everything a run accumulates, as mergeable state: metric states per address, the energy diagnostic, counts.
+
+Exactly what a checkpoint saves and what the processes merge; all of it is O(D²) per address at most, except the
+per-text bookkeeping asked for with ``per_text``. The energy diagnostic (how much of the squared norm of the
+mean-pooled vectors one hidden dimension carries) is the ``massive_activations`` metric plugin, fed the raw
+mean-pooled vectors of every address.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from repgeom_eval.measurement.distributed import Distributed
+from repgeom_eval.measurement.metric_specs import MetricSpec
+from repgeom_eval.measurement.plan import ShardPlan
+from repgeom_eval.measurement.pooling import pool
+from repgeom_eval.metric import Metric
+from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.plugin_system.host import PluginHost
+
+ENERGY_METRIC = "massive_activations"
+ENERGY_TOP = 3  # dimensions listed in diagnostics[address]["energy"]
+
+
+def energy_metric(host: PluginHost) -> type[Metric] | None:
+    """The metric class behind the energy diagnostic, or None when that plugin is not loaded."""
+    return host.metrics.get(ENERGY_METRIC) if ENERGY_METRIC in host.metrics else None
+
+
+class RunState:
+    """Metric states per address, energy per address, and counts of one run (one process)."""
+
+    def __init__(self, addresses: list[Address], specs: list[MetricSpec], per_text: bool, context: int,
+                 energy_cls: type[Metric] | None):
+        self.addresses, self.specs, self.per_text, self.context = addresses, specs, per_text, context
+        self.states: dict[Address, list[tuple[MetricSpec, Metric]]] = {
+            addr: [(spec, spec.new()) for spec in specs] for addr in addresses}
+        self._energy_cls = energy_cls
+        self.energy: dict[Address, Metric] = (
+            {addr: energy_cls(top_k=ENERGY_TOP) for addr in addresses} if energy_cls is not None else {})
+        self.next_shard = 0
+        self.resumed_from: int | None = None
+        self.complete = False
+        self.n_tokens = self.n_truncated = self.n_empty = self.n_sequences = 0
+        self.n_processed = 0  # sequences this process ran (the others ran the rest of the n_sequences)
+        self.processed_by_rank: list[int] = []
+        self.empty_ids: list[Any] = []
+        self.text_info: dict[int, tuple[Any, int | None]] = {}  # per_text only: index → (id, tokens untruncated)
+        self.prep_transforms: dict[str, dict[str, torch.Tensor]] | None = None
+
+    def first_metrics(self) -> list[tuple[MetricSpec, Metric]]:
+        return next(iter(self.states.values()))
+
+    def metric_configs(self) -> dict[str, dict[str, Any]]:
+        return {spec.name: spec.config(m) for spec, m in self.first_metrics()}
+
+    def add_energy(self, addr: Address, h: torch.Tensor, mask: torch.Tensor, original_rows: list[int]) -> None:
+        """Feed the energy diagnostic the raw mean-pooled vectors of the original texts of a batch."""
+        if addr not in self.energy or not original_rows:
+            return
+        from repgeom_eval.metric import LayerBatch
+
+        sel = torch.tensor(original_rows, device=h.device)
+        vecs = pool(h[sel].double(), mask[sel], "mean")[0]
+        self.energy[addr].update(LayerBatch(str(addr), torch.tensor(original_rows), pooled=vecs))
+
+    def count_shard(self, shard_no: int, sp: ShardPlan) -> None:
+        """Counts that every process computes identically from the plan (so they are never summed over ranks)."""
+        self.next_shard = shard_no + 1
+        self.n_empty += len(sp.empty)
+        self.empty_ids += [sp.ids[t] for t in sp.empty][: max(0, 5 - len(self.empty_ids))]
+        for it, n in zip(sp.items, sp.lengths):
+            if it.view < 0:
+                self.n_tokens += min(n, self.context)
+                self.n_truncated += n > self.context
+                if self.per_text:
+                    self.text_info[it.text] = (sp.ids[it.text], n)
+        if self.per_text:
+            self.text_info.update({t: (sp.ids[t], None) for t in sp.empty})
+        self.n_sequences += len(sp.items)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {
+            "next_shard": self.next_shard, "complete": self.complete,
+            "metrics": {str(a): {spec.name: m.state_dict() for spec, m in ms} for a, ms in self.states.items()},
+            "energy": {str(a): m.state_dict() for a, m in self.energy.items()},
+            "counts": [self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed],
+            "empty_ids": list(self.empty_ids),
+            "text_info": {i: list(v) for i, v in self.text_info.items()},
+            "prep": self.prep_transforms,
+        }
+
+    def load(self, saved: dict[str, Any]) -> None:
+        for addr, ms in self.states.items():
+            for spec, m in ms:
+                m.load_state_dict(saved["metrics"][str(addr)][spec.name])
+        for addr, m in self.energy.items():
+            m.load_state_dict(saved["energy"][str(addr)])
+        self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed = saved["counts"]
+        self.empty_ids = list(saved["empty_ids"])
+        self.text_info = {int(i): (rid, n) for i, (rid, n) in saved["text_info"].items()}
+        self.next_shard = self.resumed_from = saved["next_shard"]
+        self.prep_transforms = saved.get("prep")
+
+    # -- processes -----------------------------------------------------------------------------------------------
+    def merge_ranks(self, dist: Distributed) -> None:
+        """Fold every other rank's metric states and energy into rank 0's (in rank order)."""
+        if not dist.active:
+            self.processed_by_rank = [self.n_processed]
+            return
+        mine = self.state()
+        parts = dist.gather({"metrics": mine["metrics"], "energy": mine["energy"], "processed": self.n_processed})
+        if parts is None:
+            return
+        self.processed_by_rank = [part["processed"] for part in parts]
+        for part in parts[1:]:
+            for addr, ms in self.states.items():
+                for spec, m in ms:
+                    other = spec.new()
+                    other.load_state_dict(part["metrics"][str(addr)][spec.name])
+                    m.merge(other)
+            for addr, m in self.energy.items():
+                other = self._energy_cls(top_k=ENERGY_TOP)  # type: ignore[misc]
+                other.load_state_dict(part["energy"][str(addr)])
+                m.merge(other)
