@@ -6,7 +6,8 @@ backward -> AdamW step, done exactly as :class:`repgeom_eval.training.trainer.Au
 by ``build_aux_loss``). Modes, interleaved repeat by repeat so that load from other processes hits all alike:
 
 1. ``ce``: CE only (no hooks);
-2. ``push_away``: token push-away at ``final``, all B·T vectors, O(N·d) sum identity (spec §2.5);
+2. ``push_away``: token push-away at ``final``, all B·T vectors, O(N·d) sum identity
+   (docs/metrics.md#push_away-and-squeeze);
 3. ``push_away_cross``: the same, cross-domain (half the batch domain 0, half domain 1), the experiment's setting;
 4. ``angular_spread``: paper C's loss with its default sampling (256 tokens per sequence) at ``final``;
 5. ``pairwise``: the naive push-away, ``push_away_pairwise`` (the N×N cosine matrix, N = B·T), for contrast.

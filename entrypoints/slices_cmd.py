@@ -1,4 +1,5 @@
-"""``repgeom slices``: the controlled-slice experiment (spec §9.6) and, with ``--calibrate``, its calibration."""
+"""``repgeom slices``: the controlled-slice experiment and, with ``--calibrate``, its calibration
+(docs/metrics.md#hardness-slices)."""
 
 from __future__ import annotations
 

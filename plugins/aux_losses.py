@@ -1,6 +1,7 @@
-"""Built-in auxiliary training losses: paper A's push-away and its squeeze ablation (spec §2.5, §9.4), and paper
-C's dispersion-loss family (spec §4, §9.5). The math lives in :mod:`repgeom_eval.functional.losses`; these classes
-gather the inputs, sub-sample tokens and record their hyper-parameters.
+"""Built-in auxiliary training losses: paper A's push-away and its squeeze ablation
+(docs/metrics.md#push_away-and-squeeze), and paper C's dispersion-loss family
+(docs/metrics.md#paper-c-losses-common-settings). The math lives in :mod:`repgeom_eval.functional.losses`; these
+classes gather the inputs, sub-sample tokens and record their hyper-parameters.
 
 The objective is always ``L_CE + weight · L_aux``, so each loss's value is signed to be *minimized*:
 
@@ -47,7 +48,7 @@ class PushAway(AuxLoss):
     (cross-sequence pairs count). ``"sequence"``: one pooled vector per sequence (``pooling``: last, mean, first).
     ``cross_domain=True``: only pairs of vectors from different domains count (``1 − ū_A·ū_B`` for two domains; with
     more, the mean over all cross-domain vector pairs); each example then needs a domain label. Never builds an
-    N×N matrix (spec §1.2, §2.5, §9.4).
+    N×N matrix (docs/metrics.md#push_away-and-squeeze).
     """
 
     name = "push_away"
@@ -117,9 +118,9 @@ class _TokenSetLoss(AuxLoss):
     """Shared by paper C's losses: per-sequence token sets, sub-sampled to ``max_tokens`` with a seeded generator.
 
     Without padding the batch is handled at once, with one random subset of positions shared by all sequences and
-    drawn afresh for every layer and step (as the reference code, spec §4.0, but seeded). With padding each sequence
-    is taken on its own real tokens (the reference trains on packed blocks and takes no mask); sequences with fewer
-    than two tokens are skipped.
+    drawn afresh for every layer and step (as the reference code, but seeded). With padding each sequence is taken
+    on its own real tokens (the reference trains on packed blocks and takes no mask); sequences with fewer than two
+    tokens are skipped. See docs/metrics.md#paper-c-losses-common-settings.
     """
 
     default_layers = "all_but_embed"

@@ -1,4 +1,5 @@
-"""Embedding condensation (paper C; spec §4.7, §9.7): how aligned the token vectors of a text are, per layer."""
+"""Embedding condensation (paper C; docs/metrics.md#condensation): how aligned the token vectors of a text are, per
+layer."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ class Condensation(Metric):
 
     @classmethod
     def across_layers(cls, values: dict[str, Any], depth: list[int]) -> dict[str, Any] | None:
-        """Spearman ρ and Kendall τ_b of ``mean_cosine`` against depth, and ``mean_last_n`` (spec §4.7 steps 5–6).
+        """Spearman ρ and Kendall τ_b of ``mean_cosine`` against depth, and ``mean_last_n``
+        (docs/metrics.md#condensation).
 
         ``values`` maps each address to this metric's ``compute()`` result in depth order. Needs ≥ 3 addresses
         (``None`` otherwise). A NaN layer makes both correlations NaN (scipy's default ``nan_policy``).

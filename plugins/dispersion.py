@@ -13,8 +13,8 @@ class Dispersion(Metric):
 
     Streaming through the O(N·d) identity: the state is S = Σu (d floats), Q = Σ‖u‖² and the count, so memory does
     not grow with the number of texts. With ``per_text=True`` the unit vectors are kept as well, to give each text
-    its score c_i = mean distance to the others (spec §1.4); with ``tokens`` pooling c_i is averaged over the text's
-    tokens.
+    its score c_i = mean distance to the others (docs/metrics.md#per-text-scores); with ``tokens`` pooling c_i is
+    averaged over the text's tokens.
     """
 
     name = "dispersion"
@@ -72,10 +72,10 @@ class Dispersion(Metric):
 
 
 class TokenDispersion(Metric):
-    """Dispersion of the token vectors within each text, averaged over texts (paper A's public code, spec §2.1).
+    """Dispersion of the token vectors within each text, averaged over texts (docs/metrics.md#token_dispersion).
 
-    Pad positions are excluded; texts with fewer than 2 tokens are skipped and counted. State: the sum of the
-    per-text values and the count.
+    This is what paper A's public code computes. Pad positions are excluded; texts with fewer than 2 tokens are
+    skipped and counted. State: the sum of the per-text values and the count.
     """
 
     name = "token_dispersion"

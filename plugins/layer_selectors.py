@@ -16,11 +16,11 @@ def every_block(info) -> list[str]:
 
 
 def knn_keys(info) -> list[str]:
-    """kNN-LM key candidates of the last block: resid_mid:-1, resid_post:-1, mlp_in:-1 (spec §9.3)."""
+    """kNN-LM key candidates of the last block: resid_mid:-1, resid_post:-1, mlp_in:-1 (docs/metrics.md#knn-lm-keys)."""
     return ["resid_mid:-1", "resid_post:-1", "mlp_in:-1"]
 
 
-# Paper C's layer sets for its losses (spec §4.6): hidden_states[1..L], skipping the embeddings.
+# Paper C's layer sets for its losses (docs/metrics.md#loss-layers): hidden_states[1..L], skipping the embeddings.
 
 def all_but_embed(info) -> list[str]:
     """hidden_states[1..L]: every block output, the last one after the final norm (paper C's `all`)."""

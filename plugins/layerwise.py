@@ -1,4 +1,5 @@
-"""Layer-by-layer metrics of paper B (spec §3.2–§3.5, defaults §9.7) and the Vendi score (paper A, A.5).
+"""Layer-by-layer metrics of paper B and the Vendi score (paper A, A.5); formulas and defaults in docs/metrics.md
+(#prompt_entropy, #dataset_entropy, #effective_rank, #curvature, #vendi).
 
 * ``prompt_entropy``  (tokens)  matrix entropy of each prompt's centred, unit token vectors, mean over prompts
 * ``dataset_entropy`` (pooled)  matrix entropy of the centred, unit pooled vectors of all prompts
@@ -94,7 +95,7 @@ class _GramAccumulator(Metric):
 
 
 class PromptEntropy(Metric):
-    """Prompt entropy (paper B; spec §3.2, defaults §9.7), averaged over prompts.
+    """Prompt entropy (paper B; docs/metrics.md#prompt_entropy), averaged over prompts.
 
     Per prompt: Z = the prompt's non-pad token vectors, centred over the prompt and unit-normalised; S_α of the
     linear Gram of Z (the smaller of ZZᵀ/ZᵀZ), with p_i = λ_i/Σλ over the positive eigenvalues. Reports the mean
@@ -154,7 +155,7 @@ class PromptEntropy(Metric):
 
 
 class DatasetEntropy(_GramAccumulator):
-    """Dataset entropy (paper B; spec §3.3, defaults §9.7): S_α of the Gram of one pooled vector per prompt.
+    """Dataset entropy (paper B; docs/metrics.md#dataset_entropy): S_α of the Gram of one pooled vector per prompt.
 
     Default pooling ``mean`` (attention-masked). ``centering``:
 
@@ -217,7 +218,7 @@ class DatasetEntropy(_GramAccumulator):
 
 
 class EffectiveRank(_GramAccumulator):
-    """Effective rank of the pooled matrix Z (N texts × D), no centring (spec §3.4, defaults §9.7).
+    """Effective rank of the pooled matrix Z (N texts × D), no centring (docs/metrics.md#effective_rank).
 
     Reports three numbers under their own names, because two different quantities are called "effective rank":
 
@@ -252,7 +253,7 @@ class EffectiveRank(_GramAccumulator):
 
 
 class Curvature(Metric):
-    """Curvature of each prompt's token trajectory (paper B; spec §3.5, defaults §9.7), averaged over prompts.
+    """Curvature of each prompt's token trajectory (paper B; docs/metrics.md#curvature), averaged over prompts.
 
     ``variant="paper"`` (default): on the raw token vectors, with v_k = z_{k+1} − z_k, the mean over k of
     arccos(v_{k+1}·v_k / (‖v_{k+1}‖‖v_k‖)), angles in [0, π]. Angles next to a zero-length difference (a repeated

@@ -1,4 +1,5 @@
-"""Named token sets for the dispersion gap (spec §9.2): ``digits``, ``python_keywords`` and ``general``.
+"""Named token sets for the dispersion gap (docs/metrics.md#token-sets): ``digits``, ``python_keywords`` and
+``general``.
 
 A token set is a callable ``fn(vocab, *, exclude, seed, size) -> (ids, missing[, config])`` or a collection of
 words; ``vocab`` is a :class:`repgeom_eval.gap.Vocabulary` (stripped text of every id, ``vocab.ids_for(word)``,

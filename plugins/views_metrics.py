@@ -1,4 +1,5 @@
-"""Multi-view metrics of paper B (Layer by Layer): ``infonce``, ``lidar`` and ``dime`` (spec §3.6–3.8, §5, §9.7).
+"""Multi-view metrics of paper B (Layer by Layer): ``infonce``, ``lidar`` and ``dime`` (docs/metrics.md#infonce,
+docs/metrics.md#lidar, docs/metrics.md#dime).
 
 Each consumes augmented views (``Consumes.VIEWS``): the pipeline makes ``n_views`` augmentations of every text,
 mean-pools each one over its real tokens (``default_pooling = "mean"``) and hands them over as ``batch.views``
@@ -6,9 +7,10 @@ mean-pools each one over its real tokens (``default_pooling = "mean"``) and hand
 
 View treatment (a project decision, documented here because it changes numbers): each pooled view vector is
 **unit-normalized on its own** (v/max(‖v‖, 1e-12)), with **no centring**. Paper B's code instead centres each
-forward mini-batch of pooled vectors on its mean before unit-normalizing (spec §3.0); with its batch size of 2 that
-turns every pair into two antipodal vectors. Centring over the whole data set would need a second pass over
-the data; per-view normalization keeps every state streaming and independent of the batch size.
+forward mini-batch of pooled vectors on its mean before unit-normalizing; with its batch size of 2 that turns
+every pair into two antipodal vectors. Centring over the whole data set would need a second pass over the data;
+per-view normalization keeps every state streaming and independent of the batch size
+(docs/metrics.md#augmented-views).
 
 States and memory:
 
@@ -73,7 +75,7 @@ class _TwoViewMetric(Metric):
 
 
 class InfoNCE(_TwoViewMetric):
-    """InfoNCE between two augmented views of each text (paper B, spec §3.6, §9.7).
+    """InfoNCE between two augmented views of each text (paper B, docs/metrics.md#infonce).
 
     ``raw`` = L = mean_i −log softmax_j(a_i·b_j/τ)_i over the N texts (one direction A→B, τ = 0.1) and
     ``mi_lower_bound`` = 1 − L/log N (NaN for one text). ``variant="simclr"`` gives B's older 2N×2N form.
@@ -101,7 +103,7 @@ class InfoNCE(_TwoViewMetric):
 
 
 class DiME(_TwoViewMetric):
-    """DiME between two augmented views of each text (paper B, spec §3.8, §9.7).
+    """DiME between two augmented views of each text (paper B, docs/metrics.md#dime).
 
     DiME = mean_t S_1(K_A ∘ P_t K_B P_tᵀ) − S_1(K_A ∘ K_B) with linear kernels K = Z Zᵀ of the unit views,
     always the N×N Gram, and ``n_iters`` (default 10) permutations drawn from a generator seeded with ``seed``
@@ -132,7 +134,7 @@ class DiME(_TwoViewMetric):
 class LiDAR(Metric):
     """LiDAR: the entropy of the linear-discriminant spectrum of views, each text being its own class.
 
-    Default ``variant="thilak"`` (the original, spec §5, §9.7): q = ``n_views`` = 16 views per text, δ = 1e-4,
+    Default ``variant="thilak"`` (the original, docs/metrics.md#lidar): q = ``n_views`` = 16 views per text, δ = 1e-4,
     ε = 1e-7, S_b with 1/(n−1) and S_w with 1/(n(q−1)); returns ``lidar`` = exp(entropy) ∈ [1, min(D, n−1)] and
     ``log`` = the entropy. ``variant="information_flow"`` is paper B's code (1/n, 1/(nq), un-exponentiated
     von Neumann entropy, no ε): returns ``raw`` and ``normalized`` = raw / min(log n, log D) (B's ``maxEntropy``).

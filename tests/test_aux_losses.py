@@ -1,5 +1,6 @@
-"""Aux-loss plugins: registered by name, the spec's oracles (§2.5, §4, §8 #6, #22-#25) through the plugin objects,
-gradcheck in float64, the O(N·d) push-away against the pairwise form, sampling, layer sets and config errors."""
+"""Aux-loss plugins: registered by name, oracles #6, #22-#25 of docs/metrics.md#oracle-values through the plugin
+objects, gradcheck in float64, the O(N·d) push-away against the pairwise form, sampling, layer sets and config
+errors."""
 
 import math
 

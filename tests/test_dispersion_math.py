@@ -1,4 +1,4 @@
-"""Dispersion math against the spec's oracles (§1.5, §8 #1–#5) and a brute-force reference."""
+"""Dispersion math against oracles #1–#5 of docs/metrics.md#oracle-values and a brute-force reference."""
 
 import math
 

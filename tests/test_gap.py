@@ -1,4 +1,5 @@
-"""Dispersion gap G (spec §2.3, §9.2): the math, token sets, the partial checkpoint read, screening, `repgeom gap`."""
+"""Dispersion gap G (docs/metrics.md#dispersion-gap): the math, token sets, the partial checkpoint read, screening,
+`repgeom gap`."""
 
 import argparse
 import json
@@ -127,7 +128,7 @@ def test_gap_rejects_bad_input():
         dispersion_gap(W, [0, 1], [])
     with pytest.raises(RepgeomError, match="out of range for an output embedding with 4 rows"):
         dispersion_gap(W, [0, 9], [2])
-    assert math.isnan(dispersion_gap(W, [0], [2, 3])["within_T"])  # N < 2 → NaN (spec §1.5)
+    assert math.isnan(dispersion_gap(W, [0], [2, 3])["within_T"])  # N < 2 → NaN (docs/metrics.md#cosine-dispersion)
 
 
 def test_spearman_average_ranks():

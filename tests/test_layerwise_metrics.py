@@ -1,6 +1,7 @@
-"""Layer-by-layer metrics (paper B §3.2–3.5, Vendi) and condensation (paper C §4.7): oracles of the spec (§8 #8–#14,
-#21, #27 and the rest of the §3.2/§3.5/§4.7 tables), brute-force references, edge cases, conformance, and one run
-through the real pipeline checked against a hand computation from ``output_hidden_states``."""
+"""Layer-by-layer metrics (paper B, Vendi) and condensation (paper C): oracles #8–#14, #21, #27 of
+docs/metrics.md#oracle-values and the other checked values of its metric sections, brute-force references, edge
+cases, conformance, and one run through the real pipeline checked against a hand computation from
+``output_hidden_states``."""
 
 import importlib.metadata as md
 import math
@@ -75,7 +76,7 @@ def token_batch(texts, start=0):
     return LayerBatch("final", torch.arange(start, start + len(texts)), hidden=hidden, mask=mask)
 
 
-# -- §3.1 Rényi entropy ------------------------------------------------------------------------------------------
+# -- Rényi entropy (docs/metrics.md#matrix-entropy) --------------------------------------------------------------
 
 def test_oracle_21_repitl_alpha2_shortcut():
     k = I3 / 3
@@ -108,7 +109,7 @@ def test_renyi_entropy_closed_forms_and_limit():
         spectrum_entropy(T([1.0]), alpha=-1)
 
 
-# -- §3.2 prompt entropy -----------------------------------------------------------------------------------------
+# -- prompt entropy (docs/metrics.md#prompt_entropy) -------------------------------------------------------------
 
 @pytest.mark.parametrize(
     "tokens, code_raw, code_max, paper_raw, paper_max",
@@ -190,7 +191,7 @@ def test_center_and_unit_is_eps_safe():
     assert torch.equal(z, torch.zeros(1, 2, dtype=torch.float64))
 
 
-# -- §3.3 dataset entropy ----------------------------------------------------------------------------------------
+# -- dataset entropy (docs/metrics.md#dataset_entropy) -----------------------------------------------------------
 
 def test_oracle_10_dataset_entropy_global_centring():
     for variant in ("paper", "information_flow"):
@@ -226,7 +227,7 @@ def test_dataset_entropy_centring_options():
         dataset_entropy(x, centering="median")
 
 
-# -- §3.4 effective rank -----------------------------------------------------------------------------------------
+# -- effective rank (docs/metrics.md#effective_rank) -------------------------------------------------------------
 
 def test_oracle_12_effective_rank():
     z = T([[3, 0], [0, 1], [0, 0]])
@@ -255,7 +256,7 @@ def test_effective_rank_edge_cases():
     assert r["erank"] == pytest.approx(4.0, abs=1e-12) and r["exp_entropy"] == pytest.approx(4.0, abs=1e-12)
 
 
-# -- §3.5 curvature ----------------------------------------------------------------------------------------------
+# -- curvature (docs/metrics.md#curvature) -----------------------------------------------------------------------
 
 def test_curvature_oracles():
     # C1 applied directly: π/2 for both
@@ -322,7 +323,7 @@ def test_vendi_closed_forms_and_edges():
     assert vendi_score(x[:1]) == pytest.approx(1.0, abs=1e-12)
 
 
-# -- §4.7 condensation -------------------------------------------------------------------------------------------
+# -- condensation (docs/metrics.md#condensation) -----------------------------------------------------------------
 
 CONDENSATION_LAYERS = [T([(1, 0), (0, 1), (-1, 0)]), T([(1, 0), (1, 1), (0, 1)]),
                        T([(1, 0), (1, 0.1), (1, -0.1)]), T([(1, 0), (0.9, 0.1), (1, 0.2)])]
@@ -655,7 +656,7 @@ def test_pipeline_matches_hand_computation(tiny_model_dir, texts):
 
 
 def _effective_rank_numpy(z: np.ndarray) -> dict[str, float]:
-    """Brute force with numpy's SVD, straight from the definitions (spec §3.4)."""
+    """Brute force with numpy's SVD, straight from the definitions (docs/metrics.md#effective_rank)."""
     s = np.linalg.svd(z, compute_uv=False)
     s = np.where(s > s.max() * max(z.shape) * np.finfo(np.float64).eps, s, 0.0)
     p = s / s.sum() + 1e-7

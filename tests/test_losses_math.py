@@ -1,4 +1,5 @@
-"""Auxiliary losses against the spec's oracles (§2.5, §4, §8 #6, #22–#26), brute-force references and gradcheck."""
+"""Auxiliary losses against oracles #6, #22–#26 of docs/metrics.md#oracle-values, brute-force references and
+gradcheck."""
 
 import math
 import time

@@ -1,4 +1,5 @@
-"""Hardness analysis math (repgeom_eval.analyses.slices, lm-eval aggregations) against brute force and the spec's oracles."""
+"""Hardness analysis math (repgeom_eval.analyses.slices, lm-eval aggregations) against brute force and the oracles of
+docs/metrics.md#oracle-values."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def brute_d(x: np.ndarray) -> float:
 
 
 def test_oracle_per_sample_scores():
-    x1 = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])  # spec §1.5: c = (1.5, 1.0, 1.5), D = 4/3
+    x1 = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])  # oracle #1: c = (1.5, 1.0, 1.5), D = 4/3
     got = slices.query_scores(x1, np.array([1, 1, 1]))
     np.testing.assert_allclose(got["c"], [1.5, 1.0, 1.5], atol=1e-12)
     assert got["c"].mean() == pytest.approx(4 / 3, abs=1e-12)
@@ -43,7 +44,7 @@ def test_oracle_per_sample_scores():
 def test_query_scores_match_brute_force(seed):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(37, 9)) + rng.normal(size=9)
-    x[5] = 0.0  # a zero row: cosine 0 with everything (the Q form, spec §1.2)
+    x[5] = 0.0  # a zero row: cosine 0 with everything (the Q form, docs/metrics.md#cosine-dispersion)
     ok = rng.random(37) < 0.4
     got = slices.query_scores(x, ok)
     np.testing.assert_allclose(got["c"], brute_c(x, np.ones(37, bool)), atol=1e-12)

@@ -1,4 +1,4 @@
-"""Multi-view metrics (InfoNCE, LiDAR, DiME) against the spec's oracles (§3.6–3.8, §5, §8 #15–#20), brute-force
+"""Multi-view metrics (InfoNCE, LiDAR, DiME) against oracles #15–#20 of docs/metrics.md#oracle-values, brute-force
 references, and the metric conformance check."""
 
 import itertools
@@ -82,7 +82,7 @@ def test_infonce_edge_cases():
 # -- LiDAR ---------------------------------------------------------------------------------------------------------
 
 def _lidar_direct(x, delta=1e-4, eps=1e-7, variant="thilak"):
-    """Direct formula with explicit centring (spec §3.7, §5): the reference for lidar_from_stats."""
+    """Direct formula with explicit centring (docs/metrics.md#lidar): the reference for lidar_from_stats."""
     n, q, d = x.shape
     mu_i = x.mean(1)
     mu = x.reshape(-1, d).mean(0)

@@ -1,4 +1,5 @@
-"""Embedding condensation by depth, for one model or several side by side (paper C Fig. 2; spec §4.7).
+"""Embedding condensation by depth, for one model or several side by side (paper C Fig. 2;
+docs/metrics.md#condensation).
 
 For each model, one :func:`~repgeom_eval.measurement.engine.measure` run with the ``condensation`` metric at every hidden state
 (``all``: embeddings, every block, final) gives per layer the mean token–token cosine (diagonal included, paper C's

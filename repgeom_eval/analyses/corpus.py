@@ -1,6 +1,7 @@
 """A corpus as token chunks: documents (with an optional ``source``) → token ids → fixed-length chunks.
 
-Paper A's unit of analysis is a chunk of ``chunk_len`` = 512 consecutive tokens (spec §2.1). Two ways to cut:
+Paper A's unit of analysis is a chunk of ``chunk_len`` = 512 consecutive tokens (docs/metrics.md#corpus-chunks).
+Two ways to cut:
 
 * ``concat`` (default; paper A's Wikitext protocol): the documents of one source are tokenized one by one and
   joined into a single token stream, separated by the tokens of a blank line; the stream is cut into consecutive
@@ -9,7 +10,8 @@ Paper A's unit of analysis is a chunk of ``chunk_len`` = 512 consecutive tokens 
 * ``document`` (paper A's list-type corpora): each document is cut on its own; a document's last chunk is kept if
   it has at least ``min_len`` tokens.
 
-No special tokens are added: chunks after the first had no BOS in paper A's code either (spec §2.1, fact 1).
+No special tokens are added: chunks after the first had no BOS in paper A's code either
+(docs/metrics.md#corpus-chunks).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""kNN-LM key selection by dispersion (paper A §3.3, Table 1; spec §2.4, §9.3).
+"""kNN-LM key selection by dispersion (paper A §3.3, Table 1; docs/metrics.md#knn-lm-keys).
 
 Candidates are layer addresses (default: the last block's ``resid_mid`` = h_att, the paper's choice;
 ``resid_post`` = h_ffn, the raw block output; ``mlp_in`` = the post-norm FFN input, Khandelwal et al.'s key). One
 vector per chunk: the **last-token** hidden state at the candidate. For each N in {10, 50, 100} and each of 10
-seeds, N non-overlapping chunks are drawn and D (spec §1.1) is computed over their N vectors; the table reports
-mean ± std over the seeds. The same chunks feed every candidate: one forward pass per chunk captures all of them
-(stopping after the deepest one), and seed s's sample of size N is the first N chunks of one seeded permutation,
-so the samples of one seed are nested across N. The recommended key is the most dispersed candidate at the
-largest N.
+seeds, N non-overlapping chunks are drawn and D (docs/metrics.md#cosine-dispersion) is computed over their N
+vectors; the table reports mean ± std over the seeds. The same chunks feed every candidate: one forward pass per
+chunk captures all of them (stopping after the deepest one), and seed s's sample of size N is the first N chunks of
+one seeded permutation, so the samples of one seed are nested across N. The recommended key is the most dispersed
+candidate at the largest N.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A real kNN-LM (Khandelwal et al. 2020) to check a key choice (paper A §3.3; spec §2.4, §9.3).
+"""A real kNN-LM (Khandelwal et al. 2020) to check a key choice (paper A §3.3; docs/metrics.md#knn-lm-keys).
 
 Datastore: for every position t of every chunk of the datastore text, key = the hidden state at the key address,
 value = token t+1. Keys go to disk chunk by chunk (a ``.npy`` memmap, float32 or float16), never all in memory,

@@ -9,10 +9,10 @@ Three seeded sweeps over the same prompts (the first ``n_prompts`` texts with at
 * ``length`` L: the prompt cut to its first L tokens.
 
 Perturbations act on token ids (no re-tokenization). The repetition and random sweeps use prompts of ``max_length``
-tokens. Each condition is one forward pass per batch; at every address, per prompt, prompt entropy (spec §3.2,
-``normalized`` = B's maxEntropy) and token dispersion (spec §2.1) are averaged over prompts. Paper B's finding:
-repetition lowers prompt entropy, random tokens raise it, and it grows with length; this module reports what the
-model does.
+tokens. Each condition is one forward pass per batch; at every address, per prompt, prompt entropy
+(docs/metrics.md#prompt_entropy, ``normalized`` = B's maxEntropy) and token dispersion
+(docs/metrics.md#token_dispersion) are averaged over prompts. Paper B's finding: repetition lowers prompt
+entropy, random tokens raise it, and it grows with length; this module reports what the model does.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""Perplexity vs token dispersion (paper A §2.1–2.2, Fig. 3 and Fig. 5; spec §2.1, §2.2, §9.1).
+"""Perplexity vs token dispersion (paper A §2.1–2.2, Fig. 3 and Fig. 5; docs/metrics.md#perplexity-groups).
 
 Per chunk of ``chunk_len`` tokens, ONE forward pass gives both the loss and every requested layer's token
 vectors:
 
 * perplexity = exp(mean next-token cross-entropy over the chunk's ``chunk_len − 1`` predicted positions), as HF's
   ``outputs.loss`` with ``labels = inputs``;
-* token dispersion at each address = D over the chunk's token vectors (spec §1.1, by the O(T·d) identity).
+* token dispersion at each address = D over the chunk's token vectors (docs/metrics.md#token_dispersion, by the
+  O(T·d) identity).
 
 Algorithm 1 (paper A's ``step2_group_and_sample.py``): sort the chunks by perplexity, cut consecutive groups of
 ``group_size`` (dropping the incomplete tail), and if there are more than ``n_bins`` groups keep the groups nearest

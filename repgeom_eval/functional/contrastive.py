@@ -1,14 +1,16 @@
-"""Multi-view metrics of paper B (Layer by Layer): InfoNCE, LiDAR and DiME (spec §3.6–3.8, §5, §9.7).
+"""Multi-view metrics of paper B (Layer by Layer): InfoNCE, LiDAR and DiME (docs/metrics.md#infonce,
+docs/metrics.md#lidar, docs/metrics.md#dime).
 
 Every function takes the *pooled* views of N texts and computes in float64. What each one normalizes:
 
 * :func:`infonce` and :func:`dime` unit-normalize the rows by default (``normalize=True``), as the project's
-  default treatment of pooled views (spec §9.7): each view vector is scaled to unit length, with no centring.
+  default treatment of pooled views (docs/metrics.md#augmented-views): each view vector is scaled to unit length,
+  with no centring.
   Pass ``normalize=False`` to use the rows exactly as given (the scale then matters).
 * :func:`lidar` uses the vectors as given (LiDAR is a ratio of scatters; the metric class normalizes first).
 
-Matrix entropies use only the strictly positive eigenvalues, renormalized to sum to one (as repitl does, spec
-§3.1); the small helper here is private on purpose.
+Matrix entropies use only the strictly positive eigenvalues, renormalized to sum to one (as repitl does,
+docs/metrics.md#matrix-entropy); the small helper here is private on purpose.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def _entropy_of_eigenvalues(lam: torch.Tensor, alpha: float = 1.0) -> torch.Tens
 
 
 def _matrix_entropy(k: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """Matrix-based Rényi entropy S_α(K) of a symmetric matrix (spec §3.1): eigenvalues, then the helper above."""
+    """Matrix-based Rényi entropy S_α(K) of a symmetric matrix (docs/metrics.md#matrix-entropy): eigenvalues, then
+    the helper above."""
     k = k.double()
     return _entropy_of_eigenvalues(torch.linalg.eigvalsh((k + k.T) / 2), alpha)
 
@@ -51,7 +54,7 @@ def _matrix_entropy(k: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
 
 def infonce(a: torch.Tensor, b: torch.Tensor, tau: float = 0.1, variant: str = "one_directional",
             normalize: bool = True) -> dict[str, float]:
-    """InfoNCE loss between two views of N texts, and the mutual-information bound (spec §3.6, §9.7).
+    """InfoNCE loss between two views of N texts, and the mutual-information bound (docs/metrics.md#infonce).
 
     Default ``variant="one_directional"`` (paper B code from 2025-01-29)::
 
@@ -122,14 +125,14 @@ def lidar_from_stats(n: int | torch.Tensor, q: int, sum_mean: torch.Tensor, sum_
         Σ_i (μ_i−μ)(μ_i−μ)ᵀ      = Σ_i μ_i μ_iᵀ − n μ μᵀ            =: B
         Σ_ij (x_ij−μ_i)(x_ij−μ_i)ᵀ = Σ_ij x_ij x_ijᵀ − q Σ_i μ_i μ_iᵀ =: W
 
-    ``variant="thilak"`` (default, the original LiDAR of Thilak et al. 2024, spec §5)::
+    ``variant="thilak"`` (default, the original LiDAR of Thilak et al. 2024, docs/metrics.md#lidar)::
 
         S_b = B/(n−1),   S_w = W/(n(q−1)) + δI,   Σ = S_w^{−½} S_b S_w^{−½}
         p = λ(Σ)/‖λ(Σ)‖₁ + ε,   LiDAR = exp(−Σ p log p)      → {"lidar": LiDAR, "log": −Σ p log p}
 
     (eigenvalues below zero from round-off are set to 0 first). Needs n ≥ 2 and q ≥ 2, otherwise NaN.
 
-    ``variant="information_flow"`` (paper B's code, spec §3.7)::
+    ``variant="information_flow"`` (paper B's code, docs/metrics.md#reference-code-variants)::
 
         S_b = B/n,   S_w = W/(nq) + δI,   raw = S_1(Σ) on the positive eigenvalues, no ε, not exponentiated
         → {"raw": raw, "normalized": raw / min(log n, log D)}          (``normalized`` is B's ``maxEntropy``)
@@ -196,7 +199,7 @@ def _normalized(raw: float, n: int, d: int) -> float:
 
 def dime(za: torch.Tensor, zb: torch.Tensor, n_iters: int = 10, seed: int = 0, alpha: float = 1.0,
          normalize: bool = True) -> dict[str, float]:
-    """DiME (difference of matrix entropies) between two views of N texts (spec §3.8, §9.7)::
+    """DiME (difference of matrix entropies) between two views of N texts (docs/metrics.md#dime)::
 
         K_A = Z_A Z_Aᵀ,  K_B = Z_B Z_Bᵀ          (always the N×N Gram, linear kernel)
         DiME = (1/T) Σ_t S_α(K_A ∘ P_t K_B P_tᵀ) − S_α(K_A ∘ K_B)

@@ -1,10 +1,10 @@
-"""Curvature of a prompt's token trajectory (paper B, spec §3.5; Hosseini & Fedorenko 2023).
+"""Curvature of a prompt's token trajectory (paper B, docs/metrics.md#curvature; Hosseini & Fedorenko 2023).
 
 With token vectors z_1..z_N and differences v_k = z_{k+1} − z_k (k = 1..N−1)::
 
     C̄ = 1/(N−2) · Σ_{k=1}^{N−2} arccos( v_{k+1}·v_k / (‖v_{k+1}‖ ‖v_k‖) )        angles in [0, π]
 
-``variant="paper"`` (the project default, spec §9.7) is this formula on the raw token vectors.
+``variant="paper"`` (the project default) is this formula on the raw token vectors.
 ``variant="information_flow"`` reproduces paper B's public code: the tokens are first centred and unit-normalised
 (:func:`~repgeom_eval.functional.entropy.center_and_unit`), the cosine takes an **absolute value** (angles in
 [0, π/2]), an angle whose difference vector has zero length counts as 0, and a prompt with N ≤ 2 gives 0.
@@ -45,7 +45,7 @@ def turning_angles(tokens: torch.Tensor, absolute: bool = False) -> tuple[torch.
 
 
 def curvature(tokens: torch.Tensor, variant: str = "paper", normalize: bool | None = None) -> dict[str, float]:
-    """Mean turning angle of one prompt's token trajectory ``tokens`` [N, D] (spec §3.5).
+    """Mean turning angle of one prompt's token trajectory ``tokens`` [N, D] (docs/metrics.md#curvature).
 
     Args:
         tokens: the N non-pad token vectors of one prompt at one layer.

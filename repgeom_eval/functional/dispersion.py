@@ -1,4 +1,4 @@
-"""Cosine dispersion: mean pairwise cosine distance, via the O(N·d) sum identity (spec §1).
+"""Cosine dispersion: mean pairwise cosine distance, via the O(N·d) sum identity (docs/metrics.md#cosine-dispersion).
 
 With u_i = x_i / max(‖x_i‖, 1e-12), S = Σ u_i and Q = Σ ‖u_i‖²::
 
@@ -47,13 +47,15 @@ def pairwise_dispersion(x: torch.Tensor) -> torch.Tensor:
 
 
 def cross_dispersion(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Mean cosine distance over all pairs (i ∈ A, j ∈ B): 1 − S_A·S_B / (|A||B|) (spec §1.3)."""
+    """Mean cosine distance over all pairs (i ∈ A, j ∈ B): 1 − S_A·S_B / (|A||B|)
+    (docs/metrics.md#cross-set-dispersion)."""
     ua, ub = unit(a.double()), unit(b.double())
     return 1.0 - ua.sum(0) @ ub.sum(0) / (ua.shape[0] * ub.shape[0])
 
 
 def per_sample_scores(x: torch.Tensor) -> torch.Tensor:
-    """c_i = mean_{j≠i} (1 − u_i·u_j) = 1 − (u_i·S − ‖u_i‖²)/(N−1); mean(c) = D (spec §1.4)."""
+    """c_i = mean_{j≠i} (1 − u_i·u_j) = 1 − (u_i·S − ‖u_i‖²)/(N−1); mean(c) = D
+    (docs/metrics.md#per-text-scores)."""
     u = unit(x.double())
     n = u.shape[0]
     if n < 2:

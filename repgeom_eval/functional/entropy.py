@@ -1,18 +1,20 @@
-"""Matrix-based entropies of representation sets (paper B, spec §3.1–§3.4), plus effective rank and Vendi score.
+"""Matrix-based entropies of representation sets (paper B; docs/metrics.md#matrix-entropy), plus effective rank and
+Vendi score.
 
 Everything runs in float64. Notation: ``Z ∈ R^{N×D}`` holds N row vectors; ``K = Z Zᵀ`` (N×N) and ``Zᵀ Z`` (D×D)
 share their non-zero eigenvalues, so spectra are always taken from the smaller of the two (:func:`gram_spectrum`).
 
-Matrix-based Rényi entropy of order α (spec §3.1, repitl ``matrix_itl.py``)::
+Matrix-based Rényi entropy of order α (docs/metrics.md#matrix-entropy, repitl ``matrix_itl.py``)::
 
     p_i = λ_i / Σ_{λ_j > 0} λ_j          (positive eigenvalues only; trace normalisation is implicit)
     S_α = 1/(1−α) · log Σ_i p_i^α        (α ≠ 1)
     S_1 = −Σ_i p_i log p_i               (α = 1, von Neumann; the project default)
 
-Prompt entropy (§3.2) is S_α of the Gram of one prompt's centred, unit-normalised token vectors; dataset entropy (§3.3)
-is the same on the pooled vectors of all prompts. The project default (``variant="paper"``, spec §9.7) is the paper's
-definition with no clamp; ``variant="information_flow"`` reproduces the public code of paper B, which clamps the Gram
-elementwise at 0 before trace-normalising (spec §6.1).
+Prompt entropy (docs/metrics.md#prompt_entropy) is S_α of the Gram of one prompt's centred, unit-normalised token
+vectors; dataset entropy (docs/metrics.md#dataset_entropy) is the same on the pooled vectors of all prompts. The
+project default (``variant="paper"``) is the paper's definition with no clamp; ``variant="information_flow"``
+reproduces the public code of paper B, which clamps the Gram elementwise at 0 before trace-normalising
+(docs/metrics.md#reference-code-variants).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def spectrum_entropy(eigenvalues: torch.Tensor, alpha: float = 1.0, rtol: float 
 
 
 def renyi_entropy(K: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-    """Matrix-based Rényi entropy S_α(K) of a symmetric matrix K (spec §3.1).
+    """Matrix-based Rényi entropy S_α(K) of a symmetric matrix K (docs/metrics.md#matrix-entropy).
 
     The eigenvalues come from ``torch.linalg.eigvalsh``; only the positive ones (above the round-off floor of
     :func:`spectrum_entropy`) are kept and renormalised to sum to one, so K need not be trace-normalised, and an
@@ -77,7 +79,8 @@ def renyi_entropy(K: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
 
 
 def repitl_alpha2_shortcut(K: torch.Tensor) -> torch.Tensor:
-    """repitl's α = 2 "Frobenius" shortcut, reproduced for comparison only (spec §3.1, §6.5; oracle #21).
+    """repitl's α = 2 "Frobenius" shortcut, reproduced for comparison only (docs/metrics.md#matrix-entropy; oracle 21
+    of docs/metrics.md#oracle-values).
 
     repitl computes the information potential as ``Σ_ij K_ij² / N²`` and returns ``−log`` of it. That equals
     Σ p_i² only when K has unit diagonal (tr K = N); on a trace-normalised K it is off by the factor N², e.g.
@@ -119,7 +122,8 @@ def center_and_unit(Z: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
 
 
 def gram_entropy(K: torch.Tensor, alpha: float = 1.0, variant: str = "paper") -> torch.Tensor:
-    """S_α of a linear Gram K (§3.2 steps 2–4), as the paper defines it or as paper B's code computes it.
+    """S_α of a linear Gram K, as the paper defines it or as paper B's code computes it
+    (docs/metrics.md#prompt_entropy).
 
     ``variant="paper"``: S_α of K's spectrum, no clamp. ``variant="information_flow"``: ``K = clamp(K, min=0)``
     elementwise, ``K = K / tr K``, then S_α (NaN if the trace is 0). Pass the Gram that B's branch rule picks
@@ -158,7 +162,7 @@ def matrix_entropy(Z: torch.Tensor, alpha: float = 1.0, variant: str = "paper") 
 
 
 def prompt_entropy(tokens: torch.Tensor, alpha: float = 1.0, variant: str = "paper") -> dict[str, float]:
-    """Prompt entropy of one prompt's token vectors ``tokens`` [N, D] (spec §3.2, defaults §9.7).
+    """Prompt entropy of one prompt's token vectors ``tokens`` [N, D] (docs/metrics.md#prompt_entropy).
 
     Z = :func:`center_and_unit` (tokens), then S_α of the Gram of Z:
 
@@ -198,17 +202,17 @@ def dataset_entropy(
     batch_size: int = 2,
     variant: str = "paper",
 ) -> dict[str, float]:
-    """Dataset entropy of one pooled vector per prompt, ``pooled`` [N, D] (spec §3.3, defaults §9.7).
+    """Dataset entropy of one pooled vector per prompt, ``pooled`` [N, D] (docs/metrics.md#dataset_entropy).
 
     ``centering``:
 
-    * ``"global"`` (default, the spec's intended definition): centre over all N prompts, then unit rows.
+    * ``"global"`` (default, the definition paper B intends): centre over all N prompts, then unit rows.
     * ``"batch"``: B's code. Centre and unit-normalise each consecutive block of ``batch_size`` rows separately
       (the code's forward mini-batches; ``batch_size=2``, its final setting, turns every pair into ±(p₁−p₂)/‖p₁−p₂‖).
       A trailing block of one row becomes a zero row here (NaN in B's code, which has no eps).
     * ``"none"``: unit rows only, no centring.
 
-    Then the entropy of §3.2 steps 1–5 with N = number of prompts and the same ``variant`` switch as
+    Then the entropy of :func:`prompt_entropy` with N = number of prompts and the same ``variant`` switch as
     :func:`prompt_entropy`. Returns ``{"raw", "normalized", "logN", "logD"}``; N < 2 gives NaN.
     """
     pooled = pooled.double()
@@ -219,7 +223,7 @@ def dataset_entropy(
 
 
 def effective_rank_from_singular_values(sigma: torch.Tensor, rank_tol: float | None = None) -> dict[str, float]:
-    """RankMe, erank and exp(S_1(ZZᵀ)) from the min(N, D) singular values σ of Z (spec §3.4).
+    """RankMe, erank and exp(S_1(ZZᵀ)) from the min(N, D) singular values σ of Z (docs/metrics.md#effective_rank).
 
     * ``rankme`` (Garrido et al. 2023): p_k = σ_k / ‖σ‖₁ + 1e-7 over **all** min(N, D) singular values,
       RankMe = exp(−Σ p_k log p_k).
@@ -266,7 +270,7 @@ def effective_rank_from_gram_eigenvalues(eigenvalues: torch.Tensor, n: int, d: i
 
 
 def effective_rank(Z: torch.Tensor) -> dict[str, float]:
-    """RankMe, erank and exp(S_1(ZZᵀ)) of the rows of ``Z`` [N, D], no centring (spec §3.4).
+    """RankMe, erank and exp(S_1(ZZᵀ)) of the rows of ``Z`` [N, D], no centring (docs/metrics.md#effective_rank).
 
     Singular values come from ``torch.linalg.svdvals``; those below numpy's ``matrix_rank`` tolerance
     (σ_max · max(N, D) · eps) count as zero. See :func:`effective_rank_from_singular_values` for the formulas.

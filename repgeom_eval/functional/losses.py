@@ -1,7 +1,9 @@
-"""Differentiable auxiliary losses: paper A's push-away (spec §2.5, §9.4) and paper C's dispersion family (§4, §9.5).
+"""Differentiable auxiliary losses: paper A's push-away (docs/metrics.md#push_away-and-squeeze) and paper C's
+dispersion family (docs/metrics.md#paper-c-losses-common-settings).
 
 All functions are plain torch, work in any floating dtype and keep the autograd graph. Half-precision inputs
-(fp16/bf16) are promoted to float32 for the reductions, as spec §1.2 advises; float32 and float64 stay as they are.
+(fp16/bf16) are promoted to float32 for the reductions (the sum identities need it, docs/metrics.md#cosine-dispersion);
+float32 and float64 stay as they are.
 The returned scalar has that working dtype.
 
 Paper C's losses take one layer's hidden states ``z`` [B, L, F] (no attention mask: the reference trains on packed
@@ -9,8 +11,9 @@ blocks). ``variant="paper"`` is the paper's formula (no clamp, no additive ε); 
 the LM-Dispersion code (cosine of z/(‖z‖+ε), cosines clamped to [−1+t, 1−t] in the forward value with a
 straight-through gradient, +ε inside the logsumexp). ``clamp`` (t) and ``eps`` (ε) default to ``None`` = the
 variant's value (paper: t = 0, ε = 0; reference: t = 0.25, ε = 0.01); passing a number overrides it, e.g.
-``variant="paper", clamp=0.1`` is the "ideal t = 0.1" row of spec §4.1. The GPT-2 script of the reference uses
-t = 0.1. Sub-sample long sequences with :func:`subsample_tokens` first (reference: 256 tokens).
+``variant="paper", clamp=0.1`` is the paper formula with the clamp t = 0.1 (docs/metrics.md#angular_spread).
+The GPT-2 script of the reference uses t = 0.1. Sub-sample long sequences with :func:`subsample_tokens` first
+(reference: 256 tokens).
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def _one_minus_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 def push_away(h: torch.Tensor, mask: torch.Tensor | None = None, domains: Sequence | torch.Tensor | None = None,
               eps: float = 1e-12) -> torch.Tensor:
-    """Mean pairwise cosine distance of all non-pad token vectors of a batch, in O(N·d) (spec §2.5, §9.4).
+    """Mean pairwise cosine distance of all non-pad token vectors of a batch, in O(N·d)
+    (docs/metrics.md#push_away-and-squeeze).
 
     The vectors of every sequence are pooled together (flattened across batch and sequence, so cross-sequence
     pairs count). With u = h/max(‖h‖, eps), S = Σ u, Q = Σ ‖u‖² and N real tokens::
@@ -131,7 +135,8 @@ def push_away_pairwise(h: torch.Tensor, mask: torch.Tensor | None = None,
 # -- paper C: shared pieces ----------------------------------------------------------------------------------------
 
 def subsample_tokens(z: torch.Tensor, max_tokens: int = 256, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One random subset of ``max_tokens`` positions, shared by all batch elements (spec §4.0); z if L ≤ max_tokens.
+    """One random subset of ``max_tokens`` positions, shared by all batch elements; z if L ≤ max_tokens
+    (docs/metrics.md#paper-c-losses-common-settings).
 
     Pass a seeded ``torch.Generator`` for reproducibility (the reference code draws unseeded, per call).
     """
@@ -156,7 +161,7 @@ def _check_z(z: torch.Tensor) -> torch.Tensor:
 
 
 def _angular_distance(z: torch.Tensor, clamp: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """D_ij = arccos(c_ij)/π [B, L, L] and the diagonal mask (spec §4.0).
+    """D_ij = arccos(c_ij)/π [B, L, L] and the diagonal mask (docs/metrics.md#paper-c-losses-common-settings).
 
     c = ẑ ẑᵀ with ẑ = z/(‖z‖+ε) if ε > 0, else the true cosine (z/max(‖z‖, 1e-12)); then clamped to [−1+t, 1−t]
     in value with a straight-through gradient. With t = 0 the clamp only removes round-off beyond ±1; the
@@ -184,12 +189,12 @@ def _sq_distances(z: torch.Tensor) -> torch.Tensor:
 
 def angular_spread(z: torch.Tensor, tau: float = 1.0, variant: str = "paper", clamp: float | None = None,
                    eps: float | None = None) -> torch.Tensor:
-    """Angular-spread ("dispersion") loss of paper C (spec §4.1); lower = more dispersed.
+    """Angular-spread ("dispersion") loss of paper C (docs/metrics.md#angular_spread); lower = more dispersed.
 
     Per sequence, with D_ij = arccos(cos(z_i, z_j))/π::
 
         paper:      ℓ_b = log Σ_{i≠j} exp(−D_ij/τ) − log(L(L−1))            ∈ [−1/τ, 0]
-        reference:  ℓ_b = logsumexp_{i≠j}(−D_ij/τ + ε) − log(L(L−1))        (= paper + ε, with D from §4.0)
+        reference:  ℓ_b = logsumexp_{i≠j}(−D_ij/τ + ε) − log(L(L−1))        (= paper + ε, with the clamped D)
 
     Loss = mean_b ℓ_b. Defaults: τ = 1, variant ``paper`` (t = 0, ε = 0); ``reference`` uses t = 0.25, ε = 0.01
     (see the module docstring for overriding them). NaN if L < 2.
@@ -206,7 +211,7 @@ def angular_spread(z: torch.Tensor, tau: float = 1.0, variant: str = "paper", cl
 
 
 def decorrelation(z: torch.Tensor) -> torch.Tensor:
-    """Token–token decorrelation loss of paper C (spec §4.2).
+    """Token–token decorrelation loss of paper C (docs/metrics.md#decorrelation).
 
     Each token is standardized across its F features (mean 0, *unbiased* std 1), C_b = ẑ_b ẑ_bᵀ/(F−1) is the
     L×L Pearson correlation between tokens, and Loss = mean over b and i≠j of C_b,ij² (a mean, although the
@@ -225,7 +230,7 @@ def decorrelation(z: torch.Tensor) -> torch.Tensor:
 
 
 def l2_repel(z: torch.Tensor, tau: float = 1.0, eps: float = 0.01, norm_weight: float = 0.1) -> torch.Tensor:
-    """ℓ2-repel loss of paper C, in the reference code's form (spec §4.3)::
+    """ℓ2-repel loss of paper C, in the reference code's form (docs/metrics.md#l2_repel)::
 
         ℓ_b  = logsumexp_{all i,j}(−‖z_i − z_j‖²/τ + ε) − log(L²)      (diagonal i = j included)
         Loss = mean_b ℓ_b + norm_weight · mean(z²)                        (mean over all B·L·F entries)
@@ -243,7 +248,8 @@ def l2_repel(z: torch.Tensor, tau: float = 1.0, eps: float = 0.01, norm_weight: 
 
 def orthogonalization(z: torch.Tensor, margin: float = 0.5, variant: str = "paper", clamp: float | None = None,
                       eps: float | None = None) -> torch.Tensor:
-    """Orthogonalization loss of paper C (spec §4.4): Loss = mean_{b, i≠j} max(0, margin − D_ij)².
+    """Orthogonalization loss of paper C (docs/metrics.md#orthogonalization):
+    Loss = mean_{b, i≠j} max(0, margin − D_ij)².
 
     D_ij = arccos(c_ij)/π as in :func:`angular_spread` (angular distance 0.5 = orthogonal, so the default
     margin 0.5 pushes every pair to at least orthogonal). ``reference`` uses the code's clamp t = 0.25 and
@@ -260,12 +266,13 @@ def orthogonalization(z: torch.Tensor, margin: float = 0.5, variant: str = "pape
 
 
 def perplexity_entropy(z: torch.Tensor, tau: float = 1.0, eps: float = 0.01) -> torch.Tensor:
-    """Perplexity-entropy loss (the extra variant of paper C's code, spec §4.5), in bits::
+    """Perplexity-entropy loss (the extra variant of paper C's code, docs/metrics.md#perplexity_entropy), in bits::
 
         P_{j|i} = softmax_{j≠i}(−‖z_i − z_j‖²/τ)                 (τ plays σ²; default 1)
         Loss    = mean_{b,i} Σ_{j≠i} P_{j|i} · log₂(P_{j|i} + ε)  ≈ −(mean neighbour entropy)
 
-    ε = 0.01 reproduces the spec's oracle (−0.656388 on [(1,0),(0,1),(−1,0)]; with ε = 0 it is −0.684710).
+    ε = 0.01 reproduces oracle 26 of docs/metrics.md#oracle-values (−0.656388 on [(1,0),(0,1),(−1,0)]; with ε = 0
+    it is −0.684710).
     The sign is that of the oracle: minimizing the loss *raises* the entropy of each token's neighbour
     distribution. NaN if L < 2.
     """

@@ -20,7 +20,7 @@ metric                          per-query item                             aggre
 =============================== ========================================== ==========================================
 
 The c_i are computed against the whole evaluated population (all ranks, see ``task``), so the mean of the c_i is
-exactly D (spec §1.4).
+exactly D (docs/metrics.md#per-text-scores).
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def accuracy_high_c(items: Sequence[Any]) -> float:
 
 
 def slice_spearman(items: Sequence[dict], size: int = slices.SLICE_SIZE, seeds: int = slices.SEEDS) -> float:
-    """Spearman between fraction correct and mean slice dispersion over 0 %, 10 %, …, 100 % (spec §9.6)."""
+    """Spearman between fraction correct and mean slice dispersion over 0 %, 10 %, …, 100 %
+    (docs/metrics.md#hardness-slices)."""
     if not items:
         return float("nan")
     items = sorted(items, key=lambda item: item["doc_id"])  # the random draws must not depend on rank order

@@ -12,7 +12,8 @@ key                    default      meaning
 ====================== ============ ========================================================================
 ``repgeom_data``       (Hub)        local file or folder in the upstream schema (``data``)
 ``repgeom_layer``      ``final``    layer address (``final``, ``resid_post:-1``, ``mlp_in:12``, a hidden-state index)
-``repgeom_pooling``    ``last``     ``last`` context token (spec §9.6) or ``mean`` over the context (hardness tasks)
+``repgeom_pooling``    ``last``     ``last`` context token or ``mean`` over the context (hardness tasks; see
+                                    docs/metrics.md#hardness-slices)
 ``repgeom_correct``    ``acc``      which 0/1 metric defines a correct query (``acc`` or ``acc_norm``)
 ``repgeom_capture``    ``fused``    ``fused``: read lm-eval's own forward pass; ``extra``: one more pass
 ``repgeom_slice_size`` ``100``      queries per controlled slice
@@ -21,9 +22,9 @@ key                    default      meaning
 
 Why ``apply_filters`` does the geometry: lm-eval runs every request of every task before it scores any document,
 then calls ``apply_filters`` once per task on every rank (in the same order), then ``process_results`` per
-document. At that point each query's vector is known, so c_i (its mean cosine distance to all queries, spec §1.4)
-can be computed against the whole population — the sums of the unit vectors are added across ranks there — and
-``process_results`` can put c_i into each document's log-samples record.
+document. At that point each query's vector is known, so c_i (its mean cosine distance to all queries,
+docs/metrics.md#per-text-scores) can be computed against the whole population — the sums of the unit vectors are
+added across ranks there — and ``process_results`` can put c_i into each document's log-samples record.
 """
 
 from __future__ import annotations

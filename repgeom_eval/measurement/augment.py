@@ -1,4 +1,4 @@
-"""Augmented views of a text for the multi-view metrics (InfoNCE, LiDAR, DiME; spec §3.9).
+"""Augmented views of a text for the multi-view metrics (InfoNCE, LiDAR, DiME; docs/metrics.md#augmented-views).
 
 The recipe is nlpaug's character-level chain used by the Layer-by-Layer code — ``SplitAug``, ``RandomCharAug``
 and ``KeyboardAug`` with their defaults (p = 0.3) — with two fixes: each view is seeded from (seed, text index,

@@ -18,7 +18,8 @@ Semantics worth knowing:
 * The aux terms are added only in training mode (as paper C's trainer); evaluation is plain CE.
 * Each aux loss sees one micro-batch (per device): push-away's d is over the micro-batch's tokens. With gradient
   accumulation the aux terms are averaged over micro-batches like the CE.
-* The aux losses run outside autocast, in float32 at least (spec §1.2: the identities need it).
+* The aux losses run outside autocast, in float32 at least (the sum identities need it:
+  docs/metrics.md#cosine-dispersion).
 * Per-example domain labels travel in the batch under ``domain_key`` (default ``"domain"``, integers); they are
   removed before the model's forward.
 """
