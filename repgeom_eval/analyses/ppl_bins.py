@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from ..errors import RepgeomError
 from ..functional.dispersion import token_dispersion
+from ..functional.stats import complete_pairs, pearson, spearman
 from ..io import write_jsonl
 from ..models import LoadedModel, load_model
 from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents,
@@ -42,7 +43,6 @@ from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, de
 from ..distributed import Distributed
 from .forward import TokenRunner, next_token_logprobs, parse_addresses
 from .output import AnalysisResult
-from .stats import correlations
 
 KIND = "ppl-bins"
 DEFAULT_CHUNK_LEN = 512
@@ -115,6 +115,12 @@ def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Se
     for rows, p, d in parts:
         ppl[rows], disp[rows] = p, d
     return ppl, disp
+
+
+def correlations(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
+    """Pearson and Spearman over the complete pairs, and ``n``, the number of those pairs."""
+    pairs = complete_pairs(x, y)
+    return {"pearson": pearson(pairs.x, pairs.y), "spearman": spearman(pairs.x, pairs.y), "n": pairs.n}
 
 
 def bin_and_correlate(ppl: np.ndarray, disp: np.ndarray, layers: Sequence[str], group_size: int, n_bins: int,
