@@ -94,7 +94,8 @@ class Condensation(Metric):
 
     @classmethod
     def across_layers(cls, values: dict[str, Any], depth: list[int]) -> dict[str, Any] | None:
-        """Spearman ρ and Kendall τ_b of ``mean_cosine`` against depth, and ``mean_last_n`` (spec §4.7 steps 5–6).
+        """Spearman ρ and Kendall τ_b of ``mean_cosine`` against depth, and ``mean_last_n`` (paper C;
+        docs/metrics.md#condensation).
 
         ``values`` maps each address to this metric's ``compute()`` result in depth order. Needs ≥ 3 addresses
         (``None`` otherwise). A layer whose mean cosine is NaN is left out of both correlations, which are NaN

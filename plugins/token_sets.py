@@ -1,4 +1,5 @@
-"""Named token sets for the dispersion gap (spec §9.2): ``digits``, ``python_keywords`` and ``general``.
+"""Named token sets for the dispersion gap: ``digits``, ``python_keywords`` and ``general``
+(docs/metrics.md#dispersion-gap).
 
 A token set is a callable ``fn(vocab, *, exclude, seed, size) -> (ids, missing[, config])`` or a collection of
 words; ``vocab`` is a :class:`repgeom_eval.analyses.gap.vocabulary.Vocabulary` (stripped text of every id,

@@ -1,4 +1,4 @@
-"""Hardness analysis over per-query vectors with correctness labels (paper A §3.1 and B.1; spec §1.4, §2.6, §9.6).
+"""Hardness analysis over per-query vectors with correctness labels (paper A §3.1 and B.1).
 
 * :func:`query_scores`: c_i, the mean cosine distance of query i to all others (their mean is the dispersion D),
   and the same against the correct and the incorrect queries only. O(N·d) through the sum identity.
