@@ -46,7 +46,7 @@ def as_vector(values) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.float64).flatten()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Pairs:
     """The complete pairs of two paired inputs (both values finite) and how many pairs were dropped."""
 

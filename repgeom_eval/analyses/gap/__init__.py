@@ -1,6 +1,6 @@
-"""The dispersion gap G of a checkpoint's output projection, ``repgeom gap`` (paper A §3.2;
-docs/metrics.md#dispersion-gap): ranking checkpoints without loading them or running a forward pass.
+"""The dispersion gap G of a checkpoint's output projection, behind ``repgeom gap`` (paper A §3.2).
 
+Checkpoints are ranked by G without loading them or running a forward pass (docs/metrics.md#dispersion-gap).
 One idea per module, in the order a screening run uses them:
 
 * :mod:`.checkpoint`   read the output-embedding tensor (safetensors, sharded or not, or GGUF) and the tokenizer of
@@ -9,7 +9,7 @@ One idea per module, in the order a screening run uses them:
 * :mod:`.screening`    :func:`screen`: the vocabulary check, T and T̄ per model, G per model, the ranking.
 
 The distance math (within, between, G) is pure and lives in :mod:`repgeom_eval.functional.gap_distances`; the
-Spearman correlation of ``--scores`` in :mod:`repgeom_eval.functional.stats`.
+Spearman correlation of ``--scores`` comes from :mod:`repgeom_eval.functional.stats`.
 """
 
 from ...functional.gap_distances import DISTANCES, SIGN, dispersion_gap

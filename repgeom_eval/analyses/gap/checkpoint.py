@@ -6,9 +6,9 @@ with ``safetensors`` ``safe_open``, following the shard index of a sharded check
 the tensor and reads rows on demand (the dispersion gap needs only the |T ∪ T̄| rows of its token sets);
 :func:`read_output_embeddings` returns the whole matrix; :func:`load_tokenizer` reads the tokenizer alone.
 
-The module reads from the bottom up: locating a checkpoint, then finding the tensor in safetensors files (its name
-from a meta-device skeleton of the architecture, then transformers' key renames, then legacy names), then GGUF,
-then the two entry points that choose between them.
+Top to bottom, each piece is built from the ones above it: locating a checkpoint and reading its tokenizer; finding
+the tensor in safetensors files (its name from a meta-device skeleton of the architecture, then transformers' key
+renames, then legacy names); reading it from a GGUF file; the two entry points that choose between the formats.
 """
 
 from __future__ import annotations
