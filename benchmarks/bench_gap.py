@@ -76,7 +76,8 @@ def child(mode: str, directory: str) -> None:
     import transformers  # noqa: F401 - imported before the clock, as in every mode
 
     torch.set_num_threads(2)
-    from repgeom_eval import gap
+    from repgeom_eval.analyses import gap
+    from repgeom_eval.analyses.gap import screening
 
     out: dict = {"mode": mode}
     t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def child(mode: str, directory: str) -> None:
                                      tied=None, shape=tuple(W.shape), dtype=str(W.dtype), found_by="full load")
             return gap.OutputEmbeddings(info, lambda ids, _m=model: W[ids], lambda _m=model: W)
 
-        gap.open_output_embeddings = open_via_model
+        screening.open_output_embeddings = open_via_model  # what screen() calls
     if mode != "base":
         from repgeom_eval.entrypoints import gap_cmd
 
@@ -149,7 +150,7 @@ def build_checkpoint(directory: str, synthetic: bool) -> str:
             model.save_pretrained(directory)
             tok.save_pretrained(directory)
             # The partial read of the GGUF itself must give the matrix transformers de-quantizes.
-            from repgeom_eval.gap import read_output_embeddings
+            from repgeom_eval.analyses.gap import read_output_embeddings
 
             W_gguf, _ = read_output_embeddings(str(gguf))
             same = torch.equal(W_gguf, model.get_output_embeddings().weight.detach())

@@ -16,7 +16,7 @@ from .ppl_bins_cmd import positive_int  # one argparse type for every command
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.gap import DEFAULT_DOMAIN, DEFAULT_REFERENCE, DEFAULT_SEED, DEFAULT_SIZE, DISTANCES
+    from repgeom_eval.analyses.gap import DEFAULT_DOMAIN, DEFAULT_REFERENCE, DEFAULT_SEED, DEFAULT_SIZE, DISTANCES
 
     p.add_argument("--models", "-m", nargs="+", required=True, metavar="MODEL",
                    help="model directories (safetensors, sharded or not), .gguf files, or cached hub ids; they must "
@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from repgeom_eval.gap import screen, spearman
+    from repgeom_eval.analyses.gap import screen
+    from repgeom_eval.functional.stats import complete_pairs, spearman
     from repgeom_eval.output.files import check_writable, jsonable
 
     if args.output:
@@ -153,9 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if scores is not None:
         for row in result.rows:
             row["accuracy"] = scores[row["model"]]
-        g = [r["G"] for r in result.rows]
-        acc = [r["accuracy"] for r in result.rows]
-        result.spearman = {"rho": spearman(g, acc), "n": len(g), "between": "G and accuracy",
+        pairs = complete_pairs([r["G"] for r in result.rows], [r["accuracy"] for r in result.rows])
+        result.spearman = {"rho": spearman(pairs.x, pairs.y), "n": pairs.n, "between": "G and accuracy",
                            "ties": "average ranks", "scores_file": args.scores}
     if args.output:
         result.write(args.output)

@@ -16,9 +16,8 @@ from repgeom_eval.functional.condensation import (
     condensation_batch,
     cosine_histogram,
     histogram_edges,
-    kendall_tau_b,
-    spearman,
 )
+from repgeom_eval.functional.stats import kendall_tau_b, spearman
 
 _NAN = float("nan")
 
@@ -96,11 +95,12 @@ class Condensation(Metric):
 
     @classmethod
     def across_layers(cls, values: dict[str, Any], depth: list[int]) -> dict[str, Any] | None:
-        """Spearman ρ and Kendall τ_b of ``mean_cosine`` against depth, and ``mean_last_n``
-        (docs/metrics.md#condensation).
+        """Spearman ρ and Kendall τ_b of ``mean_cosine`` against depth, and ``mean_last_n`` (paper C;
+        docs/metrics.md#condensation).
 
         ``values`` maps each address to this metric's ``compute()`` result in depth order. Needs ≥ 3 addresses
-        (``None`` otherwise). A NaN layer makes both correlations NaN (scipy's default ``nan_policy``).
+        (``None`` otherwise). A layer whose mean cosine is NaN is left out of both correlations, which are NaN
+        when fewer than 3 layers remain (the policy of :mod:`repgeom_eval.functional.stats`).
         """
         if len(values) < 3:
             return None

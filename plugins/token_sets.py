@@ -2,8 +2,9 @@
 ``general``.
 
 A token set is a callable ``fn(vocab, *, exclude, seed, size) -> (ids, missing[, config])`` or a collection of
-words; ``vocab`` is a :class:`repgeom_eval.gap.Vocabulary` (stripped text of every id, ``vocab.ids_for(word)``,
-``vocab.resolve_words(words, exclude)``). See the module docstring of :mod:`repgeom_eval.gap` for the matching rule.
+words; ``vocab`` is a :class:`repgeom_eval.analyses.gap.vocabulary.Vocabulary` (stripped text of every id,
+``vocab.ids_for(word)``, ``vocab.resolve_words(words, exclude)``). See the module docstring of
+:mod:`repgeom_eval.analyses.gap.vocabulary` for the matching rule.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def repgeom_register_token_sets(registry: "Registry") -> None:
     """Register named token sets (``digits``, ``python_keywords`` ...) used by the dispersion gap.
 
     A token set is a collection of words or a callable ``fn(vocab, *, exclude, seed, size) -> (ids, missing)``
-    (optionally ``(ids, missing, config)``) over a :class:`repgeom_eval.gap.Vocabulary`; see ``repgeom_eval.gap``.
+    (optionally ``(ids, missing, config)``) over a :class:`repgeom_eval.analyses.gap.vocabulary.Vocabulary`; see
+    ``repgeom_eval.analyses.gap.vocabulary``.
     """
 
 

@@ -10,11 +10,12 @@ import shutil
 import pytest
 import torch
 
-from repgeom_eval import gap
+from repgeom_eval.analyses.gap import (Vocabulary, dispersion_gap, open_output_embeddings, read_output_embeddings,
+                                       resolve_token_set, screen, vocabulary_difference)
 from repgeom_eval.entrypoints import gap_cmd
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.gap import (Vocabulary, dispersion_gap, open_output_embeddings, read_output_embeddings,
-                              resolve_token_set, screen, spearman, vocabulary_difference)
+from repgeom_eval.functional import gap_distances
+from repgeom_eval.functional.stats import rankdata, spearman
 
 
 # -- fixtures ----------------------------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_brute_force_equality_on_random_data(distance, monkeypatch):
     T = [0, 3, 5, 9, 11, 17, 20]
     Tbar = [i for i in range(60) if i not in T][::2]
     expected = _brute(W[T], W[Tbar], distance)
-    monkeypatch.setattr(gap, "_chunk_rows", lambda n_cols, budget=0: 4)  # exercise the row chunks
+    monkeypatch.setattr(gap_distances, "_chunk_rows", lambda n_cols, budget=0: 4)  # exercise the row chunks
     got = dispersion_gap(W, T, Tbar, distance=distance)
     for key in expected:
         assert got[key] == pytest.approx(expected[key], abs=1e-9), key
@@ -135,7 +136,7 @@ def test_spearman_average_ranks():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     assert math.isnan(spearman([1, 1, 1], [1, 2, 3])) and math.isnan(spearman([1], [2]))
-    assert list(gap.average_ranks([0.1, 0.3, 0.3, 0.5])) == [1.0, 2.5, 2.5, 4.0]
+    assert rankdata([0.1, 0.3, 0.3, 0.5]).tolist() == [1.0, 2.5, 2.5, 4.0]
     import scipy.stats as stats
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 5, (30,), generator=g).tolist()  # many ties
@@ -339,6 +340,18 @@ def test_command_end_to_end(models, gap_host, tmp_path, capsys):
     scores.write_text(json.dumps({m: -a for m, a in acc.items()}))  # a JSON object, reversed order
     assert run_gap("--models", *three, "--scores", scores, "--json") == 0
     assert json.loads(capsys.readouterr().out)["spearman"]["rho"] == pytest.approx(-1.0)
+
+
+def test_command_scores_of_two_models_give_nan(models, gap_host, tmp_path, capsys):
+    """Two points correlate ±1 whatever the data, so ρ needs 3 models (before the shared statistics module: ±1)."""
+    two = [models["gpt2"], models["neox"]]
+    scores = tmp_path / "acc.json"
+    scores.write_text(json.dumps(dict(zip(two, (0.3, 0.6)))))
+    assert run_gap("--models", *two, "--scores", scores, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["spearman"] | {"scores_file": None} == {
+        "rho": None, "n": 2, "between": "G and accuracy", "ties": "average ranks", "scores_file": None}  # NaN → null
+    assert run_gap("--models", *two, "--scores", scores) == 0
+    assert "Spearman ρ(G, accuracy) = nan over 2 models" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -19,9 +19,6 @@ from repgeom_eval.functional.condensation import (
     cosine_histogram,
     cosine_matrix,
     histogram_edges,
-    kendall_tau_b,
-    rankdata,
-    spearman,
 )
 from repgeom_eval.functional.curvature import curvature
 from repgeom_eval.functional.entropy import (
@@ -39,6 +36,7 @@ from repgeom_eval.functional.entropy import (
     spectrum_entropy,
     vendi_score,
 )
+from repgeom_eval.functional.stats import kendall_tau_b, rankdata, spearman
 from repgeom_eval.plugins import condensation as condensation_plugin
 from repgeom_eval.plugins import layerwise
 from repgeom_eval.plugins.condensation import Condensation

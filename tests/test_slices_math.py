@@ -11,6 +11,7 @@ import pytest
 
 from repgeom_eval.analyses import slices
 from repgeom_eval.functional.dispersion import pairwise_dispersion
+from repgeom_eval.functional.stats import auroc
 from repgeom_eval.analyses.queries import decode_vector, encode_vector
 
 import torch  # noqa: E402
@@ -82,9 +83,9 @@ def test_auroc_matches_sklearn_with_ties():
     rng = np.random.default_rng(0)
     s = np.round(rng.normal(size=200), 1)  # many ties
     y = (rng.random(200) < 0.5 + 0.2 * np.tanh(s)).astype(float)
-    assert slices.auroc(s, y) == pytest.approx(roc_auc_score(y, s), abs=1e-12)
-    assert slices.auroc([0.1, 0.9, 0.5], [0, 1, 1]) == 1.0
-    assert math.isnan(slices.auroc([0.1, 0.2], [1, 1]))
+    assert auroc(s, y) == pytest.approx(roc_auc_score(y, s), abs=1e-12)
+    assert auroc([0.1, 0.9, 0.5], [0, 1, 1]) == 1.0
+    assert math.isnan(auroc([0.1, 0.2], [1, 1]))
 
 
 def test_decile_accuracy():
@@ -179,7 +180,7 @@ def test_aggregations_from_items_match_direct_computation_in_any_order():
     assert metrics.mean_of_defined(column("repgeom_dispersion_correct")) == pytest.approx(brute_d(x[ok]), abs=1e-12)
     assert metrics.mean_of_defined(column("repgeom_dispersion_incorrect")) == pytest.approx(brute_d(x[~ok]),
                                                                                             abs=1e-12)
-    assert metrics.auroc(column("repgeom_auroc")) == pytest.approx(slices.auroc(sc["c"], ok), abs=1e-12)
+    assert metrics.auroc(column("repgeom_auroc")) == pytest.approx(auroc(sc["c"], ok), abs=1e-12)
     low, high, _ = slices.decile_accuracy(sc["c"], ok)
     assert metrics.accuracy_low_c(column("repgeom_acc_low_c")) == low
     assert metrics.accuracy_high_c(column("repgeom_acc_high_c")) == high

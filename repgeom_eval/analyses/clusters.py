@@ -118,7 +118,7 @@ def clusters(
     progress: bool = True,
 ) -> AnalysisResult:
     """Within/between-cluster distances at ``layers`` for every model in ``models`` (same contexts for all)."""
-    from ..gap import vocabulary_difference
+    from .gap.vocabulary import vocabulary_difference
 
     t_start = time.perf_counter()
     if not models:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -27,7 +28,6 @@ from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents
 from repgeom_eval.measurement.forward import Forward, batches, parse_addresses
 from repgeom_eval.analyses.envelope import AnalysisResult
-from .stats import mean_std
 
 KIND = "knn-keys"
 DEFAULT_CANDIDATES = ("resid_mid:-1", "resid_post:-1", "mlp_in:-1")
@@ -64,6 +64,12 @@ def last_token_vectors(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: 
                 parts[a].append(h[rows.to(h.device), last.to(h.device)].double().cpu())
             bar.update(len(batch))
     return {a: torch.cat(v) for a, v in parts.items()}
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and population standard deviation (ddof = 0, numpy's default) of one candidate's values over seeds."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(v.mean()), float(v.std())
 
 
 def knn_keys(

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from ..errors import RepgeomError
 from ..functional.dispersion import token_dispersion
+from repgeom_eval.functional.stats import complete_pairs, pearson, spearman
 from repgeom_eval.output.files import write_jsonl
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents,
@@ -43,7 +44,6 @@ from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, de
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.forward import Forward, next_token_logprobs, parse_addresses
 from repgeom_eval.analyses.envelope import AnalysisResult
-from .stats import correlations
 
 KIND = "ppl-bins"
 DEFAULT_CHUNK_LEN = 512
@@ -116,6 +116,12 @@ def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Se
     for rows, p, d in parts:
         ppl[rows], disp[rows] = p, d
     return ppl, disp
+
+
+def correlations(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
+    """Pearson and Spearman over the complete pairs, and ``n``, the number of those pairs."""
+    pairs = complete_pairs(x, y)
+    return {"pearson": pearson(pairs.x, pairs.y), "spearman": spearman(pairs.x, pairs.y), "n": pairs.n}
 
 
 def bin_and_correlate(ppl: np.ndarray, disp: np.ndarray, layers: Sequence[str], group_size: int, n_bins: int,

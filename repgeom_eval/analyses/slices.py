@@ -1,8 +1,9 @@
-"""Hardness analysis over per-query vectors with correctness labels (paper A §3.1 and B.1; spec §1.4, §2.6, §9.6).
+"""Hardness analysis over per-query vectors with correctness labels (paper A §3.1 and B.1).
 
 * :func:`query_scores`: c_i, the mean cosine distance of query i to all others (their mean is the dispersion D),
   and the same against the correct and the incorrect queries only. O(N·d) through the sum identity.
-* :func:`auroc`, :func:`decile_accuracy`: how well c_i separates correct from incorrect queries.
+* :func:`decile_accuracy` (and :func:`repgeom_eval.functional.stats.auroc`): how well c_i separates correct from
+  incorrect queries.
 * :func:`controlled_slices`: slices of ``size`` queries with a controlled fraction correct (0 %, 10 %, …, 100 %),
   drawn without replacement for each of ``seeds`` seeds; per fraction the mean ± s.e. over seeds of the slice
   dispersion (D across the slice's vectors) and of the slice's mean perplexity; Spearman of the curve.
@@ -21,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from repgeom_eval.functional.stats import spearman
 
 FRACTIONS = tuple(round(i / 10, 1) for i in range(11))
 DENSE_FRACTIONS = tuple(round(i / 50, 2) for i in range(51))
@@ -96,22 +99,6 @@ def query_scores(vectors: np.ndarray, correct: np.ndarray) -> dict[str, np.ndarr
     }
 
 
-def auroc(scores: Sequence[float], correct: Sequence[float]) -> float:
-    """Area under the ROC curve of ``scores`` for predicting ``correct`` (ties count one half); NaN if one class
-    is missing. 0.5 = no information, above 0.5 = correct queries score higher."""
-    s = np.asarray(scores, dtype=np.float64)
-    y = np.asarray(correct, dtype=bool)
-    keep = np.isfinite(s)
-    s, y = s[keep], y[keep]
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    from scipy.stats import rankdata
-
-    ranks = rankdata(s)  # average ranks for ties: the Mann–Whitney form of the AUROC
-    return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
 def decile_accuracy(scores: Sequence[float], correct: Sequence[float]) -> tuple[float, float, int]:
     """(accuracy of the lowest-scoring 10 %, of the highest-scoring 10 %, queries per decile ≥ 1).
 
@@ -125,28 +112,6 @@ def decile_accuracy(scores: Sequence[float], correct: Sequence[float]) -> tuple[
     k = max(1, len(s) // 10)
     order = np.lexsort((y, s))
     return float(y[order[:k]].mean()), float(y[order[-k:]].mean()), k
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman correlation over the pairs where both are finite; NaN when undefined (constant input, < 3)."""
-    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    keep = np.isfinite(a) & np.isfinite(b)
-    a, b = a[keep], b[keep]
-    if len(a) < 3 or np.all(a == a[0]) or np.all(b == b[0]):
-        return float("nan")
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(a, b).statistic)
-
-
-def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson correlation over the pairs where both are finite; NaN when undefined."""
-    a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    keep = np.isfinite(a) & np.isfinite(b)
-    a, b = a[keep], b[keep]
-    if len(a) < 3 or np.all(a == a[0]) or np.all(b == b[0]):
-        return float("nan")
-    return float(np.corrcoef(a, b)[0, 1])
 
 
 # -- controlled slices --------------------------------------------------------------------------------------------

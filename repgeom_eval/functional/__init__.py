@@ -1,6 +1,6 @@
 """Pure functions of tensors: the math of every metric, testable without a model."""
 
-from .condensation import condensation, cosine_histogram, kendall_tau_b, spearman
+from .condensation import condensation, cosine_histogram
 from .contrastive import dime, dime_exact, infonce, lidar, lidar_from_stats, lidar_stats
 from .curvature import curvature
 from .dispersion import (
@@ -34,6 +34,7 @@ from .losses import (
     push_away_pairwise,
     subsample_tokens,
 )
+from .stats import auroc, kendall_tau_b, pearson, spearman
 
 __all__ = [
     "center_and_unit",
@@ -43,8 +44,10 @@ __all__ = [
     "dataset_entropy",
     "effective_rank",
     "gram_spectrum",
+    "auroc",
     "kendall_tau_b",
     "prompt_entropy",
+    "pearson",
     "renyi_entropy",
     "repitl_alpha2_shortcut",
     "spearman",

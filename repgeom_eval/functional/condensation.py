@@ -1,4 +1,4 @@
-"""Embedding condensation (paper C, spec §4.7) and the rank correlations used to trend it against depth.
+"""Embedding condensation (paper C; docs/metrics.md#condensation): mean token–token cosine, cosine histogram.
 
 Per text with S token vectors x_i at one layer, paper C's code uses the *max-eps* unit vectors
 ``u_i = x_i / max(‖x_i‖, 1e-3)`` and the S×S matrix ``C = clip(U Uᵀ, −1, 1)``, **diagonal included**, and reports
@@ -16,8 +16,6 @@ linear, that equals the mean over texts of the per-text m_incl, which also cover
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -98,69 +96,3 @@ def cosine_histogram(tokens: torch.Tensor, bins: int = DEFAULT_BINS, eps: float 
         idx = torch.bucketize(c.flatten(), inner, right=True)
         counts += torch.bincount(idx, minlength=bins).to(torch.float64).cpu()
     return counts
-
-
-# -- rank correlations (no scipy at run time) --------------------------------------------------------------------
-
-def _as_vector(x) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.float64).flatten().cpu()
-
-
-def rankdata(x) -> torch.Tensor:
-    """1-based ranks with ties given their average rank (scipy's ``rankdata(method="average")``)."""
-    x = _as_vector(x)
-    n = x.numel()
-    order = torch.argsort(x, stable=True)
-    xs = x[order]
-    new_group = torch.ones(n, dtype=torch.bool)
-    new_group[1:] = xs[1:] != xs[:-1]
-    group = torch.cumsum(new_group.long(), 0) - 1
-    counts = torch.bincount(group).to(torch.float64)
-    starts = torch.cumsum(counts, 0) - counts
-    ranks = torch.empty(n, dtype=torch.float64)
-    ranks[order] = (starts + (counts + 1) / 2)[group]
-    return ranks
-
-
-def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a - a.mean(), b - b.mean()
-    den = math.sqrt(float(a @ a) * float(b @ b))
-    return float(a @ b) / den if den > 0 else float("nan")
-
-
-def spearman(x, y) -> float:
-    """Spearman's ρ: the Pearson correlation of the average ranks (ties handled as scipy ``spearmanr``).
-
-    Raises ValueError on unequal lengths. NaN if there are fewer than 2 values, any value is NaN (scipy's
-    ``nan_policy="propagate"``), or either input is constant. Oracle: [0.1, 0.3, 0.3, 0.5] vs 0..3 → 0.948683.
-    """
-    x, y = _as_vector(x), _as_vector(y)
-    if x.numel() != y.numel():
-        raise ValueError(f"x and y differ in length: {x.numel()} vs {y.numel()}")
-    if x.numel() < 2 or bool(torch.isnan(x).any() or torch.isnan(y).any()):
-        return float("nan")
-    return _pearson(rankdata(x), rankdata(y))
-
-
-def kendall_tau_b(x, y, block: int = 2048) -> float:
-    """Kendall's τ_b = (n_c − n_d) / sqrt((n₀ − n_x)(n₀ − n_y)) (ties handled as scipy ``kendalltau``'s default).
-
-    n_c/n_d count concordant/discordant pairs, n₀ = n(n−1)/2, n_x/n_y the pairs tied in x/y. Computed with sign
-    products, Σ_{i,j} sgn(x_i−x_j)·sgn(y_i−y_j) / sqrt(Σ sgn(x_i−x_j)² · Σ sgn(y_i−y_j)²), in O(n²) time and
-    O(block·n) memory: meant for per-layer series, not millions of points. NaN as for :func:`spearman`.
-    Oracle: [0.1, 0.3, 0.3, 0.5] vs 0..3 → 0.912871.
-    """
-    x, y = _as_vector(x), _as_vector(y)
-    if x.numel() != y.numel():
-        raise ValueError(f"x and y differ in length: {x.numel()} vs {y.numel()}")
-    if x.numel() < 2 or bool(torch.isnan(x).any() or torch.isnan(y).any()):
-        return float("nan")
-    num = sx = sy = 0.0
-    for lo in range(0, x.numel(), block):
-        dx = torch.sign(x[lo:lo + block, None] - x[None, :])
-        dy = torch.sign(y[lo:lo + block, None] - y[None, :])
-        num += float((dx * dy).sum())
-        sx += float((dx * dx).sum())
-        sy += float((dy * dy).sum())
-    den = math.sqrt(sx * sy)
-    return num / den if den > 0 else float("nan")

@@ -34,6 +34,7 @@ import numpy as np
 from lm_eval.api.registry import aggregation_registry, metric_registry, register_aggregation, register_metric
 
 from repgeom_eval.analyses import slices
+from repgeom_eval.functional import stats
 from repgeom_eval.analyses.queries import decode_vector, encode_vector
 
 HARDNESS_METRICS = ("repgeom_dispersion", "repgeom_dispersion_correct", "repgeom_dispersion_incorrect",
@@ -91,7 +92,7 @@ def mean_of_defined(items: Sequence[float | None]) -> float:
 
 def auroc(items: Sequence[Any]) -> float:
     c, ok = _pairs(items)
-    return slices.auroc(c, ok)
+    return stats.auroc(c, ok)
 
 
 def accuracy_low_c(items: Sequence[Any]) -> float:
@@ -118,12 +119,12 @@ def slice_spearman(items: Sequence[dict], size: int = slices.SLICE_SIZE, seeds: 
 
 def pearson(items: Sequence[Any]) -> float:
     x, y = _pairs(items)
-    return slices.pearson(x, y)
+    return stats.pearson(x, y)
 
 
 def spearman(items: Sequence[Any]) -> float:
     x, y = _pairs(items)
-    return slices.spearman(x, y)
+    return stats.spearman(x, y)
 
 
 # -- registration (import side effect; idempotent) -----------------------------------------------------------------

@@ -68,8 +68,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _locate(name: str) -> tuple[str, dict[str, Any], str]:
-    """(path or id for from_pretrained, extra kwargs, source kind)."""
+def locate_model(name: str) -> tuple[str, dict[str, Any], str]:
+    """Where a model name points, without reading it: (path or hub id for ``from_pretrained``, extra kwargs such
+    as ``gguf_file``, source kind ``"directory"``, ``"gguf"`` or ``"hub"``). A path that does not exist, or is not a
+    model directory or .gguf file, is a RepgeomError."""
     path = Path(os.path.expanduser(name))
     if path.is_file():
         if path.suffix != ".gguf":
@@ -105,7 +107,7 @@ def load_model(
     host = host or get_host()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    target, extra, source = _locate(name)
+    target, extra, source = locate_model(name)
     cache = _gguf_cache_dir(Path(target) / extra["gguf_file"], torch_dtype) if source == "gguf" else None
     from_cache = cache is not None and (cache / "config.json").is_file()
     if from_cache:
