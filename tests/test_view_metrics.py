@@ -22,7 +22,6 @@ from repgeom_eval.functional.contrastive import (
 from repgeom_eval.functional.dispersion import unit
 from repgeom_eval.plugins import views_metrics
 from repgeom_eval.plugins.views_metrics import DiME, InfoNCE, LiDAR
-from repgeom_eval.testing import check_metric
 
 T = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731
 
@@ -221,18 +220,6 @@ def test_dime_edge_cases():
 
 
 # -- metric classes --------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("cls, kwargs", [
-    (InfoNCE, {}),
-    (InfoNCE, {"variant": "simclr", "tau": 0.5}),
-    (DiME, {}),
-    (DiME, {"n_iters": 3, "seed": 4}),
-    (LiDAR, {"n_views": 2}),
-    (LiDAR, {"n_views": 2, "variant": "information_flow"}),
-])
-def test_check_metric(cls, kwargs):
-    check_metric(cls, kwargs)
-
 
 def _batch(views, lo=0):
     return LayerBatch("test", torch.arange(lo, lo + views.shape[0]), views=views)

@@ -51,7 +51,7 @@ class Augmenter:
         state = np.random.SeedSequence([self.seed, index, view]).generate_state(1)[0]
         with _seeded(int(state)):
             out = self._flow.augment(text, n=1)
-        out = out[0] if isinstance(out, list) else out
+        out = out[0] if isinstance(out, list) and out else out
         return out if isinstance(out, str) and out.strip() else text  # nlpaug may return nothing for tiny texts
 
     def config(self) -> dict[str, Any]:
