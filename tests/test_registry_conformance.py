@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import repgeom_eval
-from repgeom_eval.plugin_host import PluginHost, get_host
+from repgeom_eval.plugin_system.host import PluginHost, get_host
 from repgeom_eval.testing import check_metric
 
 # Extra constructor arguments by metric name. Every registered metric is checked with its defaults ({}) whether or

@@ -1,6 +1,6 @@
 """Value tests: the augmented views of the multi-view metrics (infonce, lidar, dime) against nlpaug called directly.
 
-The recipe, as repgeom documents it (repgeom_eval/augment.py and its ``config()``): nlpaug's
+The recipe, as repgeom documents it (repgeom_eval/measurement/augment.py and its ``config()``): nlpaug's
 ``Sequential([SplitAug, RandomCharAug, KeyboardAug])`` with p = 0.3, one string in, one string out; view v of text i
 is drawn with the global ``random`` and ``numpy.random`` generators seeded from (seed, i, v) through
 ``numpy.random.SeedSequence([seed, i, v]).generate_state(1)[0]``, and a text for which nlpaug returns nothing
@@ -43,7 +43,7 @@ def direct_view(flow, text: str, seed: int, index: int, view: int) -> str:
 
 @pytest.fixture(scope="module")
 def augmenter_cls():
-    from repgeom_eval.augment import Augmenter  # the module the pipeline uses for its views
+    from repgeom_eval.measurement.augment import Augmenter  # the module the pipeline uses for its views
 
     return Augmenter
 
