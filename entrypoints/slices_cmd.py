@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         "n_correct": int(queries.correct.sum()),
         "dim": int(queries.vectors.shape[1]),
         "config": {"size": args.size, "seeds": args.seeds, "seed": args.seed, "fractions": curve.fractions,
-                   "slice_dispersion": "D across the slice's pooled vectors (spec §9.6)", "version": __version__},
+                   "slice_dispersion": "D across the slice's pooled vectors (docs/metrics.md#hardness-slices)", "version": __version__},
         "slices": curve.to_dict(),
         "calibration": calibration.to_dict() if calibration else None,
         "notes": notes,

@@ -27,6 +27,7 @@ from ..functional.dispersion import dispersion
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents
 from repgeom_eval.measurement.forward import Forward, batches, parse_addresses
+from repgeom_eval.measurement.pooling import pool
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "knn-keys"
@@ -57,11 +58,9 @@ def last_token_vectors(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: 
                                                          disable=not progress, leave=False) as bar:
         for batch in batches(chunks, batch_size):
             out = runner.token_ids([c.ids for c in batch])
-            last = out.mask.long().sum(1) - 1
-            rows = torch.arange(len(batch))
             for a in addresses:
                 h = out.hidden[a]
-                parts[a].append(h[rows.to(h.device), last.to(h.device)].double().cpu())
+                parts[a].append(pool(h.double(), out.mask.to(h.device), "last")[0].cpu())
             bar.update(len(batch))
     return {a: torch.cat(v) for a, v in parts.items()}
 

@@ -31,6 +31,7 @@ from ..functional.entropy import prompt_entropy
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import load_documents, tokenize_documents
 from repgeom_eval.measurement.forward import Forward, batches, parse_addresses
+from repgeom_eval.measurement.pooling import pool
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "perturb"
@@ -63,8 +64,10 @@ def _measure(runner: Forward, addrs: Sequence[Any], prompts: Sequence[Sequence[i
     for batch in batches(prompts, batch_size):
         out = runner.token_ids(batch)
         for a in addrs:
+            vecs, owner = pool(out.hidden[a].double(), out.mask.to(out.hidden[a].device), "tokens")
+            vecs, owner = vecs.cpu(), owner.cpu()
             for i in range(len(batch)):
-                tokens = out.hidden[a][i][out.mask[i].to(out.hidden[a].device)].double().cpu()
+                tokens = vecs[owner == i]
                 ent[a].append(prompt_entropy(tokens)["normalized"])
                 disp[a].append(float(dispersion(tokens)))
     return {"prompt_entropy": [float(np.nanmean(ent[a])) for a in addrs],

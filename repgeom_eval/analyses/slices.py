@@ -43,7 +43,7 @@ def unit_rows(vectors: np.ndarray) -> np.ndarray:
 
 
 def dispersion_of_units(u: np.ndarray) -> float:
-    """D = 1 − (‖Σu‖² − Σ‖u‖²)/(n(n−1)) for unit rows (spec §1.2); NaN when n < 2."""
+    """D = 1 − (‖Σu‖² − Σ‖u‖²)/(n(n−1)) for unit rows (docs/metrics.md#cosine-dispersion); NaN when n < 2."""
     n = u.shape[0]
     if n < 2:
         return float("nan")
@@ -87,7 +87,7 @@ def scores_against(u: np.ndarray, member: np.ndarray, sums: SetSums) -> np.ndarr
 def query_scores(vectors: np.ndarray, correct: np.ndarray) -> dict[str, np.ndarray]:
     """``c`` (against all queries), ``c_correct`` and ``c_incorrect`` (against the correct / incorrect ones).
 
-    mean(c) = D(all); the mean of ``c_correct`` over the correct queries is D(correct) (spec §1.4).
+    mean(c) = D(all); the mean of ``c_correct`` over the correct queries is D(correct) (docs/metrics.md#per-text-scores).
     """
     u = unit_rows(vectors)
     ok = np.asarray(correct, dtype=bool)
@@ -166,7 +166,7 @@ def _draw(rng: np.random.Generator, pos: np.ndarray, neg: np.ndarray, size: int,
 def controlled_slices(vectors: np.ndarray, correct: Sequence[float], ppl: Sequence[float] | None = None,
                       fractions: Sequence[float] = FRACTIONS, size: int = SLICE_SIZE, seeds: int = SEEDS,
                       seed: int = 0) -> SliceCurve:
-    """The controlled-slice experiment of spec §9.6 (paper A Fig. 8, Tables 3–4).
+    """The controlled-slice experiment of docs/metrics.md#hardness-slices (paper A Fig. 8, Tables 3–4).
 
     For every fraction f and seed s: ``round(size·f)`` correct and the rest incorrect queries, drawn without
     replacement; slice dispersion = D across their vectors, slice perplexity = mean of their ``ppl``. When the
@@ -255,7 +255,7 @@ def _fit(name: str, x: np.ndarray, y: np.ndarray):
 def calibrate(vectors: np.ndarray, correct: Sequence[float], splits: tuple[float, float, float] = CALIBRATION_SPLIT,
               fractions: Sequence[float] = DENSE_FRACTIONS, size: int = SLICE_SIZE, seeds: int = SEEDS,
               regressors: Sequence[str] = REGRESSORS, seed: int = 0) -> Calibration:
-    """Predict slice accuracy from slice dispersion (spec §9.6, paper A B.1.3).
+    """Predict slice accuracy from slice dispersion (docs/metrics.md#hardness-slices, paper A B.1.3).
 
     Per seed: split the queries at random into calibration / validation / test parts (``splits``), draw one slice
     per fraction (2 % steps) in each part, fit every regressor on the calibration slices, keep the one with the

@@ -30,7 +30,7 @@ def condensation_units(x: torch.Tensor, eps: float = CONDENSATION_EPS) -> torch.
 
 
 def condensation(tokens: torch.Tensor, eps: float = CONDENSATION_EPS) -> dict[str, float]:
-    """Mean cosine of one text's token vectors ``tokens`` [S, d], O(S·d) (spec §4.7, defaults §9.7).
+    """Mean cosine of one text's token vectors ``tokens`` [S, d], O(S·d) (docs/metrics.md#condensation).
 
     Returns ``{"mean_cosine": m_incl (all S² entries, diagonal included — paper C's statistic),
     "mean_cosine_excl_diag": m_excl (i ≠ j only)}``. S = 0 gives NaN for both; S = 1 gives m_incl = ‖u‖² (1 for

@@ -4,7 +4,7 @@ HFLM scores a request ``(context, continuation)`` with one forward pass over ``(
 (left-truncated to the model length) inside ``_loglikelihood_tokens``: ``_model_call`` runs a batch, then
 ``_select_cont_toks`` is called once per row, in row order, with the row's ``contlen`` and ``inplen``. Position
 ``inplen - contlen`` of a row holds the last context token, whose hidden state predicts the first continuation
-token: at the requested layer it is the query's vector (spec §9.6). Positions ``inplen - contlen … inplen - 1`` are
+token: at the requested layer it is the query's vector (docs/metrics.md#hardness-slices). Positions ``inplen - contlen … inplen - 1`` are
 the ones whose predictions are scored, i.e. the tokens of a rolling-perplexity window.
 
 While a run has repgeom tasks, :class:`HiddenStates` shadows those methods on the HFLM *instance*: ``_model_call``
@@ -70,7 +70,7 @@ class TokenStats:
         return TokenStats(self.s + other.s, self.q + other.q, self.n + other.n)
 
     def dispersion(self) -> float:
-        """D over the tokens (spec §1.2); NaN with fewer than 2 tokens."""
+        """D over the tokens (docs/metrics.md#cosine-dispersion); NaN with fewer than 2 tokens."""
         if self.n < 2:
             return float("nan")
         return float(1.0 - (self.s @ self.s - self.q) / (self.n * (self.n - 1)))

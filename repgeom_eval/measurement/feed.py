@@ -1,6 +1,6 @@
 """From one address's captured batch to metric states: pool (each pooling once), preprocess, update.
 
-Pooling sums run in float64 (docs/metrics.md#numerics); a metric reads exactly the vectors of its kind (pooled
+Pooling sums run in float64 (docs/metrics.md#conventions); a metric reads exactly the vectors of its kind (pooled
 originals, token vectors, or the pooled augmented views of each text once all of them have arrived).
 """
 

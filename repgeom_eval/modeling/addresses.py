@@ -1,4 +1,4 @@
-"""Layer addresses: parsing the grammar of spec §9.8 and resolving it to hook points on a model.
+"""Layer addresses: parsing the grammar of docs/metrics.md#layer-addresses and resolving it to hook points on a model.
 
 Grammar (items separated by commas or given as a list)::
 

@@ -3,7 +3,7 @@
 Checkpoints are ranked by G without loading them or running a forward pass (docs/metrics.md#dispersion-gap).
 One idea per module, in the order a screening run uses them:
 
-* :mod:`.checkpoint`   read the output-embedding tensor (safetensors, sharded or not, or GGUF) and the tokenizer of
+* :mod:`.weights`      read the output-embedding tensor (safetensors, sharded or not, or GGUF) and the tokenizer of
                        a checkpoint without loading the model;
 * :mod:`.vocabulary`   a tokenizer's vocabulary as stripped token texts, and token-set specs resolved to token ids;
 * :mod:`.screening`    :func:`screen`: the vocabulary check, T and T̄ per model, G per model, the ranking.
@@ -13,7 +13,7 @@ Spearman correlation of ``--scores`` comes from :mod:`repgeom_eval.functional.st
 """
 
 from ...functional.gap_distances import DISTANCES, SIGN, dispersion_gap
-from .checkpoint import EmbeddingInfo, OutputEmbeddings, load_tokenizer, open_output_embeddings, read_output_embeddings
+from .weights import EmbeddingInfo, OutputEmbeddings, load_tokenizer, open_output_embeddings, read_output_embeddings
 from .screening import GapResult, screen
 from .vocabulary import (
     DEFAULT_DOMAIN,

@@ -1,0 +1,137 @@
+"""The one measurement engine: one run configuration, one layer-request rule, one place that builds model inputs."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+import repgeom_eval
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.measurement.config import POOLING_CHOICES, RunConfig
+from repgeom_eval.measurement.engine import measure
+from repgeom_eval.measurement.forward import parse_addresses
+from repgeom_eval.measurement.pooling import POOLING_ALIASES, POOLINGS
+from repgeom_eval.modeling.loading import load_model
+
+PACKAGE = Path(repgeom_eval.__file__).parent
+ROOT = PACKAGE.parent
+SOURCES = sorted([*PACKAGE.rglob("*.py"), *(ROOT / "plugins").glob("*.py"), *(ROOT / "entrypoints").glob("*.py")])
+
+
+# -- the run configuration ---------------------------------------------------------------------------------------------
+
+def _parse(argv: list[str]) -> RunConfig:
+    parser = argparse.ArgumentParser()
+    RunConfig.add_arguments(parser)
+    return RunConfig.from_namespace(parser.parse_args(argv))
+
+
+def test_cli_and_api_build_the_same_configuration():
+    cli = _parse(["--layers", "final", "resid_post:0", "--metrics", "dispersion,token_dispersion", "vendi",
+                  "--metric-param", "vendi.q=2", "--metric-param", "dispersion.per_text=true", "--batch-size", "3",
+                  "--padding-side", "left", "--seed", "7", "--max-length", "32", "--no-progress"])
+    api = RunConfig(layers=["final", "resid_post:0"], metrics=["dispersion", "token_dispersion", "vendi"],
+                    metric_params={"vendi": {"q": 2}, "dispersion": {"per_text": True}}, batch_size=3,
+                    padding_side="left", seed=7, max_length=32, progress=False)
+    assert cli == api
+    assert cli.metrics == ("dispersion", "token_dispersion", "vendi")
+    default = _parse([])
+    assert default == RunConfig(layers=["final"], progress=default.progress)  # the API defaults
+
+
+def test_configuration_is_frozen_and_validated_once():
+    config = RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.batch_size = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.metric_params["dispersion"] = {}  # type: ignore[index]
+    for bad, match in [({"batch_size": 0}, "batch size must be positive"), ({"metrics": []}, "no metric"),
+                       ({"padding_side": "middle"}, "padding_side"), ({"resume": True}, "--run-dir"),
+                       ({"preprocess": "scale"}, "unknown preprocess"),
+                       ({"save_preprocess_stats": "s.safetensors"}, "no effect without preprocessing")]:
+        with pytest.raises(RepgeomError, match=match):
+            RunConfig(**bad)
+
+
+def test_every_flag_comes_from_a_field_and_pooling_choices_match_the_pooling_module():
+    parser = argparse.ArgumentParser()
+    RunConfig.add_arguments(parser)
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    flagged = {f.name for f in dataclasses.fields(RunConfig) if f.metadata["flags"]}
+    assert dests == flagged
+    assert set(POOLING_CHOICES) == set(POOLINGS) | set(POOLING_ALIASES)
+
+
+def test_key_and_config_block_come_from_the_configuration():
+    config = RunConfig(layers="final", metrics="dispersion", seed=3, run_dir="somewhere")
+    key = config.checkpoint_key({"addresses": ["final"]})
+    assert key["seed"] == 3 and key["addresses"] == ["final"] and "run_dir" not in key and "progress" not in key
+    block = config.config_block({"layers": ["final"]})
+    assert block["layer_spec"] == "final" and block["layers"] == ["final"] and block["run_dir"] == "somewhere"
+    json.dumps(block)  # JSON-ready: no tuples or read-only mappings left
+
+
+def test_a_configuration_object_and_keywords_give_the_same_run(tiny_model_dir, texts):
+    model = load_model(tiny_model_dir("gpt2"))
+    kw = dict(layers="resid_post:0,final", metrics=["dispersion", "token_dispersion"], batch_size=3,
+              progress=False)
+    a = measure(model, texts[:6], RunConfig(**kw))
+    b = measure(model, texts[:6], **kw)
+    assert a.results == b.results
+    assert a.config == {**b.config, "device": a.config["device"]}
+    with pytest.raises(RepgeomError, match="not both"):
+        measure(model, texts[:6], RunConfig(), seed=2)
+
+
+# -- one rule for two names of one tensor ------------------------------------------------------------------------------
+
+def test_an_address_that_reads_an_aliased_tensor_is_reported_under_the_alias_everywhere(tiny_model_dir, texts):
+    """BERT has no norm after its last block: ``resid_post:-1`` is ``final``; ``resid_pre:0`` is ``embed`` on every
+    model. measure, the analyses and the MTEB sweep name them alike, and say so."""
+    from repgeom_eval.mteb_layers import LayerEmbedder
+
+    bert = load_model(tiny_model_dir("bert"))
+    with pytest.warns(UserWarning, match="resid_post:1 and final are the same tensor on this bert model"):
+        r = measure(bert, texts[:4], layers="resid_post:-1", progress=False)
+    assert list(r.results) == ["final"]
+    with pytest.warns(UserWarning, match="resid_pre:0 and embed are the same tensor"):
+        assert [str(a) for a in parse_addresses(bert, "resid_pre:0,resid_post:0")] == ["embed", "resid_post:0"]
+    with pytest.warns(UserWarning, match="resid_post:1 and final"):
+        assert [str(a) for a in LayerEmbedder(bert, pooling="mean").addresses("resid_post:1")] == ["final"]
+    gpt2 = load_model(tiny_model_dir("gpt2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # GPT-2's final norm makes final and resid_post:-1 different tensors
+        assert [str(a) for a in parse_addresses(gpt2, "final,resid_post:-1")] == ["resid_post:1", "final"]
+
+
+# -- no copies of the engine's steps -----------------------------------------------------------------------------------
+
+def _modules_containing(text: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in SOURCES if text in p.read_text(encoding="utf-8"))
+
+
+def test_model_inputs_are_built_in_one_place():
+    assert _modules_containing('["position_ids"]') == ["repgeom_eval/measurement/forward.py"]
+    assert _modules_containing('"use_cache"') == ["repgeom_eval/measurement/forward.py"]
+
+
+def test_layer_requests_are_parsed_in_one_place():
+    callers = [m for m in _modules_containing("parse_layers(") if m != "repgeom_eval/modeling/addresses.py"]
+    assert callers == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    offenders = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                offenders += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert offenders == []
