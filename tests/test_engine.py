@@ -135,3 +135,33 @@ def test_no_module_imports_another_modules_private_names():
                 offenders += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
                               if a.name.startswith("_") and not a.name.startswith("__")]
     assert offenders == []
+
+
+def test_a_metric_bank_fed_from_a_foreign_forward_pass_equals_measure(tiny_model_dir, texts):
+    """The bank the lm-eval and MTEB integrations feed gives measure's numbers on the same texts and addresses."""
+    from repgeom_eval.measurement.bank import MetricBank
+    from repgeom_eval.measurement.forward import Forward
+    from repgeom_eval.modeling.addresses import resolve_request
+
+    model = load_model(tiny_model_dir("llama"))
+    names = ["dispersion", "token_dispersion", "dataset_entropy", "curvature"]
+    want = measure(model, texts[:9], layers="resid_post:0,final", metrics=names, progress=False, batch_size=4)
+    plan = resolve_request("resid_post:0,final", model)
+    bank = MetricBank(names, plan.addresses)
+    with Forward(model, plan.points) as fwd:
+        for lo in (0, 5):  # two uneven batches, in data order
+            rows = list(range(lo, min(lo + 5, 9)))
+            batch = fwd.texts([texts[i] for i in rows], 128)
+            for addr in plan.addresses:
+                bank.update(addr, batch.hidden[addr], batch.mask, rows)
+    got = bank.compute()
+    for addr in want.results:
+        for name in names:
+            a, b = want.results[addr][name], got[addr][name]
+            if isinstance(a, dict):
+                for k in a:
+                    if isinstance(a[k], float):
+                        assert b[k] == pytest.approx(a[k], abs=1e-6), (addr, name, k)
+            else:
+                assert b == pytest.approx(a, abs=1e-6), (addr, name)
+    assert "dataset_entropy.normalized" in bank.flat()["final"]

@@ -1,0 +1,130 @@
+"""Registered metrics at several addresses, fed from hidden states that someone else's forward pass captured.
+
+``measure`` owns its forward passes; the lm-eval tasks and the MTEB sweep read the passes lm-eval and mteb make. Both
+hand each address's captured tensor to a :class:`MetricBank`, which feeds the same metric states through the same
+pooling and preprocessing code as ``measure`` (:class:`~repgeom_eval.measurement.feed.Feeder`), so a value reported
+inside lm-eval or MTEB equals ``repgeom measure`` on the same texts, address and pooling.
+
+Flat names: a metric's result may be a number or a dict of numbers; :func:`flatten_result` turns it into
+``{"metric": x}`` or ``{"metric.sub": x, ...}`` (lists and strings are left out), the form tables and score files
+take. Per-text scores are keyed by :func:`per_text_key`: a metric's own score keeps the metric's name, any other
+score is ``metric.score``, so two plugins cannot overwrite each other's scores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from repgeom_eval.measurement.feed import Feeder
+from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics
+from repgeom_eval.measurement.plan import Item
+from repgeom_eval.measurement.preprocess import Preprocessor
+from repgeom_eval.metric import Consumes, Metric
+from repgeom_eval.modeling.addresses import Address
+
+
+def per_text_key(metric: str, score: str) -> str:
+    """The name of a per-text score: ``metric`` for the metric's own score, else ``metric.score``."""
+    return metric if score == metric else f"{metric}.{score}"
+
+
+def flatten_result(metric: str, value: Any) -> dict[str, float]:
+    """``{"metric": x}`` for a number, ``{"metric.sub": x, ...}`` for a dict of numbers (nested dicts joined by
+    dots); booleans, lists and strings are left out."""
+    if isinstance(value, bool):
+        return {}
+    if isinstance(value, (int, float)):
+        return {metric: float(value)}
+    if isinstance(value, Mapping):
+        out: dict[str, float] = {}
+        for key, sub in value.items():
+            out.update(flatten_result(f"{metric}.{key}", sub))
+        return out
+    return {}
+
+
+class MetricBank:
+    """Metric states for ``names`` at every address in ``addresses``.
+
+    Args:
+        names: registered metric names.
+        addresses: canonical addresses (see :func:`~repgeom_eval.modeling.addresses.resolve_request`).
+        params: ``{metric: {parameter: value}}`` as in ``--metric-param`` (``pooling`` included).
+        pooling: the pooling of every metric that does not set its own (None: each metric's default).
+        per_text: ask metrics that can for per-text scores.
+        host: the plugin host (default: the installed plugins).
+    """
+
+    def __init__(self, names: Sequence[str], addresses: Sequence[Address], *,
+                 params: Mapping[str, Mapping[str, Any]] | None = None, pooling: str | None = None,
+                 per_text: bool = False, host: Any = None, prep: Preprocessor | None = None):
+        from repgeom_eval.plugin_system.host import get_host
+
+        self.host = host or get_host()
+        self.specs: list[MetricSpec] = instantiate_metrics(list(names), self.host, params, per_text, pooling)
+        self.addresses = list(addresses)
+        self.per_text = per_text
+        self.states: dict[Address, list[tuple[MetricSpec, Metric]]] = {
+            a: [(spec, spec.new()) for spec in self.specs] for a in self.addresses}
+        first = next(iter(self.states.values()), [])
+        self.n_views = max([int(m.n_views) for s, m in first if s.consumes == Consumes.VIEWS] or [0])  # type: ignore
+        self.feeder = Feeder(self.specs, self.n_views, prep or Preprocessor())
+
+    @property
+    def needs_views(self) -> bool:
+        """True when a requested metric reads augmented views (they need forward passes of their own)."""
+        return self.n_views > 0
+
+    def update(self, addr: Address, hidden: torch.Tensor, mask: torch.Tensor, texts: Sequence[int],
+               views: Sequence[int] | None = None) -> None:
+        """Feed one address's captured batch: ``hidden`` [B, T, D], ``mask`` [B, T] (True at the tokens the texts
+        are made of), ``texts`` the index of each row's text, ``views`` each row's view number (-1: the original)."""
+        views = list(views) if views is not None else [-1] * len(texts)
+        items = [Item(int(t), int(v)) for t, v in zip(texts, views)]
+        self.feeder.feed(addr, hidden, mask.bool(), items, self.states[addr])
+
+    # -- merging ---------------------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+        return {str(a): {spec.name: m.state_dict() for spec, m in ms} for a, ms in self.states.items()}
+
+    def merge_state(self, state: Mapping[str, Mapping[str, Mapping[str, torch.Tensor]]]) -> None:
+        """Fold another process's :meth:`state` into this bank."""
+        for addr, ms in self.states.items():
+            for spec, m in ms:
+                other = spec.new()
+                other.load_state_dict(dict(state[str(addr)][spec.name]))
+                m.merge(other)
+
+    # -- results ---------------------------------------------------------------------------------------------------------
+    def configs(self) -> dict[str, dict[str, Any]]:
+        first = next(iter(self.states.values()), [])
+        return {spec.name: spec.config(m) for spec, m in first}
+
+    def compute(self) -> dict[str, dict[str, Any]]:
+        """``{address: {metric: compute()}}``."""
+        return {str(a): {spec.name: m.compute() for spec, m in ms} for a, ms in self.states.items()}
+
+    def flat(self) -> dict[str, dict[str, float]]:
+        """``{address: {"metric" or "metric.sub": number}}`` (see :func:`flatten_result`)."""
+        out: dict[str, dict[str, float]] = {}
+        for addr, results in self.compute().items():
+            out[addr] = {}
+            for metric, value in results.items():
+                out[addr].update(flatten_result(metric, value))
+        return out
+
+    def per_text_scores(self) -> dict[int, dict[str, dict[str, float]]]:
+        """``{text index: {address: {per_text_key: value}}}`` for the metrics that track per-text scores."""
+        out: dict[int, dict[str, dict[str, float]]] = {}
+        for addr, ms in self.states.items():
+            for spec, metric in ms:
+                for score, (idx, values) in (metric.per_text_results() or {}).items():
+                    key = per_text_key(spec.name, score)
+                    for i, v in zip(idx.tolist(), values.tolist()):
+                        out.setdefault(int(i), {}).setdefault(str(addr), {})[key] = (
+                            float(v) if math.isfinite(v) else float("nan"))
+        return out
