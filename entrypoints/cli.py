@@ -57,7 +57,12 @@ def _main(argv: Sequence[str] | None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0
-        rc = args._run(args)
+        from repgeom_eval.modeling.loading import LoadingPolicy, use_loading_policy
+
+        policy = LoadingPolicy(trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+                               allow_random_init=bool(getattr(args, "allow_random_init", False)))
+        with use_loading_policy(policy):
+            rc = args._run(args)
         return int(rc or 0)
     except RepgeomError as exc:
         if debug:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from repgeom_eval.errors import RepgeomError
 
+from .measure_cmd import add_loading_args
 from .ppl_bins_cmd import positive_int  # one argparse type for every command
 
 
@@ -21,6 +22,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", "-m", nargs="+", required=True, metavar="MODEL",
                    help="model directories (safetensors, sharded or not), .gguf files, or cached hub ids; they must "
                         "share one tokenizer vocabulary")
+    add_loading_args(p, random_init=False)  # gap reads weights, never initialises any
     p.add_argument("--domain", "-T", default=DEFAULT_DOMAIN,
                    help="domain token set T: a registered name (digits, python_keywords, ...; `repgeom plugins` "
                         f"lists them), words:a,b,c, or a file with one word per line (default: {DEFAULT_DOMAIN})")

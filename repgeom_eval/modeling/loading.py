@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +33,13 @@ class ModelInfo:
     vocab_size: int | None
     max_positions: int | None
     source: str  # "directory", "gguf" or "hub"
+    random_init_tensors: list[str] = field(default_factory=list)  # only with --allow-random-init
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if not out["random_init_tensors"]:  # the normal case: the checkpoint filled every tensor
+            del out["random_init_tensors"]
+        return out
 
 
 @dataclass
@@ -43,6 +49,38 @@ class LoadedModel:
     spec: ArchitectureSpec
     info: ModelInfo
     device: torch.device
+
+
+@dataclass(frozen=True)
+class LoadingPolicy:
+    """What a load may do beyond reading a checkpoint as saved; set per command from its flags.
+
+    ``trust_remote_code``: run a model's own Python code (``--trust-remote-code``); without it such a model is
+    refused, never an interactive prompt. ``allow_random_init``: accept a checkpoint whose tensors do not fill the
+    architecture (``--allow-random-init``; the missing ones keep their random initialisation, and every output
+    says so in its ``model`` block); without it such a checkpoint is refused, naming the tensors.
+    """
+
+    trust_remote_code: bool = False
+    allow_random_init: bool = False
+
+
+_POLICY = [LoadingPolicy()]
+
+
+def loading_policy() -> LoadingPolicy:
+    """The policy in force (see :func:`set_loading_policy`)."""
+    return _POLICY[-1]
+
+
+@contextlib.contextmanager
+def use_loading_policy(policy: LoadingPolicy) -> Iterator[LoadingPolicy]:
+    """Within the block, :func:`load_model` (and the tokenizer reads of ``gap``) follow ``policy``."""
+    _POLICY.append(policy)
+    try:
+        yield policy
+    finally:
+        _POLICY.pop()
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -97,24 +135,34 @@ def load_model(
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device | None = "cpu",
     host: Any = None,
+    policy: LoadingPolicy | None = None,
 ) -> LoadedModel:
-    """Load model + tokenizer, look up the architecture table, put the model in eval mode on ``device``."""
+    """Load model + tokenizer, look up the architecture table, put the model in eval mode on ``device``.
+
+    The checkpoint is measured as saved or refused: tensors the architecture needs but the files lack, tensors the
+    files hold but the architecture has no place for, and tensors of the wrong shape are a :class:`RepgeomError`
+    naming them, unless ``policy.allow_random_init`` (default: :func:`loading_policy`). A model that needs its own
+    Python code loads only with ``policy.trust_remote_code``.
+    """
     import transformers
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
+    policy = policy or loading_policy()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     target, extra, source = locate_model(name)
+    remote = {"trust_remote_code": policy.trust_remote_code}
     cache = _gguf_cache_dir(Path(target) / extra["gguf_file"], torch_dtype) if source == "gguf" else None
     from_cache = cache is not None and (cache / "config.json").is_file()
     if from_cache:
         target, extra = str(cache), {}
     try:
-        config = AutoConfig.from_pretrained(target, **extra)
+        config = AutoConfig.from_pretrained(target, **extra, **remote)
     except (OSError, ValueError) as exc:
+        _refuse_remote_code(name, exc)
         if source == "hub":
             raise RepgeomError(
                 f"model {name!r} is not a local directory or .gguf file, and it could not be fetched from the "
@@ -130,21 +178,65 @@ def load_model(
             warnings.simplefilter("ignore")
             transformers.logging.set_verbosity_error()
             transformers.utils.logging.disable_progress_bar()
-            tokenizer = AutoTokenizer.from_pretrained(target, **extra)
-            model = auto.from_pretrained(target, dtype=torch_dtype, **extra)
-    except (OSError, ValueError, ImportError) as exc:
+            tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
+            try:
+                model, report = auto.from_pretrained(target, dtype=torch_dtype, output_loading_info=True, **extra,
+                                                     **remote)
+            except RuntimeError as exc:
+                if "ignore_mismatched_sizes" not in str(exc):
+                    raise
+                # Tensors of the wrong shape: load again to learn which (the check below refuses them by name).
+                model, report = auto.from_pretrained(target, dtype=torch_dtype, output_loading_info=True,
+                                                     ignore_mismatched_sizes=True, **extra, **remote)
+    except (OSError, ValueError, ImportError, RuntimeError, TypeError) as exc:
+        _refuse_remote_code(name, exc)
         raise RepgeomError(f"cannot load model {name!r}: {_first_line(exc)}") from None
     finally:  # restore the caller's logging settings
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.utils.logging.enable_progress_bar()
+    random_init = _check_loading_report(name, report, policy)
     if cache is not None and not from_cache:
         _save_gguf_cache(model, tokenizer, cache)
     model.to(dev).eval().requires_grad_(False)
     if tokenizer.pad_token is None:
         # Only the attention mask matters for padded positions; any existing token will do.
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
-    return wrap_model(model, tokenizer, name=name, source=source, host=host)
+    loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
+    if random_init:
+        loaded.info.random_init_tensors = random_init
+    return loaded
+
+
+def _refuse_remote_code(name: str, exc: BaseException) -> None:
+    """A model that needs its own code, loaded without ``--trust-remote-code``: one line that says so."""
+    text = str(exc)
+    if "trust_remote_code" in text:
+        raise RepgeomError(f"model {name!r} needs its own Python code to load; pass --trust-remote-code if you "
+                           "trust its source (it runs on this machine)") from None
+
+
+def _check_loading_report(name: str, report: dict[str, Any], policy: LoadingPolicy) -> list[str]:
+    """Refuse a checkpoint whose tensors do not match the architecture (transformers would quietly initialise the
+    missing ones at random); with ``allow_random_init``, warn and return the names of the random tensors."""
+    missing = sorted(report.get("missing_keys") or [])
+    unexpected = sorted(report.get("unexpected_keys") or [])
+    mismatched = sorted(str(k[0]) if isinstance(k, (tuple, list)) else str(k)
+                        for k in (report.get("mismatched_keys") or []))
+    if not (missing or unexpected or mismatched):
+        return []
+    parts = []
+    for label, keys in (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", mismatched)):
+        if keys:
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            parts.append(f"{len(keys)} tensor(s) {label} ({shown})")
+    detail = "; ".join(parts)
+    if not policy.allow_random_init:
+        raise RepgeomError(f"model {name!r} does not match its architecture: {detail}; its weights would be random. "
+                           "Fix the checkpoint (or its config.json), or pass --allow-random-init to measure it anyway")
+    warnings.warn(f"model {name!r}: {detail}; those tensors keep their random initialisation "
+                  "(--allow-random-init)", stacklevel=3)
+    return missing + mismatched
 
 
 def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, source: str = "memory",

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ...errors import RepgeomError
-from repgeom_eval.modeling.loading import locate_model
+from repgeom_eval.modeling.loading import loading_policy, locate_model
 
 # Output-embedding tensor names of checkpoints whose keys predate the model class (tried last, shape-checked).
 _LEGACY_OUTPUT_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
@@ -119,7 +119,8 @@ def load_tokenizer(model: str) -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             transformers.logging.set_verbosity_error()
-            return AutoTokenizer.from_pretrained(str(directory), **extra)
+            return AutoTokenizer.from_pretrained(str(directory), **extra,
+                                                 trust_remote_code=loading_policy().trust_remote_code)
     except (OSError, ValueError, ImportError, TypeError) as exc:
         raise RepgeomError(f"cannot load the tokenizer of model {model!r}: {_first_line(exc)}") from None
     finally:
@@ -292,7 +293,7 @@ def _open_safetensors(name: str, directory: Path) -> OutputEmbeddings:
 
     layout = _safetensors_layout(directory, name)
     try:
-        config = AutoConfig.from_pretrained(str(directory))
+        config = AutoConfig.from_pretrained(str(directory), trust_remote_code=loading_policy().trust_remote_code)
     except (OSError, ValueError) as exc:
         raise RepgeomError(f"cannot read the model config of {name!r}: {_first_line(exc)}") from None
     try:
