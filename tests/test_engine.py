@@ -165,3 +165,27 @@ def test_a_metric_bank_fed_from_a_foreign_forward_pass_equals_measure(tiny_model
             else:
                 assert b == pytest.approx(a, abs=1e-6), (addr, name)
     assert "dataset_entropy.normalized" in bank.flat()["final"]
+
+
+def test_a_huge_text_is_cut_before_tokenization_without_changing_what_is_measured(tiny_model_dir, texts):
+    from repgeom_eval.measurement.forward import token_lengths
+
+    model = load_model(tiny_model_dir("llama"))
+    tok = model.tokenizer
+    huge = " ".join(texts) * 400  # about a million characters
+    seen: list[int] = []
+
+    def spy(strings, **kw):
+        seen.extend(len(s) for s in strings)
+        return tok(strings, **kw)
+
+    (cut,), (n,) = token_lengths(spy, [huge], 64)
+    assert max(seen) < len(huge) // 100 and n > 64
+    full = tok(huge, add_special_tokens=True)["input_ids"][:64]
+    assert tok(cut, add_special_tokens=True)["input_ids"][:64] == full  # the kept tokens are the full text's
+    short = texts[:3]
+    (s_cut, *_), (s_n, *_) = token_lengths(tok, short, 64)
+    assert s_cut == short[0] and s_n == len(tok(short[0])["input_ids"])  # short texts are read whole
+    a = measure(model, [huge, *texts[:5]], metrics=["dispersion", "token_dispersion"], max_length=64, progress=False)
+    b = measure(model, [cut, *texts[:5]], metrics=["dispersion", "token_dispersion"], max_length=64, progress=False)
+    assert a.results == b.results and a.data["n_truncated"] == b.data["n_truncated"] >= 1

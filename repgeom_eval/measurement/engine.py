@@ -142,7 +142,7 @@ class MeasureRun:
     def _plan(self, shard: list) -> ShardPlan:
         t0 = time.perf_counter()
         sp = plan_shard(shard, self.loaded.tokenizer, self.config.batch_size, self.n_views, self.need_originals,
-                        self.augmenter)
+                        self.augmenter, self.context)
         self.timer["augment_tokenize"] += time.perf_counter() - t0
         return sp
 

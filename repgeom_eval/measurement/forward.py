@@ -46,6 +46,38 @@ def context_length(loaded: LoadedModel, max_length: int | None) -> int:
     return max_length
 
 
+CHARS_PER_TOKEN_BOUND = 16  # first cut: no common tokenizer averages anywhere near 16 characters per token
+CUT_MARGIN = 8  # tokens past the context a cut text must still have, so the cut cannot reach the kept tokens
+
+
+def token_lengths(tokenizer: Any, strings: Sequence[str], context: int) -> tuple[list[str], list[int]]:
+    """Token counts of ``strings``, reading no more of each than ``context`` tokens can use.
+
+    A 20 MB line kept to 256 tokens must not be tokenized whole: each string is first cut to
+    ``context × 16`` characters (at least 4096); a cut string that still yields more than ``context + 8`` tokens
+    is certainly truncated, and its first ``context`` tokens are those of the full string (tokenization only
+    changes near the cut). Otherwise the cut doubles until that holds or the whole string is read. Returns the
+    strings to run (cut where that was safe) and their token counts (of the cut string: above ``context`` exactly
+    when the original is truncated).
+    """
+    limit = max(context * CHARS_PER_TOKEN_BOUND, 4096)
+    out = list(strings)
+    todo = list(range(len(out)))
+    lengths = [0] * len(out)
+    while todo:
+        cut = [strings[i][:limit] for i in todo]
+        counts = [len(x) for x in tokenizer(cut, add_special_tokens=True, verbose=False)["input_ids"]]
+        again = []
+        for i, text, n in zip(todo, cut, counts):
+            whole = len(text) == len(strings[i])
+            if whole or n > context + CUT_MARGIN:
+                out[i], lengths[i] = text, n
+            else:
+                again.append(i)
+        todo, limit = again, limit * 4
+    return out, lengths
+
+
 def pad_token_ids(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids`` [B, T] and ``attention_mask`` [B, T] (long)."""
     t = max(len(s) for s in seqs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from repgeom_eval.measurement.forward import token_lengths
 from repgeom_eval.measurement.texts import Record
 
 
@@ -29,8 +30,9 @@ class ShardPlan:
 
 
 def plan_shard(shard: list[Record], tok: Any, batch_size: int, n_views: int, need_originals: bool,
-               augmenter: Any) -> ShardPlan:
-    """Augment, tokenize once for lengths, and cut the shard into batches.
+               augmenter: Any, context: int) -> ShardPlan:
+    """Augment, tokenize once for lengths (reading no more of a text than ``context`` tokens use), and cut the
+    shard into batches.
 
     Originals are sorted by length (less padding) and cut into batches; the views of each text stay together, so
     a text's views are all pooled by the same process. The plan depends only on the shard, never on the number of
@@ -45,7 +47,7 @@ def plan_shard(shard: list[Record], tok: Any, batch_size: int, n_views: int, nee
         for v in range(n_views):
             items.append(Item(rec.index, v))
             strings.append(augmenter.view(rec.text, rec.index, v))
-    lengths = [len(x) for x in tok(strings, add_special_tokens=True, verbose=False)["input_ids"]] if strings else []
+    strings, lengths = token_lengths(tok, strings, context) if strings else ([], [])
     empty = sorted({it.text for it, n in zip(items, lengths) if n == 0})
     drop = set(empty)
     keep = [k for k, it in enumerate(items) if it.text not in drop]
