@@ -2,7 +2,9 @@
 
 lm-eval 0.4.13 reads no entry points, so an installed package cannot add tasks to it. The wheel therefore ships a
 one-line ``.pth`` file (``import _repgeom_lm_eval_hook``), which Python runs at start-up. This module is the whole
-of what runs then: it uses the standard library only and registers an import hook. Nothing else happens until a
+of what runs then: it uses the standard library only (modules already loaded at start-up, and the built-in
+``_thread``) and registers an import hook; the ``.pth`` line checks the opt-out before importing it, and a missing
+module (a half-finished uninstall) is skipped silently. Nothing else happens until a
 program imports ``lm_eval.tasks.manager``; right after that module has run, ``patch_task_manager`` adds
 repgeom-eval's ``task_configs`` folder to the folders every ``TaskManager`` searches (as if ``--include_path`` had
 been given). The tasks themselves load the rest of repgeom-eval when lm-eval builds them.
@@ -11,27 +13,30 @@ Switch it off with ``REPGEOM_LM_EVAL_AUTOLOAD=0`` (also ``false``, ``no``, ``off
 removes the ``.pth`` file and this module with the rest of the package.
 """
 
-from __future__ import annotations
-
-import importlib.abc
 import os
 import sys
-import threading
-import warnings
+from _thread import RLock  # a built-in module: nothing to import at start-up (threading costs a millisecond)
 
 ENV_VAR = "REPGEOM_LM_EVAL_AUTOLOAD"
 _OFF = {"0", "false", "no", "off"}
 
-_callbacks: dict[str, list] = {}
-_lock = threading.RLock()
+_callbacks = {}  # module name -> callbacks waiting for it
+_searching = set()  # module names a finder is looking up right now (the finder asks the others, never itself)
+_lock = RLock()
 
 
-def enabled() -> bool:
+def enabled():
     """False when ``REPGEOM_LM_EVAL_AUTOLOAD`` switches the automatic task discovery off."""
     return os.environ.get(ENV_VAR, "1").strip().lower() not in _OFF
 
 
-def when_imported(name: str, callback) -> None:
+def _warn(message):
+    import warnings  # only on the failure path
+
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def when_imported(name, callback):
     """Call ``callback(module)`` once ``name`` has been imported: now if it already is, else right after it runs."""
     with _lock:
         module = sys.modules.get(name)
@@ -43,27 +48,26 @@ def when_imported(name: str, callback) -> None:
     callback(module)
 
 
-def _run_callbacks(module) -> None:
+def _run_callbacks(module):
     with _lock:
         pending = _callbacks.pop(module.__name__, [])
     for callback in pending:
         try:
             callback(module)
         except Exception as exc:  # noqa: BLE001 - a failing hook must never break the importing program
-            warnings.warn(f"repgeom-eval: its hook for {module.__name__} failed ({type(exc).__name__}: {exc}); "
-                          f"set {ENV_VAR}=0 to switch the lm-eval integration off", RuntimeWarning, stacklevel=2)
+            _warn(f"repgeom-eval: its hook for {module.__name__} failed ({type(exc).__name__}: {exc}); "
+                  f"set {ENV_VAR}=0 to switch the lm-eval integration off")
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for a watched module it asks the other finders and wraps the loader they return."""
-
-    def __init__(self) -> None:
-        self._busy = threading.local()
+class _PostImportFinder:
+    """A meta-path finder (duck-typed: importlib.abc would cost ~15 ms at every start-up) that finds nothing itself:
+    for a watched module it asks the other finders and wraps the loader they return."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _callbacks or getattr(self._busy, fullname, False):
-            return None
-        setattr(self._busy, fullname, True)
+        with _lock:
+            if fullname not in _callbacks or fullname in _searching:
+                return None
+            _searching.add(fullname)
         try:
             for finder in sys.meta_path:
                 if finder is self or not hasattr(finder, "find_spec"):
@@ -74,21 +78,22 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             else:
                 return None
         finally:
-            setattr(self._busy, fullname, False)
+            with _lock:
+                _searching.discard(fullname)
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _CallbackLoader(spec.loader)
         return spec
 
 
-class _CallbackLoader(importlib.abc.Loader):
-    def __init__(self, loader) -> None:
+class _CallbackLoader:
+    def __init__(self, loader):
         self.loader = loader
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module):
         # Hand the module its real loader back (pkgutil, inspect and reloads use it), then run it.
         module.__loader__ = self.loader
         if getattr(module, "__spec__", None) is not None:
@@ -105,7 +110,7 @@ class _CallbackLoader(importlib.abc.Loader):
 MARKER = "repgeom_hardness_mmlu.yaml"  # one of the task files: proves a folder is the right one
 
 
-def tasks_dir() -> str:
+def tasks_dir():
     """The folder holding repgeom-eval's lm-eval task YAMLs.
 
     Found next to this module without importing repgeom_eval (which would load torch): ``repgeom_eval/task_configs``
@@ -123,7 +128,7 @@ def tasks_dir() -> str:
     return list(spec.submodule_search_locations)[0]
 
 
-def _as_list(include_path) -> list:
+def _as_list(include_path):
     if include_path is None:
         return []
     if isinstance(include_path, (list, tuple)):
@@ -135,15 +140,20 @@ def with_tasks_dir(include_path):
     """``include_path`` (None, a path or a list) with repgeom-eval's task folder first, unless already there.
 
     First, because lm-eval lets later folders override earlier ones: the user's own folders keep the last word.
+    A half-uninstalled repgeom-eval (this module left, the package gone) changes nothing, with a warning.
     """
-    ours = tasks_dir()
+    try:
+        ours = tasks_dir()
+    except Exception as exc:  # noqa: BLE001 - lm-eval must keep working whatever state repgeom-eval is in
+        _warn(f"repgeom-eval: its lm-eval tasks are not available ({exc}); set {ENV_VAR}=0 to silence this")
+        return include_path
     paths = _as_list(include_path)
     if any(os.path.realpath(os.fspath(p)) == os.path.realpath(ours) for p in paths):
         return include_path
     return [ours, *paths]
 
 
-def patch_task_manager(module) -> None:
+def patch_task_manager(module):
     """Make every ``TaskManager`` of ``module`` (``lm_eval.tasks.manager``) also search the task folder."""
     import functools
     import inspect

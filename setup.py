@@ -11,7 +11,11 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "repgeom_lm_eval.pth"
-PTH_LINE = "import _repgeom_lm_eval_hook\n"
+# One line, run by Python's site module at every start-up: the opt-out is checked before any import, and a hook
+# module that is gone (a half-finished uninstall) is skipped instead of printing an error at every start-up.
+PTH_LINE = ('import os; exec("try:\\n import _repgeom_lm_eval_hook\\nexcept Exception:\\n pass") '
+            'if os.environ.get("REPGEOM_LM_EVAL_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off") '
+            'else None\n')
 
 
 class BuildPyWithPth(build_py):

@@ -14,7 +14,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # Skip the (slow) resolver run when nothing that affects the install has changed.
 stamp="$VENV/.repgeom-installed-$EXTRAS"
-want="$( (cat pyproject.toml scripts/bootstrap.sh; ls examples 2>/dev/null) | sha256sum | cut -c1-16)"
+want="$( (cat pyproject.toml setup.py scripts/bootstrap.sh; ls examples 2>/dev/null) | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

@@ -84,4 +84,5 @@ def test_pth_file_is_part_of_the_installed_distribution():
     names = {str(f) for f in dist.files or []}
     assert "repgeom_lm_eval.pth" in names
     pth = dist.locate_file("repgeom_lm_eval.pth")
-    assert Path(pth).read_text().strip() == "import _repgeom_lm_eval_hook"
+    line = Path(pth).read_text().strip()
+    assert line.startswith("import os;") and "import _repgeom_lm_eval_hook" in line and "\n" not in line
