@@ -161,8 +161,8 @@ def _check_config(cls: type[Metric], metric: Metric) -> None:
     """Every constructor parameter is read back by ``config()`` (from an attribute of the same name).
 
     ``config()`` is what the results file records and what the resume key compares; a parameter missing from it
-    would let a resumed run mix states built with different values (docs/plugins.md#parameters-per-text-results-and-
-    diagnostics)."""
+    would let a resumed run mix states built with different values
+    (docs/plugins.md#parameters-per-text-results-and-diagnostics)."""
     config = metric.config()
     missing = [n for n in cls.parameter_names() if n not in config]
     assert not missing, (
