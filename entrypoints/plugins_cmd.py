@@ -1,4 +1,5 @@
-"""``repgeom plugins``: everything registered, where it came from, and which plugins failed."""
+"""``repgeom plugins``: everything registered, where it came from (plugin, distribution, version), which plugins
+failed and which are switched off."""
 
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title="repgeom-eval plugins")
-    for col in ("name", "kind", "plugin", "distribution"):
+    for col in ("name", "kind", "plugin", "distribution", "version"):
         table.add_column(col, no_wrap=True)
     table.add_column("description", ratio=1)
     for r in rows:
-        style = "red" if "error" in r else None
+        style = "red" if "error" in r else "dim" if r.get("disabled") else None
         desc = r.get("error") or r["description"]
-        cells = [r["name"], r["kind"], r["plugin"], r["distribution"] or "—", desc]
+        cells = [r["name"], r["kind"], r["plugin"], r["distribution"] or "—", r["version"] or "—", desc]
         table.add_row(*[escape(str(c)) for c in cells], style=style)
     Console(width=max(Console().width, 120)).print(table)
     if host.failures:

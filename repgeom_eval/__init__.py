@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 from .hookspecs import hookimpl  # noqa: E402  (plugins need this before anything heavy)
 from .modeling.architectures import ArchitectureSpec, SiteHook, post_ln_encoder, pre_ln_decoder  # noqa: E402
-from .errors import RepgeomError, UnknownNameError  # noqa: E402
+from .errors import ParameterError, PluginError, RepgeomError, UnknownNameError  # noqa: E402
 from .metric import Consumes, LayerBatch, Metric  # noqa: E402
 from .plugin_system.kinds import Command  # noqa: E402
 
@@ -39,7 +39,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ArchitectureSpec", "Command", "Consumes", "LayerBatch", "Metric", "RepgeomError", "SiteHook",
+    "ArchitectureSpec", "Command", "Consumes", "LayerBatch", "Metric", "ParameterError", "PluginError",
+    "RepgeomError", "SiteHook",
     "UnknownNameError", "hookimpl", "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo",
     "get_host", "PluginHost", "post_ln_encoder", "pre_ln_decoder", "__version__",
 ]

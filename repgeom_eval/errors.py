@@ -34,7 +34,34 @@ class UnknownNameError(RepgeomError, KeyError):
 
 
 class PluginError(RepgeomError):
-    """A plugin failed to load or registered something invalid."""
+    """A plugin failed to load, registered something invalid, or raised while it ran."""
+
+
+class PluginUnavailableError(UnknownNameError, PluginError):
+    """A name that is not registered because the plugin that would register it failed to load or is switched off."""
+
+    def __init__(self, kind: str, name: str, message: str, choices: Iterable[str] = ()):
+        self.kind, self.name, self.choices = kind, name, sorted(set(choices))
+        RepgeomError.__init__(self, message)
+
+
+class ParameterError(RepgeomError, ValueError):
+    """A parameter value a metric (or another plugin) cannot use: raise it from ``__init__`` to reject it in one line.
+
+    ``ParameterError("threshold", -1.0, "a number > 0")`` reads, once the pipeline has filled in the metric's name,
+    ``long_vectors: parameter threshold=-1.0 is invalid; it must be a number > 0 (set it with --metric-param
+    long_vectors.threshold=VALUE)`` (docs/plugins.md#rejecting-a-bad-parameter-value). It is also a ``ValueError``.
+    """
+
+    def __init__(self, name: str, value: object, expected: str, metric: str | None = None):
+        super().__init__(name, value, expected, metric)
+        self.param, self.value, self.expected, self.metric = name, value, expected, metric
+
+    def __str__(self) -> str:
+        text = f"parameter {self.param}={self.value!r} is invalid; it must be {self.expected}"
+        if self.metric:
+            text = f"{self.metric}: {text} (set it with --metric-param {self.metric}.{self.param}=VALUE)"
+        return text
 
 
 class NonFiniteError(RepgeomError):
@@ -42,10 +69,10 @@ class NonFiniteError(RepgeomError):
 
 
 def check_param(metric: str, name: str, value: object, ok: bool, expected: str) -> None:
-    """Raise a RepgeomError naming the metric, the parameter, its value and what it must be, unless ``ok``."""
+    """Raise a :class:`ParameterError` naming the metric, the parameter, its value and what it must be, unless
+    ``ok``."""
     if not ok:
-        raise RepgeomError(f"{metric}: parameter {name}={value!r} is invalid; it must be {expected} "
-                           f"(set it with --metric-param {metric}.{name}=VALUE)")
+        raise ParameterError(name, value, expected, metric=metric)
 
 
 def is_real(value: object) -> bool:

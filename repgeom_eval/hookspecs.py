@@ -12,6 +12,8 @@ functions below, decorated with :data:`repgeom_eval.hookimpl`::
 Each ``repgeom_register_*`` hook receives a *registry object* bound to the calling plugin, so a duplicate name can
 be reported naming both plugins and a wrong kind of object is refused with the plugin's name. A hook that raises
 disables only the plugin that raised (see ``repgeom plugins``); ``REPGEOM_STRICT_PLUGINS=1`` makes it fatal.
+``REPGEOM_DISABLE_PLUGINS=NAME,...`` (or ``repgeom -p no:NAME``) switches a plugin off without importing it
+(docs/plugins.md#switching-a-plugin-off).
 """
 
 from __future__ import annotations
@@ -57,7 +59,12 @@ def repgeom_register_layer_selectors(registry: "Registry") -> None:
 
 @hookspec
 def repgeom_register_aux_losses(registry: "Registry") -> None:
-    """Register auxiliary training losses (push-away, dispersion losses ...) by name."""
+    """Register auxiliary training losses (push-away, dispersion losses ...) for ``repgeom train``.
+
+    Each is a subclass of :class:`repgeom_eval.training.auxloss.AuxLoss` (the class, not an instance or a loss
+    function): the trainer builds it with a config entry's parameters and calls the instance on the hidden states
+    (docs/plugins.md#auxiliary-losses).
+    """
 
 
 @hookspec

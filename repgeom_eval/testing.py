@@ -3,9 +3,9 @@
 ``make_tiny_model("llama", path)`` writes a 2-block model of width 32 with a BPE tokenizer trained on text that
 ships with Python, loadable through the normal ``from_pretrained`` path (< 1 s, < 1 MB, no network).
 
-``check_metric(MyMetric)`` asserts the properties every metric must have: the same value whether the data arrives
-in one batch or many, two merged shards equal one pass, state survives ``state_dict``/``load_state_dict`` and
-pickling.
+``check_metric(MyMetric)`` asserts the properties every metric must have: every parameter is reported by
+``config()``, the same value whether the data arrives in one batch or many, two merged shards equal one pass, state
+survives ``state_dict``/``load_state_dict`` and pickling.
 """
 
 from __future__ import annotations
@@ -157,13 +157,28 @@ def _close(a: Any, b: Any, rtol: float, path: str = "result") -> None:
     assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def _check_config(cls: type[Metric], metric: Metric) -> None:
+    """Every constructor parameter is read back by ``config()`` (from an attribute of the same name).
+
+    ``config()`` is what the results file records and what the resume key compares; a parameter missing from it
+    would let a resumed run mix states built with different values
+    (docs/plugins.md#parameters-per-text-results-and-diagnostics)."""
+    config = metric.config()
+    missing = [n for n in cls.parameter_names() if n not in config]
+    assert not missing, (
+        f"{cls.__name__}: parameter(s) {missing} are not reported by config(); store each one under an attribute of "
+        f"the same name in __init__ (self.{missing[0]} = {missing[0]}), or results files and resume keys miss it")
+
+
 def check_metric(cls: type[Metric], kwargs: Mapping[str, Any] | None = None, n: int = 24, dim: int = 6,
                  seed: int = 0, rtol: float = 1e-9) -> None:
-    """Assert batch-split invariance, exact shard merging, state round-trips and picklability of ``cls``."""
+    """Assert that ``config()`` reports every parameter, batch-split invariance, exact shard merging, state
+    round-trips and picklability of ``cls``."""
     kwargs = dict(kwargs or {})
     assert isinstance(cls.name, str) and cls.name, f"{cls.__name__} needs a non-empty `name`"
     assert cls.full_state_update is False, f"{cls.__name__}: full_state_update must be False"
     one = cls(**kwargs)
+    _check_config(cls, one)
     (whole,) = _random_batch(cls.consumes, n, dim, seed, views=int(getattr(one, "n_views", 2)))
     one.update(whole)
     expected = one.compute()

@@ -101,7 +101,7 @@ def test_listed_through_the_entry_point(cli_runs):
     rows = json.loads(cli_runs["plugins"])
     mine = [r for r in rows if r["name"] == "mean_norm"]
     assert mine == [{"name": "mean_norm", "kind": "metric", "plugin": "example", "distribution": DISTRIBUTION,
-                     "description": "Mean L2 norm of the pooled vectors, one per text."}]
+                     "version": "0.1.0", "description": "Mean L2 norm of the pooled vectors, one per text."}]
     assert not [r for r in rows if r["kind"] == "plugin"], f"plugins failed to load: {rows}"
     # The built-ins are still there, next to the third-party metric.
     assert {"dispersion", "token_dispersion"} <= {r["name"] for r in rows if r["kind"] == "metric"}
@@ -114,6 +114,10 @@ def test_measure_uses_the_installed_metric(cli_runs):
     assert isinstance(value, float) and math.isfinite(value) and value > 0
     assert 0 <= final["dispersion"] <= 2
     assert result["config"]["metrics"]["mean_norm"] == {"pooling": "last"}  # recorded, though it has no params
+    assert result["config"]["plugins"] == {  # where each number comes from
+        "mean_norm": {"plugin": "example", "distribution": DISTRIBUTION, "version": "0.1.0"},
+        "dispersion": {"plugin": "dispersion", "distribution": "repgeom-eval", "version": result["config"]["versions"]
+                       ["repgeom_eval"]}}
     assert result["data"]["n_texts"] == len(cli_runs["texts"])
     expected = cli_runs["expected"]
     assert abs(value - expected) <= 1e-9 * max(1.0, abs(expected)), (value, expected)

@@ -4,8 +4,12 @@ Every output carries ``kind`` (the command that wrote it, e.g. ``"ppl-bins"``), 
 can tell files apart without guessing from their shape::
 
     {"kind": "ppl-bins", "repgeom_version": "0.1.0", "model": {...} | "models": [...], "data": {...},
-     "config": {... every parameter and default actually used, versions ...}, "results": {...},
+     "config": {... every parameter and default actually used, plugins, versions ...}, "results": {...},
      "warnings": [...], "timings": {...}}
+
+``config["plugins"]`` names every loaded plugin with its distribution and version (``{plugin: {"distribution",
+"version"}}``, :meth:`~repgeom_eval.plugin_system.host.PluginHost.plugin_versions`): an analysis may use any of them
+(an architecture table, a token set, a metric), so all are recorded (docs/plugins.md#provenance).
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ class AnalysisResult:
             out["model"] = self.model
         if self.models is not None:
             out["models"] = self.models
-        out.update({"data": self.data, "config": self.config | {"versions": versions()}, "results": self.results,
+        from repgeom_eval.plugin_system.host import get_host
+
+        config = self.config | {"plugins": get_host().plugin_versions(), "versions": versions()}
+        out.update({"data": self.data, "config": config, "results": self.results,
                     "warnings": self.warnings, "timings": self.timings})
         return out
 

@@ -7,8 +7,9 @@ inside lm-eval or MTEB equals ``repgeom measure`` on the same texts, address and
 
 Flat names: a metric's result may be a number or a dict of numbers; :func:`flatten_result` turns it into
 ``{"metric": x}`` or ``{"metric.sub": x, ...}`` (lists and strings are left out), the form tables and score files
-take. Per-text scores are keyed by :func:`per_text_key`: a metric's own score keeps the metric's name, any other
-score is ``metric.score``, so two plugins cannot overwrite each other's scores.
+take. Per-text scores are keyed by :func:`per_text_key`: a metric's own scores keep their names, any other score is
+``metric.score``, so two plugins cannot overwrite each other's scores (:func:`per_text_table`, shared with
+``measure``; docs/plugins.md#parameters-per-text-results-and-diagnostics).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from repgeom_eval.errors import RepgeomError
 from repgeom_eval.measurement.feed import Feeder
 from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics
 from repgeom_eval.measurement.plan import Item
@@ -28,8 +30,49 @@ from repgeom_eval.modeling.addresses import Address
 
 
 def per_text_key(metric: str, score: str) -> str:
-    """The name of a per-text score: ``metric`` for the metric's own score, else ``metric.score``."""
-    return metric if score == metric else f"{metric}.{score}"
+    """The name of a per-text score: a metric's own scores keep their names (the metric's name itself, or the name
+    followed by ``_`` and a suffix, as ``prompt_entropy_normalized``); any other score is ``metric.score``."""
+    return score if score == metric or score.startswith(metric + "_") else f"{metric}.{score}"
+
+
+def per_text_table(address: str, metrics: Sequence[tuple[MetricSpec, Metric]]) -> dict[int, dict[str, float]]:
+    """``{text index: {per_text_key: value}}`` of the metrics at one address that report per-text scores.
+
+    Several values for one text (one per token with ``tokens`` pooling) are averaged: a text's score is the mean over
+    its vectors. Where two metrics would still claim one name (a metric ``a`` with a score ``a_b`` next to a metric
+    ``a_b``), the score that is not the metric's own name is written ``metric.score``.
+    """
+    scores: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
+    for spec, metric in metrics:
+        with spec.guard("per_text_results", address):
+            results = metric.per_text_results()
+        for score, (idx, values) in (results or {}).items():
+            scores.append((spec.name, score, torch.as_tensor(idx).reshape(-1).long(),
+                           torch.as_tensor(values, dtype=torch.float64).reshape(-1)))
+    keys = [per_text_key(name, score) for name, score, _, _ in scores]
+    claims: dict[str, int] = {}
+    for key in keys:
+        claims[key] = claims.get(key, 0) + 1
+    keys = [f"{name}.{score}" if claims[key] > 1 and score != name else key
+            for key, (name, score, _, _) in zip(keys, scores)]
+    owner: dict[str, str] = {}
+    for key, (name, _, _, _) in zip(keys, scores):
+        if owner.setdefault(key, name) != name:
+            raise RepgeomError(f"metrics {owner[key]!r} and {name!r} both report a per-text score {key!r} at "
+                               f"{address}; rename a score of one of them")
+    out: dict[int, dict[str, float]] = {}
+    for key, (name, score, idx, values) in zip(keys, scores):
+        if idx.numel() != values.numel():
+            raise RepgeomError(f"metric {name!r}: per-text score {score!r} has {idx.numel()} text indices but "
+                               f"{values.numel()} values; per_text_results() must return two 1-D tensors of one length")
+        texts, inverse = torch.unique(idx, return_inverse=True)
+        if texts.numel() != idx.numel():  # several vectors per text: the mean over them
+            total = torch.zeros(texts.numel(), dtype=torch.float64).index_add_(0, inverse, values)
+            count = torch.zeros(texts.numel(), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(values))
+            idx, values = texts, total / count
+        for i, v in zip(idx.tolist(), values.tolist()):
+            out.setdefault(int(i), {})[key] = v
+    return out
 
 
 def flatten_result(metric: str, value: Any) -> dict[str, float]:
@@ -96,8 +139,9 @@ class MetricBank:
         for addr, ms in self.states.items():
             for spec, m in ms:
                 other = spec.new()
-                other.load_state_dict(dict(state[str(addr)][spec.name]))
-                m.merge(other)
+                with spec.guard("merge", addr):
+                    other.load_state_dict(dict(state[str(addr)][spec.name]))
+                    m.merge(other)
 
     # -- results ---------------------------------------------------------------------------------------------------------
     def configs(self) -> dict[str, dict[str, Any]]:
@@ -106,7 +150,13 @@ class MetricBank:
 
     def compute(self) -> dict[str, dict[str, Any]]:
         """``{address: {metric: compute()}}``."""
-        return {str(a): {spec.name: m.compute() for spec, m in ms} for a, ms in self.states.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for a, ms in self.states.items():
+            out[str(a)] = {}
+            for spec, m in ms:
+                with spec.guard("compute", a):
+                    out[str(a)][spec.name] = m.compute()
+        return out
 
     def flat(self) -> dict[str, dict[str, float]]:
         """``{address: {"metric" or "metric.sub": number}}`` (see :func:`flatten_result`)."""
@@ -121,10 +171,7 @@ class MetricBank:
         """``{text index: {address: {per_text_key: value}}}`` for the metrics that track per-text scores."""
         out: dict[int, dict[str, dict[str, float]]] = {}
         for addr, ms in self.states.items():
-            for spec, metric in ms:
-                for score, (idx, values) in (metric.per_text_results() or {}).items():
-                    key = per_text_key(spec.name, score)
-                    for i, v in zip(idx.tolist(), values.tolist()):
-                        out.setdefault(int(i), {}).setdefault(str(addr), {})[key] = (
-                            float(v) if math.isfinite(v) else float("nan"))
+            for i, row in per_text_table(str(addr), ms).items():
+                out.setdefault(i, {})[str(addr)] = {
+                    key: float(v) if math.isfinite(v) else float("nan") for key, v in row.items()}
         return out

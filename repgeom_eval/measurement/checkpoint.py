@@ -93,7 +93,7 @@ class RunDir:
         if old == self.key:
             return
         differ = sorted(k for k in set(old) | set(self.key) if old.get(k) != self.key.get(k))
-        detail = "; ".join(f"{k}: {_short(old.get(k))} then, {_short(self.key.get(k))} now" for k in differ[:4])
+        detail = "; ".join(_difference(k, old.get(k), self.key.get(k)) for k in differ[:4])
         raise RepgeomError(f"run directory {str(self.path)!r} belongs to a different run ({detail}); use a new "
                            f"--run-dir, or delete {where.name} and the state files to start over")
 
@@ -117,6 +117,16 @@ class RunDir:
         """Write this rank's state atomically (a kill mid-write leaves the previous checkpoint intact)."""
         with atomic_open(self.state_file, "wb") as fh:
             torch.save({**state, "version": STATE_VERSION, "key": self.key}, fh)
+
+
+def _difference(key: str, then: Any, now: Any) -> str:
+    """``plugins.mean_norm.version: 0.1.0 then, 0.2.0 now``: the first differing entry of nested mappings."""
+    while isinstance(then, dict) and isinstance(now, dict):
+        inner = [k for k in (*then, *(k for k in now if k not in then)) if then.get(k) != now.get(k)]
+        if len(inner) != 1:
+            break
+        key, then, now = f"{key}.{inner[0]}", then.get(inner[0]), now.get(inner[0])
+    return f"{key}: {_short(then)} then, {_short(now)} now"
 
 
 def _short(value: Any) -> str:

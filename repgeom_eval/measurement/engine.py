@@ -104,6 +104,8 @@ class MeasureRun:
         self.config, self.loaded, self.source, self.dist, self.specs, self.prep = (
             config, loaded, source, dist, specs, prep)
         self.plan = resolve_request(config.layers, loaded, host)
+        # where each metric comes from (plugin, distribution, version): recorded in the config, part of the resume key
+        self.plugins = host.provenance("metric", [spec.name for spec in specs])
         self.addresses = list(self.plan.addresses)
         self.context = context_length(loaded, config.max_length)
         self.state = RunState(self.addresses, specs, config.per_text, self.context, energy_metric(host))
@@ -129,7 +131,7 @@ class MeasureRun:
             "model": model_fingerprint(loaded.info.name, loaded.info.source, loaded.model.config),
             "model_name": loaded.info.name, "data": self.source.fingerprint, "data_path": self.source.source,
             "addresses": [str(a) for a in self.addresses], "metrics": self.state.metric_configs(),
-            "max_length": self.context, "dtype": loaded.info.dtype, "world_size": dist.world})
+            "plugins": self.plugins, "max_length": self.context, "dtype": loaded.info.dtype, "world_size": dist.world})
         ckpt = RunDir(cfg.run_dir, key, dist.rank, dist.world, cfg.resume, dist.is_main)
         dist.barrier()  # rank 0 has created the directory
         saved = ckpt.load()
@@ -230,7 +232,7 @@ class MeasureRun:
         rep = report(state, self.specs, cfg.per_text, cfg.massive_share_warning) if dist.is_main else None
         t_metrics = self.timer["metrics"] + time.perf_counter() - t0
         config = cfg.config_block({
-            "layers": [str(a) for a in self.addresses], "metrics": state.metric_configs(),
+            "layers": [str(a) for a in self.addresses], "metrics": state.metric_configs(), "plugins": self.plugins,
             "max_length": self.context, "dtype": self.loaded.info.dtype, "device": str(self.loaded.device),
             "resumed_from_shard": state.resumed_from,
             "distributed": dist.config() | {"sequences_by_rank": state.processed_by_rank},

@@ -77,14 +77,16 @@ class Feeder:
                         if self.prep.active:
                             t[m] = self.prep(name, "tokens", t[m])
                         tokens = t.masked_fill(~m.unsqueeze(-1), 0.0), m
-                    metric.update(LayerBatch(name, text_index[orig], hidden=tokens[0], mask=tokens[1]))
+                    with spec.guard("update", name):
+                        metric.update(LayerBatch(name, text_index[orig], hidden=tokens[0], mask=tokens[1]))
                     continue
                 if spec.pooling not in pooled:
                     vecs, owner = pool(h[o].double(), mask[o], spec.pooling)
                     vecs = self.prep(name, spec.pooling, vecs)
                     pooled[spec.pooling] = vecs.cpu(), text_index[orig][owner.cpu()]
                 vecs, index = pooled[spec.pooling]
-                metric.update(LayerBatch(name, index, pooled=vecs))
+                with spec.guard("update", name):
+                    metric.update(LayerBatch(name, index, pooled=vecs))
         if len(views):
             self._feed_views(addr, h, mask, items, views, metrics)
 
@@ -102,7 +104,8 @@ class Feeder:
             index, stacked = done
             for spec, metric in metrics:
                 if spec.consumes == Consumes.VIEWS and spec.pooling == method:
-                    metric.update(LayerBatch(str(addr), index, views=stacked[:, : int(metric.n_views)]))
+                    with spec.guard("update", addr):
+                        metric.update(LayerBatch(str(addr), index, views=stacked[:, : int(metric.n_views)]))
 
 
 class StatsCollector:

@@ -1,4 +1,10 @@
-"""The metrics a run asked for: looked up in the plugin host, parameters checked, pooling chosen."""
+"""The metrics a run asked for: looked up in the plugin host, parameters checked, pooling chosen.
+
+Every call into a metric's own code goes through :meth:`MetricSpec.guard`, so that an exception raised inside a
+third-party plugin's ``__init__``/``update``/``compute`` ends the run with one line naming the metric, the plugin
+and its distribution (docs/plugins.md#when-something-goes-wrong); a built-in metric's exception is a bug in
+repgeom-eval and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +12,62 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.errors import ParameterError, PluginError, RepgeomError
 from repgeom_eval.measurement.pooling import check_pooling
 from repgeom_eval.metric import Consumes, Metric
-from repgeom_eval.plugin_system.host import PluginHost
+from repgeom_eval.plugin_system.host import BUILTIN_DISTRIBUTION, PluginHost, origin
+
+
+class _Guard:
+    """``with spec.guard(stage, address):`` around a call into the metric's code (a class: it runs per batch)."""
+
+    __slots__ = ("spec", "stage", "address")
+
+    def __init__(self, spec: "MetricSpec", stage: str, address: object):
+        self.spec, self.stage, self.address = spec, stage, address
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        spec = self.spec
+        if isinstance(exc, ParameterError) and not exc.metric:
+            exc.metric = spec.name  # the plugin raised ParameterError(param, value, expected): name the metric
+        if isinstance(exc, RepgeomError) or spec.distribution == BUILTIN_DISTRIBUTION:
+            return False  # already one line, or a bug in repgeom-eval (keeps its traceback)
+        where = f" at {self.address}" if self.address is not None else ""
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise PluginError(f"metric {spec.name!r} of {spec.origin} raised in {self.stage}{where}: {detail} "
+                          "(repgeom --debug shows the traceback)") from exc
 
 
 @dataclass
 class MetricSpec:
-    """A requested metric: its class, constructor arguments and the pooling it reads (None for token metrics)."""
+    """A requested metric: its class, constructor arguments and the pooling it reads (None for token metrics), and
+    the plugin that registered it."""
 
     name: str
     cls: type[Metric]
     kwargs: dict[str, Any]
     pooling: str | None
+    plugin: str | None = None
+    distribution: str | None = None
+    version: str | None = None
+
+    @property
+    def origin(self) -> str:
+        return origin(self.plugin or "?", self.distribution, self.version)
+
+    def guard(self, stage: str, address: object = None) -> _Guard:
+        """A context manager for a call into the metric's code (``stage``: ``update``, ``compute`` ...)."""
+        return _Guard(self, stage, address)
 
     def new(self) -> Metric:
         """A fresh metric state."""
-        return self.cls(**self.kwargs)
+        with self.guard("__init__"):
+            return self.cls(**self.kwargs)
 
     @property
     def consumes(self) -> Consumes:
@@ -82,5 +126,9 @@ def instantiate_metrics(
             if cls.consumes == Consumes.VIEWS and chosen == "tokens":
                 raise RepgeomError(f"metric {name!r} compares pooled views of each text; pooling 'tokens' does not "
                                    "apply (use mean, last or first)")
-        out.append(MetricSpec(name, cls, kwargs, chosen))
+        entry = host.metrics.entry(name)
+        version = host.provenance("metric", [name])[name]["version"]
+        spec = MetricSpec(name, cls, kwargs, chosen, entry.plugin, entry.distribution, version)
+        spec.new()  # a parameter value the metric rejects fails here, before the model is loaded
+        out.append(spec)
     return out

@@ -1,4 +1,9 @@
-"""Turning a run's merged states into results: compute() every metric, diagnostics, summaries, per-text rows."""
+"""Turning a run's merged states into results: compute() every metric, diagnostics, summaries, per-text rows.
+
+Per-text rows are keyed by metric as in :func:`~repgeom_eval.measurement.bank.per_text_key` (a metric's own scores
+keep their names, others are ``metric.score``), and a text with several vectors (``tokens`` pooling) gets the mean of
+its values (docs/plugins.md#parameters-per-text-results-and-diagnostics).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from repgeom_eval.measurement.bank import per_text_table
 from repgeom_eval.measurement.metric_specs import MetricSpec
 from repgeom_eval.measurement.states import RunState
 from repgeom_eval.modeling.addresses import Address
@@ -55,14 +61,15 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
         key = str(addr)
         out.results[key] = {}
         for spec, metric in metric_list:
-            out.results[key][spec.name] = metric.compute()
-            diag = metric.diagnostics()
+            with spec.guard("compute", key):
+                out.results[key][spec.name] = metric.compute()
+            with spec.guard("diagnostics", key):
+                diag = metric.diagnostics()
             if diag:
                 out.diagnostics.setdefault(key, {})[spec.name] = diag
-            pt = metric.per_text_results() if per_text else None
-            for score_name, (idx, values) in (pt or {}).items():
-                for i, v in zip(idx.tolist(), values.tolist()):
-                    per_text_cols.setdefault(i, {}).setdefault(key, {})[score_name] = v
+        if per_text:  # scores keyed by metric (per_text_key), a text's several values averaged
+            for i, row in per_text_table(key, metric_list).items():
+                per_text_cols.setdefault(i, {})[key] = row
     flagged = _energy_diagnostics(run, out.diagnostics, massive_share_warning)
     if flagged:  # one warning for the whole run, not one line per layer
         warnings.warn(
@@ -71,8 +78,9 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
             "mostly measure that dimension. See the massive_activations metric, or try --preprocess standardize",
             stacklevel=4)
     for spec in specs:
-        across = spec.cls.across_layers({k: out.results[k][spec.name] for k in out.results},
-                                        list(range(len(out.results))))
+        with spec.guard("across_layers"):
+            across = spec.cls.across_layers({k: out.results[k][spec.name] for k in out.results},
+                                            list(range(len(out.results))))
         if across is not None:
             out.summary[spec.name] = across
     if per_text:

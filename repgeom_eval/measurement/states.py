@@ -96,7 +96,8 @@ class RunState:
     def load(self, saved: dict[str, Any]) -> None:
         for addr, ms in self.states.items():
             for spec, m in ms:
-                m.load_state_dict(saved["metrics"][str(addr)][spec.name])
+                with spec.guard("load_state_dict", addr):
+                    m.load_state_dict(saved["metrics"][str(addr)][spec.name])
         for addr, m in self.energy.items():
             m.load_state_dict(saved["energy"][str(addr)])
         self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed = saved["counts"]
@@ -120,8 +121,9 @@ class RunState:
             for addr, ms in self.states.items():
                 for spec, m in ms:
                     other = spec.new()
-                    other.load_state_dict(part["metrics"][str(addr)][spec.name])
-                    m.merge(other)
+                    with spec.guard("merge", addr):
+                        other.load_state_dict(part["metrics"][str(addr)][spec.name])
+                        m.merge(other)
             for addr, m in self.energy.items():
                 other = self._energy_cls(top_k=ENERGY_TOP)  # type: ignore[misc]
                 other.load_state_dict(part["energy"][str(addr)])

@@ -71,7 +71,10 @@ class Registry(Generic[T]):
         self.kind = kind
         self._entries: dict[str, Entry] = {}
         self._check = check
-        self._unknown_hint = unknown_hint
+        self.unknown_hint = unknown_hint
+        #: set by the plugin host: for a missing name, the error that says which failed or switched-off plugin may
+        #: be the reason (None: the plain "unknown" error)
+        self.explain_missing: Callable[[str], Exception | None] | None = None
 
     # -- reading -------------------------------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -93,7 +96,9 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise UnknownNameError(self.kind, name, self._entries, self._unknown_hint) from None
+            pass
+        explained = self.explain_missing(name) if self.explain_missing is not None else None
+        raise explained or UnknownNameError(self.kind, name, self._entries, self.unknown_hint) from None
 
     def get(self, name: str) -> T:
         entry = self.entry(name)
@@ -123,7 +128,7 @@ class BoundRegistry(Generic[T]):
     def __init__(self, registry: Registry[T], plugin: str, distribution: str | None):
         self.registry, self.plugin, self.distribution = registry, plugin, distribution
         self.kind = registry.kind
-        self._staged: list[Entry] = []
+        self.staged: list[Entry] = []
 
     def add(self, obj: Any, name: str | None = None, description: str | None = None) -> None:
         """Register ``obj`` (or a lazy ``"module:attr"`` string) under ``name`` (default: ``obj.name``)."""
@@ -139,15 +144,15 @@ class BoundRegistry(Generic[T]):
         entry = Entry(name, self.kind, obj, self.plugin, self.distribution, description)
         if not isinstance(obj, str):
             self.registry._validate(entry, obj)
-        clash = self.registry._entries.get(name) or next((e for e in self._staged if e.name == name), None)
+        clash = self.registry._entries.get(name) or next((e for e in self.staged if e.name == name), None)
         if clash is not None:
             raise PluginError(
                 f"duplicate {self.kind} name {name!r}: registered by plugin {clash.plugin!r}"
                 f" ({clash.distribution or 'unknown distribution'}) and again by plugin {self.plugin!r}"
                 f" ({self.distribution or 'unknown distribution'}); rename one of them or uninstall one plugin"
             )
-        self._staged.append(entry)
+        self.staged.append(entry)
 
     def commit(self) -> None:
-        self.registry._commit(self._staged)
-        self._staged = []
+        self.registry._commit(self.staged)
+        self.staged = []

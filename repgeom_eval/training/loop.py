@@ -493,6 +493,7 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
         "model": cfg.model, "from_scratch": cfg.from_scratch, "source": source,
         "data": {**cfg.data, "domains": cfg.domains},
         "aux_losses": [loss.get_config_dict() for loss in losses],
+        "plugins": host.provenance("aux_loss", [loss.name for loss in losses]),  # docs/plugins.md#provenance
         "objective": "CE + " + " + ".join(f"{loss.weight}·{loss.name}" for loss in losses) if losses else "CE",
         "training": {k: v for k, v in arg_kwargs.items() if k != "output_dir"},
         "evaluate_at": steps, "dispersion_layer": cfg.dispersion_layer, "seed": cfg.seed,

@@ -211,7 +211,7 @@ def resolve_token_set(spec: str, tokenizer: Any, host: Any = None, exclude: Iter
     if spec in host.token_sets:
         entry = host.token_sets.entry(spec)
         obj = host.token_sets.get(spec)
-        config.update(kind="registered", plugin=entry.plugin)
+        config.update(kind="registered", **host.provenance("token_set", [spec])[spec])  # plugin, distribution, version
         if callable(obj):
             out = obj(vocab, exclude=exclude, seed=seed, size=size)
             if not isinstance(out, tuple) or len(out) not in (2, 3):
