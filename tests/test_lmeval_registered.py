@@ -216,7 +216,8 @@ def test_without_the_new_keys_the_outputs_are_todays(lm, data):
 
 
 def test_names_are_safe_for_lm_eval():
-    assert score_name("dataset_entropy.normalized", "resid_post:11") == "repgeom:dataset_entropy.normalized@resid_post:11"
+    name = score_name("dataset_entropy.normalized", "resid_post:11")
+    assert name == "repgeom:dataset_entropy.normalized@resid_post:11"
     assert score_name("plugin.a,b|c d", "final") == "repgeom:plugin.a_b_c_d@final"  # lm-eval splits keys at ","
 
 
