@@ -7,28 +7,30 @@ runs that include a repgeom task (``session``).
 Settings come from ``--metadata`` (all optional; every value used is written into the results' task config under
 ``metadata.repgeom``):
 
-====================== ============ ========================================================================
-key                    default      meaning
-====================== ============ ========================================================================
-``repgeom_data``       (Hub)        local file or folder in the upstream schema (``data``)
-``repgeom_layer``      ``final``    layer address (``final``, ``resid_post:-1``, ``mlp_in:12``, a hidden-state index)
-``repgeom_pooling``    ``last``     ``last`` context token or ``mean`` over the context (hardness tasks; see
-                                    docs/metrics.md#hardness-slices)
-``repgeom_correct``    ``acc``      which 0/1 metric defines a correct query (``acc`` or ``acc_norm``)
-``repgeom_capture``    ``fused``    ``fused``: read lm-eval's own forward pass; ``extra``: one more pass
-``repgeom_slice_size`` ``100``      queries per controlled slice
-``repgeom_slice_seeds`` ``10``      seeds per fraction
-``repgeom_metrics``    (none)       registered metrics to add, at ``repgeom_layers`` (``registered``)
-``repgeom_metric_params`` (none)    ``{metric: {parameter: value}}``, as ``repgeom measure --metric-param``
-``repgeom_layers``     ``[layer]``  addresses or selectors of ``repgeom_metrics`` (default: ``repgeom_layer``)
-``repgeom_seed``       ``0``        seed of the augmented views of VIEWS metrics
-====================== ============ ========================================================================
+========================= =========== ========================================================================
+key                       default     meaning
+========================= =========== ========================================================================
+``repgeom_data``          (Hub)       local file or folder in the upstream schema (``data``)
+``repgeom_layer``         ``final``   layer address (``final``, ``resid_post:-1``, ``mlp_in:12``, a hidden-state index)
+``repgeom_pooling``       ``last``    ``last`` context token or ``mean`` over the context (hardness tasks; see
+                                      docs/metrics.md#hardness-slices)
+``repgeom_correct``       ``acc``     which 0/1 metric defines a correct query (``acc`` or ``acc_norm``)
+``repgeom_capture``       ``fused``   ``fused``: read lm-eval's own forward pass; ``extra``: one more pass
+``repgeom_slice_size``    ``100``     queries per controlled slice
+``repgeom_slice_seeds``   ``10``      seeds per fraction
+``repgeom_metrics``       (none)      registered metrics to add, at ``repgeom_layers`` (``registered``)
+``repgeom_metric_params`` ``{}``      ``{metric: {parameter: value}}``, as ``repgeom measure --metric-param``
+``repgeom_layers``        ``[layer]`` addresses or selectors of ``repgeom_metrics`` (default: ``repgeom_layer``)
+``repgeom_seed``          ``0``       seed of the augmented views of VIEWS metrics
+========================= =========== ========================================================================
 
 Why ``apply_filters`` does the geometry: lm-eval runs every request of every task before it scores any document,
 then calls ``apply_filters`` once per task on every rank (in the same order), then ``process_results`` per
 document. At that point each query's vector is known, so c_i (its mean cosine distance to all queries,
 docs/metrics.md#per-text-scores) can be computed against the whole population — the sums of the unit vectors are
-added across ranks there — and ``process_results`` can put c_i into each document's log-samples record.
+added across ranks there — and ``process_results`` can put c_i into each document's log-samples record. The states
+of the registered metrics (``repgeom_metrics``, :mod:`repgeom_eval.lmeval.registered`) are merged across ranks
+and computed there too.
 """
 
 from __future__ import annotations
