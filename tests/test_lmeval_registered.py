@@ -172,7 +172,7 @@ def test_extra_capture_and_missed_rows_give_the_same_values(lm, data, monkeypatc
     """The fallbacks feed the same metric states: repgeom_capture=extra, and rows fused capture did not read."""
     from repgeom_eval.lmeval.fused import HiddenStates
 
-    meta = {"repgeom_metrics": ["dispersion", "token_dispersion", "vendi"], "repgeom_layers": "resid_post:0,final"}
+    meta = {"repgeom_metrics": "dispersion,token_dispersion,vendi", "repgeom_layers": "resid_post:[0,-1],final"}
     fused, _, _ = run(lm, "repgeom_hardness_piqa", data["piqa"], **meta)
     extra, _, out = run(lm, "repgeom_hardness_piqa", data["piqa"], repgeom_capture="extra", **meta)
     assert out["configs"]["repgeom_hardness_piqa"]["metadata"]["repgeom"]["capture"] == "extra"
@@ -183,7 +183,7 @@ def test_extra_capture_and_missed_rows_give_the_same_values(lm, data, monkeypatc
         missed = simple_evaluate(model=lm, tasks=["repgeom_hardness_piqa"], task_manager=tm,
                                  bootstrap_iters=0)["results"]["repgeom_hardness_piqa"]
     names = [k for k in fused if k.startswith("repgeom:") and "_stderr," not in k]
-    assert len(names) == 3 * 2
+    assert len(names) == 3 * 3  # resid_post:0, resid_post:1, final
     for name in names:
         assert extra[name] == pytest.approx(fused[name], abs=TOL), name
         assert missed[name] == pytest.approx(fused[name], abs=TOL), name

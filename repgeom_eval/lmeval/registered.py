@@ -81,7 +81,8 @@ class MetricRequest:
             raise RepgeomError('repgeom_metric_params must map metric names to their parameters, e.g. '
                                f'{{"dataset_entropy": {{"alpha": 2}}}}, got {params!r}')
         params = {k: dict(v) for k, v in params.items()}
-        layer_request = cls._names(layers, "repgeom_layers") if layers is not None else (str(default_layer),)
+        # layers are not split here: "resid_post:[0,-1]" holds a comma; resolve_request splits outside brackets
+        layer_request = cls._items(layers, "repgeom_layers") if layers is not None else (str(default_layer),)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise RepgeomError(f"repgeom_seed must be an integer, got {seed!r}")
         request = cls(names, params, layer_request, seed)
@@ -89,15 +90,19 @@ class MetricRequest:
         return request
 
     @staticmethod
-    def _names(value: Any, key: str) -> tuple[str, ...]:
+    def _items(value: Any, key: str) -> tuple[str, ...]:
         items = [value] if isinstance(value, (str, int)) and not isinstance(value, bool) else value
         if not isinstance(items, (list, tuple)) or not all(
                 isinstance(x, (str, int)) and not isinstance(x, bool) for x in items):
             raise RepgeomError(f"{key} must be a list of names (or one comma-separated string), got {value!r}")
-        out = split_names([str(x) for x in items])
+        out = tuple(str(x).strip() for x in items if str(x).strip())
         if not out:
             raise RepgeomError(f"{key} is empty")
         return out
+
+    @classmethod
+    def _names(cls, value: Any, key: str) -> tuple[str, ...]:
+        return split_names(cls._items(value, key))
 
     def specs(self, host: Any = None) -> list:
         """The metric specs, each instantiated once (a plugin's own parameter checks run here)."""
