@@ -245,3 +245,15 @@ def test_unknown_layer_fails_before_any_compute(lm, data):
                                                        "repgeom_layers": ["resid_post:99"]})
     with pytest.raises(RepgeomError, match="resid_post:99|99"):
         simple_evaluate(model=lm, tasks=["repgeom_hardness_piqa"], task_manager=tm, bootstrap_iters=0)
+
+
+def test_a_document_that_never_reaches_the_metric_states_is_an_error(lm, data, monkeypatch):
+    """If requests could not be attributed to their documents (lm-eval changed what it hands to
+    _loglikelihood_tokens), the task fails loudly instead of reporting metrics over fewer texts."""
+    from repgeom_eval.lmeval.fused import HiddenStates
+
+    monkeypatch.setattr(HiddenStates, "_register_contexts", lambda self, *a: None)
+    tm = TaskManager(include_defaults=False, metadata={"repgeom_data": str(data["piqa"]),
+                                                       "repgeom_metrics": ["dispersion"]})
+    with pytest.raises(RepgeomError, match=r"no hidden states reached the registered metrics .* documents \[0, 1"):
+        simple_evaluate(model=lm, tasks=["repgeom_hardness_piqa"], task_manager=tm, bootstrap_iters=0)

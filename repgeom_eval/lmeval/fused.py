@@ -491,10 +491,12 @@ class HiddenStates:
         if len(instances) != len(requests):
             return  # not the call loglikelihood made: nothing to attribute (the fill pass reports missing texts)
         max_len = self.lm.max_length
-        for inst, (_, ctx, cont) in zip(instances, requests):
+        for inst, (strings, ctx, cont) in zip(instances, requests):
             bank = self.banks.get(getattr(inst, "task_name", None))
             if bank is None or bank.kind != "context" or not bank.needs_originals:
                 continue
+            if tuple(strings) != tuple(inst.args):
+                continue  # not in the order of the instances: unattributed, reported as missing by the task
             inp = list((ctx + cont)[-(max_len + 1):][:-1])
             last = len(inp) - len(cont)
             if last < 0:

@@ -265,6 +265,12 @@ class TaskBank:
         self._viewed.add(doc_id)
         return True
 
+    def missing(self, doc_ids: Sequence[int]) -> list[int]:
+        """The documents among ``doc_ids`` (this rank's) that never reached the metric states."""
+        fed = self._claimed if self.kind == "context" else set(self._expected)
+        return sorted(d for d in set(doc_ids) if (self.needs_originals and d not in fed)
+                      or (self.n_views and d not in self._viewed))
+
     # -- results -----------------------------------------------------------------------------------------------------
     def finish(self, world_size: int = 1) -> None:
         """Merge the states of every rank (a collective) and compute the table values and per-text scores."""

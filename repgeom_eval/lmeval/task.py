@@ -167,6 +167,9 @@ class GeometryTask(ConfigurableTask):
             return
         if self.bank is None:
             raise self._missing("the registered metrics (repgeom_metrics)")
+        missing = self.bank.missing([int(inst.doc_id) for inst in self._instances or []])
+        if missing:
+            raise self._missing(f"the registered metrics (repgeom_metrics) of documents {missing[:5]}")
         self.bank.finish(self._world_size)
         for name, aggregation in self.bank.aggregations.items():
             self._aggregation_list[name] = aggregation
