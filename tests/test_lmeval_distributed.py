@@ -43,26 +43,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_process(model_dir, mmlu, wikitext):
+# Registered metrics (docs/lmeval.md#any-registered-metric) of the second run: a sum state with per-text c_i, a
+# "cat" state (dataset_entropy keeps every pooled vector), a token metric, and on MMLU a VIEWS metric (each rank
+# runs the views of its own documents; augmenting long documents would only make the test slower).
+_LAYERS = ["resid_post:0", "final"]
+REGISTERED = {
+    MMLU: {"repgeom_metrics": ["dispersion", "dataset_entropy", "token_dispersion", "infonce"],
+           "repgeom_layers": _LAYERS},
+    WIKI: {"repgeom_metrics": ["dispersion", "dataset_entropy", "token_dispersion"], "repgeom_layers": _LAYERS},
+}
+
+
+def one_process(model_dir, mmlu, wikitext, metadata=None):
+    metadata = metadata or {}
     lm = HFLM(pretrained=model_dir, batch_size=4, device="cpu")
-    tasks = [load_task(MMLU, str(mmlu)), load_task(WIKI, str(wikitext))]
+    tasks = [load_task(MMLU, str(mmlu), **metadata.get(MMLU, {})),
+             load_task(WIKI, str(wikitext), **metadata.get(WIKI, {}))]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return simple_evaluate(model=lm, tasks=tasks, log_samples=True, bootstrap_iters=0)
 
 
-def test_two_ranks_equal_one_process(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory):
+    """One torchrun launch, two evaluations: the tasks as they are, then with REGISTERED metrics."""
+    tmp_path = tmp_path_factory.mktemp("lmeval-ranks")
     model_dir = tiny_model_dir("llama")
     mmlu = write_task_data("mmlu", tmp_path / "mmlu.jsonl", n=25, seed=7)  # odd: ranks get 13 and 12 documents
     wikitext = write_task_data("wikitext", tmp_path / "wiki.jsonl", n=7, seed=8)
-    out = tmp_path / "rank0.json"
+    out, out_registered = tmp_path / "rank0.json", tmp_path / "rank0-registered.json"
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(HERE / "lmeval_rank_worker.py"), model_dir, str(mmlu), str(wikitext), str(out)]
+           str(HERE / "lmeval_rank_worker.py"), model_dir, str(mmlu), str(wikitext), str(out),
+           json.dumps(REGISTERED), str(out_registered)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    two = json.loads(out.read_text())
+    return {"model_dir": model_dir, "mmlu": mmlu, "wikitext": wikitext, "plain": json.loads(out.read_text()),
+            "registered": json.loads(out_registered.read_text())}
+
+
+def test_two_ranks_equal_one_process(two_ranks):
+    model_dir, mmlu, wikitext = two_ranks["model_dir"], two_ranks["mmlu"], two_ranks["wikitext"]
+    two = two_ranks["plain"]
     one = one_process(model_dir, mmlu, wikitext)
 
     for task, names, n in ((MMLU, HARDNESS, 25), (WIKI, PERPLEXITY, 7)):
@@ -76,3 +99,26 @@ def test_two_ranks_equal_one_process(tiny_model_dir, tmp_path):
     assert sorted(c_two) == list(range(25))
     for doc_id, c in c_one.items():
         assert c_two[doc_id] == pytest.approx(c, rel=1e-5, abs=1e-6)
+
+
+def test_two_ranks_registered_metrics_equal_one_process(two_ranks):
+    """The metric states of both ranks are merged before anything is computed: every registered value and every
+    per-text score of rank 0 equals a one-process run."""
+    two = two_ranks["registered"]
+    one = one_process(two_ranks["model_dir"], two_ranks["mmlu"], two_ranks["wikitext"], REGISTERED)
+    for task, n in ((MMLU, 25), (WIKI, 7)):
+        names = sorted(k for k in one["results"][task] if k.startswith("repgeom:") and "_stderr," not in k)
+        assert len(names) >= 2 * len(REGISTERED[task]["repgeom_metrics"]), names
+        assert sorted(k for k in two["results"][task] if k.startswith("repgeom:") and "_stderr," not in k) == names
+        for name in names:
+            assert two["results"][task][name] == pytest.approx(one["results"][task][name], rel=1e-5, abs=1e-6), \
+                (task, name)
+        per_text = {s["doc_id"]: s["repgeom:dispersion@final"] for s in two["samples"][task]}
+        assert sorted(per_text) == list(range(n))
+        for sample in one["samples"][task]:
+            assert per_text[sample["doc_id"]] == pytest.approx(sample["repgeom:dispersion@final"], rel=1e-5, abs=1e-6)
+        # the task's own geometry is unchanged by the registered metrics
+        for name in ("repgeom_dispersion,none", "repgeom_token_dispersion,none"):
+            if name in two_ranks["plain"]["results"][task]:
+                assert two["results"][task][name] == pytest.approx(two_ranks["plain"]["results"][task][name],
+                                                                   rel=1e-5, abs=1e-6)

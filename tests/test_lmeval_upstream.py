@@ -16,7 +16,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 
 from repgeom_eval.lmeval.documents import load_local  # noqa: E402
-from repgeom_eval.testing import MMLU_TEST_SUBJECTS, write_task_data  # noqa: E402
+from repgeom_eval.testing import task_records, write_task_data  # noqa: E402
 
 UPSTREAM = Path(lm_eval.__file__).parent / "tasks"
 
@@ -57,25 +57,46 @@ def test_same_requests_as_upstream(tmp_path, name, schema, yaml):
     assert len(mine) == 12
 
 
+# Every subject task of the installed lm-eval (57 in lm-eval 0.4.13), read from its own folder.
+MMLU_SUBJECTS = sorted(p.stem.removeprefix("mmlu_") for p in (UPSTREAM / "mmlu" / "default").glob("mmlu_*.yaml"))
+
+
+def mmlu_records(n_per_subject: int, seed: int) -> list[dict]:
+    """``n_per_subject`` records of every subject, subjects interleaved in a shuffled order."""
+    import random
+
+    records = task_records("mmlu", n_per_subject * len(MMLU_SUBJECTS), seed=seed, words=(2, 6))
+    subjects = [s for s in MMLU_SUBJECTS for _ in range(n_per_subject)]
+    random.Random(seed).shuffle(subjects)
+    return [{**record, "subject": subject} for record, subject in zip(records, subjects)]
+
+
+def test_every_upstream_mmlu_subject_is_covered():
+    assert len(MMLU_SUBJECTS) == 57
+
+
 @pytest.mark.parametrize("shots", [0, 2])
 def test_mmlu_one_task_equals_the_57_subject_tasks(tmp_path, shots):
-    """All subjects in one task, each document with its subject's description and its subject's first dev
-    examples, exactly as lm-eval's per-subject mmlu_<subject> tasks build them."""
-    folder = tmp_path / "mmlu"
-    write_task_data("mmlu", folder / "test.jsonl", n=15, seed=4)
-    write_task_data("mmlu", folder / "dev.jsonl", n=15, seed=5)
-    docs = [json.loads(line) for line in (folder / "test.jsonl").read_text().splitlines()]
-    mine = requests_of(ours("repgeom_hardness_mmlu", folder), shots)
-    full = load_local(folder, "mmlu")
-    expected = {}
-    for subject in MMLU_TEST_SUBJECTS:
-        import datasets
+    """All 57 subjects in one task, each document with its subject's description and its subject's first dev
+    examples, exactly as lm-eval's per-subject mmlu_<subject> tasks build them (requests only: no model)."""
+    import datasets
 
-        split = {name: full[name].filter(lambda d: d["subject"] == subject) for name in ("test", "dev")}
+    folder = tmp_path / "mmlu"
+    folder.mkdir()
+    split_records = {"test": mmlu_records(2, seed=4), "dev": mmlu_records(2, seed=5)}
+    for name, records in split_records.items():
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    mine = requests_of(ours("repgeom_hardness_mmlu", folder), shots)
+    expected = {}
+    for subject in MMLU_SUBJECTS:
+        split = {name: datasets.Dataset.from_list([r for r in records if r["subject"] == subject])
+                 for name, records in split_records.items()}
         task = upstream(UPSTREAM / "mmlu" / "default" / f"mmlu_{subject}.yaml", datasets.DatasetDict(split))
         per_subject = requests_of(task, shots)
-        ids = [i for i, d in enumerate(docs) if d["subject"] == subject]
+        ids = [i for i, d in enumerate(split_records["test"]) if d["subject"] == subject]
+        assert len(per_subject) == len(ids) == 2
         expected.update({ids[k]: reqs for k, reqs in per_subject.items()})
+    assert len(expected) == 2 * 57
     assert mine == expected
     if shots:
         assert "Answer:" in mine[0][0][2][0].split("\n\n")[1]  # a few-shot example precedes the question

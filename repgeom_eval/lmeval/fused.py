@@ -14,6 +14,13 @@ vectors. Log-likelihoods are never touched. Vectors are matched to requests by a
 depend on, so nothing is assumed about lm-eval's reordering and batching; a request whose vector did not arrive
 (lm-eval changed its private call order) is computed by an extra forward pass, with a warning. ``method="extra"``
 computes every vector that way: the fallback, about +100% compute on MMLU.
+
+Registered metrics (``repgeom_metrics``, :mod:`repgeom_eval.lmeval.registered`) are fed from the same rows: each
+task's :class:`~repgeom_eval.lmeval.registered.TaskBank` receives the context token vectors of each of its queries
+(or the scored-position vectors of each rolling window of its documents) at its addresses, once per document. Which
+document a row belongs to is known from the ``Instance`` objects lm-eval hands to ``loglikelihood`` /
+``loglikelihood_rolling``, matched by the same token hashes; texts whose rows were not read come from an extra pass,
+and the augmented views of VIEWS metrics always do.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import warnings
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +160,7 @@ class HiddenStates:
     Use as a context manager around the evaluation; on exit the instance is as it was.
     """
 
-    def __init__(self, lm: Any, wants: Iterable[Want], method: str = "fused"):
+    def __init__(self, lm: Any, wants: Iterable[Want], method: str = "fused", banks: Mapping[str, Any] | None = None):
         if method not in METHODS:
             raise RepgeomError(f"unknown capture method {method!r} (valid: {', '.join(METHODS)})")
         self.lm = lm
@@ -164,6 +172,10 @@ class HiddenStates:
         self.loaded = self._loaded_view()
         self.addresses = self._resolve_addresses()
         self.points = resolve(sorted(set(self.addresses.values()), key=str), self.loaded)
+        self.banks = dict(banks or {})  # task name -> TaskBank (registered metrics)
+        for bank in self.banks.values():
+            bank.resolve(self.loaded)
+            self.points.update(bank.points)
         self.method = method
         self.reason = None
         if method == "fused":
@@ -181,6 +193,14 @@ class HiddenStates:
         self._rolling = False
         self._windows: dict[tuple, dict[Want, TokenStats]] = {}
         self._warned_missing = False
+        # registered metrics: which documents a context / window key belongs to, and the rows read, not yet fed
+        self._instances: list | None = None
+        self._contexts: dict[tuple, set[tuple[str, int]]] = {}
+        self._context_tokens: dict[tuple, list[int]] = {}
+        self._doc_windows: dict[tuple, set[tuple[str, int, int]]] = {}
+        self._window_tokens: dict[tuple, tuple[list[int], int]] = {}
+        self._pending: list[tuple[Any, int, _Batch, int, int, int]] = []
+        self.extra_texts = 0  # texts of registered metrics whose vectors came from an extra pass
 
     # -- set-up ---------------------------------------------------------------------------------------------------
 
@@ -201,6 +221,8 @@ class HiddenStates:
 
     def __enter__(self) -> "HiddenStates":
         names = ["_loglikelihood_tokens", "loglikelihood_rolling"]
+        if any(bank.kind == "context" for bank in self.banks.values()):
+            names.append("loglikelihood")
         if self.method == "fused":
             names += ["_model_call", "_select_cont_toks"]
             self._capture = Capture(self.model, self.points, stop_early=False).__enter__()
@@ -219,10 +241,12 @@ class HiddenStates:
         self._batch = None
         self._store = {}
         self._windows = {}
+        self._pending, self._contexts, self._doc_windows = [], {}, {}
 
     # -- the methods that shadow HFLM's ----------------------------------------------------------------------------
 
     def _model_call(self, inps: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._flush()  # the rows read from the previous batch go to the metric states before it is replaced
         logits = self._originals["_model_call"](inps, *args, **kwargs)
         assert self._capture is not None
         hidden = self._capture.take()
@@ -237,24 +261,42 @@ class HiddenStates:
             self._read_row(self._batch, int(logits.shape[0]), int(contlen), int(inplen))
         return out
 
+    def loglikelihood(self, requests: list, *args: Any, **kwargs: Any):
+        """Only with registered metrics: remembers the ``Instance`` of each request (its task and document)."""
+        self._instances = list(requests)
+        try:
+            results = self._originals["loglikelihood"](requests, *args, **kwargs)
+        finally:
+            self._instances = None
+        self._views_pass(requests, "context")
+        return results
+
     def _loglikelihood_tokens(self, *args: Any, **kwargs: Any):
         requests = kwargs["requests"] if "requests" in kwargs else args[0]
+        if not self._rolling and self._instances is not None:
+            self._register_contexts(self._instances, requests)
         self._scoring, self._store = True, {}
         try:
             results = self._originals["_loglikelihood_tokens"](*args, **kwargs)
+            self._flush()
         finally:
-            self._scoring, self._batch = False, None
+            self._scoring, self._batch, self._pending = False, None, []
+        if not self._rolling:
+            self._fill_contexts()
         try:
             return self._attach(requests, results)
         finally:
             self._store = {}
 
     def loglikelihood_rolling(self, requests: list, *args: Any, **kwargs: Any):
+        self._register_documents(requests)
         self._rolling, self._windows = True, {}
         try:
             totals = self._originals["loglikelihood_rolling"](requests, *args, **kwargs)
         finally:
             self._rolling = False
+        self._fill_documents()
+        self._views_pass(requests, "document")
         try:
             return self._rolling_results(requests, totals)
         finally:
@@ -292,6 +334,17 @@ class HiddenStates:
             h = batch.hidden[self.addresses[want]][i]
             key = window_key(row, contlen) if want.pooling == "tokens" else context_key(row, last)
             self._store.setdefault(key, {})[want] = self._values(h, virtual, last + virtual, inplen, want)
+        if self._rolling:
+            for task, doc_id, w in self._doc_windows.get(window_key(row, contlen), ()):
+                bank = self.banks[task]
+                if bank.needs_window(doc_id, w):
+                    bank.add_window(doc_id, w, {a: batch.hidden[a][i, last + virtual: inplen].clone()
+                                                for a in bank.addresses})
+        else:
+            for task, doc_id in self._contexts.get(context_key(row, last), ()):
+                bank = self.banks[task]
+                if bank.needs_originals and bank.claim(doc_id):
+                    self._pending.append((bank, doc_id, batch, i, virtual, last + virtual))
 
     def _attach(self, requests: Sequence, results: Sequence) -> list[Scored]:
         max_len = self.lm.max_length
@@ -408,3 +461,170 @@ class HiddenStates:
                                                     want)
                     for j, want in job["targets"]:
                         out[j].geometry[want] = values[want]
+
+    # -- registered metrics (repgeom_metrics) --------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        """Feed the context rows read from the current batch to their tasks' metric states, one call per task."""
+        pending, self._pending = self._pending, []
+        by_bank: dict[int, list] = defaultdict(list)
+        for entry in pending:
+            by_bank[id(entry[0])].append(entry)
+        for entries in by_bank.values():
+            bank, batch = entries[0][0], entries[0][2]
+            rows = [e[3] for e in entries]
+            self._feed_rows(bank, {a: batch.hidden[a] for a in bank.addresses}, rows,
+                            [(e[4], e[5]) for e in entries], [e[1] for e in entries])
+
+    @staticmethod
+    def _feed_rows(bank: Any, hidden: Mapping[Address, torch.Tensor], rows: Sequence[int],
+                   spans: Sequence[tuple[int, int]], doc_ids: Sequence[int]) -> None:
+        """Feed rows ``rows`` of a [B, T, D] batch, each text being positions ``first..last`` of its row."""
+        first = hidden[bank.addresses[0]]
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=first.device)
+        positions = torch.arange(first.shape[1])
+        mask = torch.stack([(positions >= a) & (positions <= b) for a, b in spans])
+        bank.feed({a: hidden[a].index_select(0, index) for a in bank.addresses}, mask, doc_ids)
+
+    def _register_contexts(self, instances: Sequence[Any], requests: Sequence[Any]) -> None:
+        """Map the context key of every request of a task with registered metrics to its (task, document)."""
+        if len(instances) != len(requests):
+            return  # not the call loglikelihood made: nothing to attribute (the fill pass reports missing texts)
+        max_len = self.lm.max_length
+        for inst, (strings, ctx, cont) in zip(instances, requests):
+            bank = self.banks.get(getattr(inst, "task_name", None))
+            if bank is None or bank.kind != "context" or not bank.needs_originals:
+                continue
+            if tuple(strings) != tuple(inst.args):
+                continue  # not in the order of the instances: unattributed, reported as missing by the task
+            inp = list((ctx + cont)[-(max_len + 1):][:-1])
+            last = len(inp) - len(cont)
+            if last < 0:
+                raise RepgeomError(f"task {bank.task}, document {inst.doc_id}: the continuation fills the whole "
+                                   f"model length ({max_len} tokens), so no context token is left to measure")
+            key = context_key(inp, last)
+            self._contexts.setdefault(key, set()).add((bank.task, int(inst.doc_id)))
+            self._context_tokens[key] = inp[: last + 1]
+
+    def _fill_contexts(self) -> None:
+        """Texts of registered metrics whose rows were not read (extra capture, or a changed call order)."""
+        jobs = []
+        for key, owners in self._contexts.items():
+            targets = [(self.banks[t], d) for t, d in sorted(owners) if self.banks[t].claim(d)]
+            if targets:
+                jobs.append((self._context_tokens[key], targets))
+        self._contexts, self._context_tokens = {}, {}
+        if not jobs:
+            return
+        self._note_extra(sum(len(t) for _, t in jobs), "contexts")
+        for chunk, hidden in self._run_sequences([tokens for tokens, _ in jobs]):
+            by_bank: dict[int, list] = defaultdict(list)
+            for r, job in enumerate(chunk):
+                tokens, targets = jobs[job]
+                for bank, doc_id in targets:
+                    by_bank[id(bank)].append((bank, r, len(tokens), doc_id))
+            for entries in by_bank.values():
+                bank = entries[0][0]
+                self._feed_rows(bank, hidden, [e[1] for e in entries], [(0, e[2] - 1) for e in entries],
+                                [e[3] for e in entries])
+
+    def _register_documents(self, requests: Sequence[Any]) -> None:
+        """Map every rolling window of a document of a task with registered metrics to (task, document, window)."""
+        max_len = self.lm.max_length
+        for inst in requests:
+            bank = self.banks.get(getattr(inst, "task_name", None))
+            if bank is None or bank.kind != "document" or not bank.needs_originals:
+                continue
+            windows = self._rolling_windows(inst.args[0])
+            if not bank.expect(int(inst.doc_id), len(windows)):
+                continue  # lm-eval's padding repeats a request on ranks with fewer documents
+            for w, (ctx, cont) in enumerate(windows):
+                inp = list((ctx + cont)[-(max_len + 1):][:-1])
+                key = window_key(inp, len(cont))
+                self._doc_windows.setdefault(key, set()).add((bank.task, int(inst.doc_id), w))
+                self._window_tokens[key] = (inp, len(inp) - len(cont))
+
+    def _fill_documents(self) -> None:
+        jobs = []
+        for key, owners in self._doc_windows.items():
+            targets = [(self.banks[t], d, w) for t, d, w in sorted(owners) if self.banks[t].needs_window(d, w)]
+            if targets:
+                jobs.append((*self._window_tokens[key], targets))
+        self._doc_windows, self._window_tokens = {}, {}
+        if jobs:
+            self._note_extra(len(jobs), "rolling windows")
+            for chunk, hidden in self._run_sequences([tokens for tokens, _, _ in jobs]):
+                for r, job in enumerate(chunk):
+                    tokens, last, targets = jobs[job]
+                    for bank, doc_id, w in targets:
+                        bank.add_window(doc_id, w, {a: hidden[a][r, last: len(tokens)].clone()
+                                                    for a in bank.addresses})
+        for bank in self.banks.values():
+            if bank.kind == "document" and bank.incomplete():
+                raise RepgeomError(f"task {bank.task}: documents {bank.incomplete()[:5]} are missing rolling "
+                                   "windows after the extra pass")
+
+    def _note_extra(self, n: int, what: str) -> None:
+        self.extra_texts += n
+        if self.method == "fused" and not self._warned_missing:
+            self._warned_missing = True
+            warnings.warn(f"repgeom: fused capture missed the {what} of {n} texts of repgeom_metrics (lm-eval's "
+                          "private call order differs from the tested one); computing them with an extra forward "
+                          "pass", RuntimeWarning, stacklevel=3)
+
+    @torch.no_grad()
+    def _run_sequences(self, seqs: Sequence[Sequence[int]]) -> Iterator[tuple[list[int], dict[Address, torch.Tensor]]]:
+        """Run token sequences (longest first, right-padded, no mask: the inputs HFLM's ``_model_call`` sees) in
+        batches of lm-eval's batch size; yields (indices into ``seqs``, {address: [B, T, D]})."""
+        device = next(self.model.parameters()).device
+        dtype = getattr(self.lm, "mixed_precision_dtype", None)
+        batch_size = self.lm.batch_size if isinstance(self.lm.batch_size, int) and self.lm.batch_size > 0 else 16
+        order = sorted(range(len(seqs)), key=lambda k: -len(seqs[k]))
+        with Forward(self.loaded, self.points) as fwd:
+            for start in range(0, len(order), batch_size):
+                chunk = order[start: start + batch_size]
+                ids = torch.zeros((len(chunk), len(seqs[chunk[0]])), dtype=torch.long)
+                for r, k in enumerate(chunk):
+                    ids[r, : len(seqs[k])] = torch.as_tensor(list(seqs[k]), dtype=torch.long)
+                with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
+                    hidden = fwd.padded(ids, None, row_ids=[f"sequence {k}" for k in chunk]).hidden
+                yield chunk, hidden
+
+    @torch.no_grad()
+    def _views_pass(self, requests: Sequence[Any], kind: str) -> None:
+        """VIEWS metrics: ``n_views`` augmented views of every text (docs/metrics.md#augmented-views), one extra
+        forward pass (lm-eval never runs them), tokenized as lm-eval tokenizes a context and left-truncated to the
+        model length like one."""
+        max_len = self.lm.max_length
+        for bank in self.banks.values():
+            if bank.kind != kind or not bank.n_views:
+                continue
+            texts: dict[int, str] = {}
+            for inst in requests:
+                if getattr(inst, "task_name", None) == bank.task and bank.claim_views(int(inst.doc_id)):
+                    text = inst.args[0]
+                    texts[int(inst.doc_id)] = text[: len(text.rstrip())] if kind == "context" else text
+            if not texts:
+                continue
+            n_views = bank.n_views
+            warnings.warn(f"repgeom: {', '.join(bank.view_metrics())} (task {bank.task}) compare augmented views "
+                          f"that lm-eval does not run: one extra forward pass over {len(texts) * n_views} augmented "
+                          f"{kind}s ({n_views} per text)", RuntimeWarning, stacklevel=3)
+            docs = sorted(texts)
+            per_batch = max(1, (self.lm.batch_size if isinstance(self.lm.batch_size, int) else 16) // n_views)
+            dtype = getattr(self.lm, "mixed_precision_dtype", None)
+            device = next(self.model.parameters()).device
+            with Forward(self.loaded, bank.points) as fwd:
+                for start in range(0, len(docs), per_batch):
+                    seqs, owners, views = [], [], []
+                    for doc_id in docs[start: start + per_batch]:
+                        for v in range(n_views):
+                            augmented = bank.augmenter.view(texts[doc_id], doc_id, v)
+                            tokens = self.lm.tok_encode(augmented)[-max_len:] or [self.lm.prefix_token_id]
+                            seqs.append(tokens)
+                            owners.append(doc_id)
+                            views.append(v)
+                    with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
+                        batch = fwd.token_ids(seqs, row_ids=[f"view {v} of document {d}"
+                                                             for d, v in zip(owners, views)])
+                    bank.feed(batch.hidden, batch.mask, owners, views)

@@ -92,12 +92,18 @@ def hidden_states_for(lm: Any, tasks: list) -> Iterator[Any]:
     """Attach the hidden states ``tasks`` need to ``lm``'s results for the duration of the block."""
     from repgeom_eval.lmeval.fused import HiddenStates
 
+    from repgeom_eval.lmeval.registered import TaskBank
+
     check_model(lm)
     method = "extra" if any(t.settings.capture == "extra" for t in tasks) else "fused"
-    with HiddenStates(lm, {t.want for t in tasks}, method=method) as states:
+    banks = {t.config.task: TaskBank(t.config.task, t.metric_request, "document" if t.KIND == "perplexity"
+                                     else "context") for t in tasks if t.metric_request is not None}
+    with HiddenStates(lm, {t.want for t in tasks}, method=method, banks=banks) as states:
         for task in tasks:
+            task.bank = banks.get(task.config.task)
             task.record_capture({"address": str(states.addresses[task.want]), "capture": states.method,
-                                 **({"fused_disabled_because": states.reason} if states.reason else {})})
+                                 **({"fused_disabled_because": states.reason} if states.reason else {}),
+                                 **(task.bank.record() if task.bank is not None else {})})
         yield states
     if states.method == "fused" and states.extra_requests:
         warnings.warn(f"repgeom: {states.extra_requests} requests needed an extra forward pass", RuntimeWarning,

@@ -7,24 +7,30 @@ runs that include a repgeom task (``session``).
 Settings come from ``--metadata`` (all optional; every value used is written into the results' task config under
 ``metadata.repgeom``):
 
-====================== ============ ========================================================================
-key                    default      meaning
-====================== ============ ========================================================================
-``repgeom_data``       (Hub)        local file or folder in the upstream schema (``data``)
-``repgeom_layer``      ``final``    layer address (``final``, ``resid_post:-1``, ``mlp_in:12``, a hidden-state index)
-``repgeom_pooling``    ``last``     ``last`` context token or ``mean`` over the context (hardness tasks; see
-                                    docs/metrics.md#hardness-slices)
-``repgeom_correct``    ``acc``      which 0/1 metric defines a correct query (``acc`` or ``acc_norm``)
-``repgeom_capture``    ``fused``    ``fused``: read lm-eval's own forward pass; ``extra``: one more pass
-``repgeom_slice_size`` ``100``      queries per controlled slice
-``repgeom_slice_seeds`` ``10``      seeds per fraction
-====================== ============ ========================================================================
+========================= =========== ========================================================================
+key                       default     meaning
+========================= =========== ========================================================================
+``repgeom_data``          (Hub)       local file or folder in the upstream schema (``data``)
+``repgeom_layer``         ``final``   layer address (``final``, ``resid_post:-1``, ``mlp_in:12``, a hidden-state index)
+``repgeom_pooling``       ``last``    ``last`` context token or ``mean`` over the context (hardness tasks; see
+                                      docs/metrics.md#hardness-slices)
+``repgeom_correct``       ``acc``     which 0/1 metric defines a correct query (``acc`` or ``acc_norm``)
+``repgeom_capture``       ``fused``   ``fused``: read lm-eval's own forward pass; ``extra``: one more pass
+``repgeom_slice_size``    ``100``     queries per controlled slice
+``repgeom_slice_seeds``   ``10``      seeds per fraction
+``repgeom_metrics``       (none)      registered metrics to add, at ``repgeom_layers`` (``registered``)
+``repgeom_metric_params`` ``{}``      ``{metric: {parameter: value}}``, as ``repgeom measure --metric-param``
+``repgeom_layers``        ``[layer]`` addresses or selectors of ``repgeom_metrics`` (default: ``repgeom_layer``)
+``repgeom_seed``          ``0``       seed of the augmented views of VIEWS metrics
+========================= =========== ========================================================================
 
 Why ``apply_filters`` does the geometry: lm-eval runs every request of every task before it scores any document,
 then calls ``apply_filters`` once per task on every rank (in the same order), then ``process_results`` per
 document. At that point each query's vector is known, so c_i (its mean cosine distance to all queries,
 docs/metrics.md#per-text-scores) can be computed against the whole population — the sums of the unit vectors are
-added across ranks there — and ``process_results`` can put c_i into each document's log-samples record.
+added across ranks there — and ``process_results`` can put c_i into each document's log-samples record. The states
+of the registered metrics (``repgeom_metrics``, :mod:`repgeom_eval.lmeval.registered`) are merged across ranks
+and computed there too.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from ..errors import RepgeomError
 from . import metrics, session
 from repgeom_eval.lmeval.fused import POOLINGS, Want
 from repgeom_eval.lmeval.documents import SCHEMAS
+from repgeom_eval.lmeval.registered import MetricRequest
 
 PREFIX = "repgeom_"
 
@@ -57,6 +64,11 @@ class Settings:
     capture: str = "fused"
     slice_size: int = slices.SLICE_SIZE
     slice_seeds: int = slices.SEEDS
+    # registered metrics (docs/lmeval.md#any-registered-metric); None: not requested
+    metrics: Any = None
+    metric_params: Any = None
+    layers: Any = None
+    seed: int = 0
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any], kind: str) -> "Settings":
@@ -114,8 +126,15 @@ class GeometryTask(ConfigurableTask):
                   ("data", "layer", "pooling", "capture")}
         record["data"] = self.settings.data or (
             "/".join(x for x in SCHEMAS[schema].hub if x) + " (Hugging Face Hub)" if schema in SCHEMAS else None)
+        s = self.settings
+        self.metric_request = MetricRequest.from_settings(s.metrics, s.metric_params, s.layers, s.layer, s.seed)
+        for key in ("metrics", "metric_params", "layers", "seed"):
+            record.pop(key, None)
+        if self.metric_request is not None:  # recorded only when asked for: today's task config is unchanged
+            record.update(self.metric_request.record())
         metadata["repgeom"] = record
         config["metadata"] = metadata
+        self.bank = None  # the run's TaskBank (set by the session when repgeom_metrics are requested)
         self.capture_info: dict[str, Any] | None = None
         self._world_size = 1
         super().__init__(config=config, **kwargs)
@@ -139,6 +158,41 @@ class GeometryTask(ConfigurableTask):
 
     def _geometry_metrics(self, names: tuple[str, ...]) -> list[str]:
         return [m for m in names if m in self._metric_fn_list]
+
+    def _finish_bank(self) -> None:
+        """Registered metrics: merge the states of every rank (a collective, reached by every rank in the same
+        order), compute the values, give lm-eval their aggregations and put each document's per-text scores on
+        its first result (``process_results`` reads them there)."""
+        if self.metric_request is None or self._bypassed():
+            return
+        if self.bank is None:
+            raise self._missing("the registered metrics (repgeom_metrics)")
+        missing = self.bank.missing([int(inst.doc_id) for inst in self._instances or []])
+        if missing:
+            raise self._missing(f"the registered metrics (repgeom_metrics) of documents {missing[:5]}")
+        self.bank.finish(self._world_size)
+        for name, aggregation in self.bank.aggregations.items():
+            self._aggregation_list[name] = aggregation
+            self._higher_is_better[name] = None
+        by_doc: dict[int, list] = defaultdict(list)
+        for inst in self._instances or []:
+            by_doc[inst.doc_id].append(inst)
+        for doc_id, insts in by_doc.items():
+            first = min(insts, key=lambda x: x.idx)
+            key = next(iter(first.filtered_resps))
+            carrier = first.filtered_resps[key]
+            try:
+                carrier.repgeom_bank_items = self.bank.items(int(doc_id))
+            except AttributeError:
+                raise self._missing(f"document {doc_id}") from None
+
+    def _bank_items(self, results: list) -> dict[str, Any]:
+        if self.metric_request is None or self._bypassed():
+            return {}
+        items = getattr(results[0], "repgeom_bank_items", None)
+        if items is None:
+            raise self._missing("this document (repgeom_metrics)")
+        return items
 
     def _missing(self, what: str) -> RepgeomError:
         return RepgeomError(
@@ -176,6 +230,7 @@ class HardnessTask(GeometryTask):
 
     def apply_filters(self):
         out = super().apply_filters()
+        self._finish_bank()
         # Every rank reaches the same decision here: the sums below are a collective, also for a rank with no
         # documents of its own.
         if self._bypassed() or not self._geometry_metrics(metrics.HARDNESS_METRICS):
@@ -220,7 +275,7 @@ class HardnessTask(GeometryTask):
         return out
 
     def process_results(self, doc: dict, results: list) -> dict[str, Any]:
-        base = super().process_results(doc, results)
+        base = {**super().process_results(doc, results), **self._bank_items(results)}
         wanted = self._geometry_metrics(metrics.HARDNESS_METRICS)
         if self._bypassed() or not wanted:
             return base
@@ -266,8 +321,13 @@ class PerplexityGeometryTask(GeometryTask):
         if self.OUTPUT_TYPE != "loglikelihood_rolling":
             raise RepgeomError(f"{type(self).__name__} needs output_type loglikelihood_rolling, got {self.OUTPUT_TYPE}")
 
+    def apply_filters(self):
+        out = super().apply_filters()
+        self._finish_bank()
+        return out
+
     def process_results(self, doc: dict, results: list) -> dict[str, Any]:
-        base = super().process_results(doc, results)
+        base = {**super().process_results(doc, results), **self._bank_items(results)}
         wanted = self._geometry_metrics(metrics.PERPLEXITY_METRICS)
         if self._bypassed() or not wanted:
             return base
