@@ -192,7 +192,9 @@ class SweepMetrics:
                         seen.add(i)
                         rows.append(row)
                         ids.append(i)
-                if rows:
+                if len(rows) == len(strings):  # the usual case: no copy
+                    split.bank.update(addr, hidden, batch.mask, ids)
+                elif rows:
                     sel = torch.tensor(rows, dtype=torch.long, device=hidden.device)
                     split.bank.update(addr, hidden[sel], batch.mask[sel], ids)
 
@@ -238,7 +240,7 @@ class SweepMetrics:
             out[CONFIG_KEY] = json.dumps(configs, sort_keys=True)
         return out
 
-    # -- resuming --------------------------------------------------------------------------------------------------------
+    # -- resuming ----------------------------------------------------------------------------------------------------
     def satisfied(self, scores: Mapping[str, Any]) -> bool:
         """True if a cached score dict holds every requested metric with the requested configuration."""
         stored = stored_configs(scores)

@@ -94,7 +94,8 @@ def _reseed(task: Any) -> None:
     task.rng_state, task.np_rng = random.Random(task.seed), np.random.default_rng(task.seed)
 
 
-def _status(cache: mteb.ResultCache, task: Any, encoder: LayerEncoder, metrics: SweepMetrics | None) -> tuple[str, Any]:
+def _status(cache: mteb.ResultCache, task: Any, encoder: LayerEncoder,
+            metrics: SweepMetrics | None) -> tuple[str, Any]:
     """("done" | "metrics" | "missing", cached result): complete, complete but for requested metrics, or not."""
     try:
         existing = cache.load_task_result(task.metadata.name, encoder.mteb_model_meta)

@@ -174,9 +174,10 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
                 score = fmt_number(r["main_score"])
                 if verdict and r["layer"] == verdict["best_layer"]:
                     score = f"**{score}**"
-                lines.append(f"| {r['layer']} | {fmt_number(r['depth'])} | {score} | {fmt_number(r['repgeom_dataset_entropy'])} | "
-                             f"{fmt_number(r['repgeom_dispersion'])} | {fmt_number(r['repgeom_effective_rank'])} | "
-                             f"{fmt_number(r['repgeom_n_texts'])} |" + "".join(f" {fmt_number(r.get(k))} |" for k in extra))
+                cells = [r["layer"], fmt_number(r["depth"]), score, fmt_number(r["repgeom_dataset_entropy"]),
+                         fmt_number(r["repgeom_dispersion"]), fmt_number(r["repgeom_effective_rank"]),
+                         fmt_number(r["repgeom_n_texts"]), *(fmt_number(r.get(k)) for k in extra)]
+                lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
             if verdict:
                 if verdict["intermediate_wins"]:
