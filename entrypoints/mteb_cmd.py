@@ -131,21 +131,49 @@ def run(args: argparse.Namespace) -> int:
     return _run(args)
 
 
+def _header(key: str) -> str:
+    """A metric key as a two-line column header: ``repgeom.dataset_entropy.raw`` → ``dataset_entropy`` / ``raw``."""
+    from repgeom_eval.mteb_layers.summary import metric_label
+
+    return metric_label(key).replace(".", "\n", 1)
+
+
+def _metric_table(rows: list[dict], extra: list[str]) -> object:
+    """Layers × requested metric values (``repgeom.*`` keys) of one task, next to the main score."""
+    from rich.table import Table
+
+    from repgeom_eval.mteb_layers.summary import fmt_number
+
+    table = Table(box=None, padding=(0, 1))
+    table.add_column("layer", no_wrap=True)
+    table.add_column(rows[0].get("main_score_name") or "main score", justify="right")
+    for key in extra:
+        table.add_column(_header(key), justify="right")
+    for r in rows:
+        table.add_row(r["layer"], fmt_number(r["main_score"]), *(fmt_number(r.get(k)) for k in extra))
+    return table
+
+
 def _print_table(console, rows: list[dict]) -> None:
     from rich.table import Table
 
-    from repgeom_eval.mteb_layers.summary import fmt_number, metric_columns, metric_label
+    from repgeom_eval.mteb_layers.summary import fmt_number, metric_columns
 
-    extra = metric_columns(rows)
     table = Table()
-    for col in ("task", "split", "subset", "layer", "main score", "dataset entropy", "dispersion", "eff. rank",
-                *map(metric_label, extra)):
+    for col in ("task", "split", "subset", "layer", "main score", "dataset entropy", "dispersion", "eff. rank"):
         table.add_column(col, justify="left" if col in ("task", "split", "subset", "layer") else "right")
     for r in rows:
         table.add_row(r["task"], r["split"], str(r["subset"]), r["layer"], fmt_number(r["main_score"]),
                       fmt_number(r["repgeom_dataset_entropy"]), fmt_number(r["repgeom_dispersion"]),
-                      fmt_number(r["repgeom_effective_rank"]), *(fmt_number(r.get(k)) for k in extra))
+                      fmt_number(r["repgeom_effective_rank"]))
     console.print(table)
+    if metric_columns(rows):  # the requested metrics (repgeom.* keys), one table per task, split and subset
+        groups: dict[tuple, list[dict]] = {}
+        for r in rows:
+            groups.setdefault((r["task"], r["split"], r["subset"]), []).append(r)
+        for (task, split, subset), task_rows in groups.items():
+            console.print(f"{task} ({split}, {subset}): requested metrics")
+            console.print(_metric_table(task_rows, metric_columns(task_rows)))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -201,16 +229,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _summary(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
-    from repgeom_eval.mteb_layers.summary import (
-        best_vs_last,
-        fmt_number,
-        metric_columns,
-        metric_label,
-        rows_by_group,
-        write_summary,
-    )
+    from repgeom_eval.mteb_layers.summary import best_vs_last, metric_columns, rows_by_group, write_summary
 
     written = write_summary(args.folder, args.output_dir, prefix=args.prefix, plots=not args.no_plot)
     console = Console(width=max(Console().width, 120))
@@ -227,13 +247,7 @@ def _summary(args: argparse.Namespace) -> int:
                 console.print(f"  {label}: the last layer {v['last_layer']} is best ({v['last_score']:.4f})")
             extra = metric_columns(rows)
             if extra:  # the requested metrics, layer by layer, next to the main score
-                table = Table(box=None, padding=(0, 1))
-                table.add_column("layer")
-                for col in (rows[0]["main_score_name"] or "main score", *map(metric_label, extra)):
-                    table.add_column(col, justify="right")
-                for r in rows:
-                    table.add_row(r["layer"], fmt_number(r["main_score"]), *(fmt_number(r.get(k)) for k in extra))
-                console.print(table)
+                console.print(_metric_table(rows, extra))
     paths = written["paths"]
     console.print(f"wrote {paths['csv']}, {paths['markdown']}" + "".join(f", {p}" for p in paths["plots"]))
     return 0

@@ -159,7 +159,8 @@ class LayerEmbedder:
                 if sink is not None:
                     sink(batch, strings)
                 for addr in addresses:
-                    vecs = pool(batch.hidden[addr].double(), batch.mask, self.recipe.pooling)[0]
+                    hidden = batch.hidden[addr]
+                    vecs = pool(hidden.double(), batch.mask.to(hidden.device), self.recipe.pooling)[0]
                     if self.recipe.normalize:
                         vecs = unit(vecs)
                     out[addr][rows] = vecs.float().cpu().numpy()

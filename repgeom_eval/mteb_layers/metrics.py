@@ -192,11 +192,12 @@ class SweepMetrics:
                         seen.add(i)
                         rows.append(row)
                         ids.append(i)
+                mask = batch.mask.to(hidden.device)  # the metric API's place for it (repgeom_eval.metric.LayerBatch)
                 if len(rows) == len(strings):  # the usual case: no copy
-                    split.bank.update(addr, hidden, batch.mask, ids)
+                    split.bank.update(addr, hidden, mask, ids)
                 elif rows:
                     sel = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-                    split.bank.update(addr, hidden[sel], batch.mask[sel], ids)
+                    split.bank.update(addr, hidden[sel], mask[sel], ids)
 
         return feed
 
@@ -209,7 +210,8 @@ class SweepMetrics:
         def feed(batch: Batch, items: list[Item]) -> None:
             texts, views = [it.text for it in items], [it.view for it in items]
             for addr in waiting:
-                split.bank.update(addr, batch.hidden[addr], batch.mask, texts, views)
+                hidden = batch.hidden[addr]
+                split.bank.update(addr, hidden, batch.mask.to(hidden.device), texts, views)
 
         self.view_sequences += embedder.forward_views(list(split.index), waiting, self.n_views, self.augmenter,
                                                       self.batch_size, feed, progress=self.progress)
