@@ -140,9 +140,10 @@ def test_view_metric_takes_extra_passes_and_equals_measure(tiny_model_dir, specs
     pytest.importorskip("nlpaug")
     model = tiny_model_dir("gpt2")
     with pytest.warns(UserWarning, match="augmented views of every text"):
-        run_layers(model, fresh_tasks(specs, ["PydocSTS"]), [1, "final"], pooling="mean", dtype="float64",
-                   output_folder=tmp_path / "r", progress=False, metrics=["infonce", "dispersion"], seed=3)
+        result = run_layers(model, fresh_tasks(specs, ["PydocSTS"]), [1, "final"], pooling="mean", dtype="float64",
+                            output_folder=tmp_path / "r", progress=False, metrics=["infonce", "dispersion"], seed=3)
     texts = distinct_texts(specs["PydocSTS"])
+    assert result.view_sequences == 2 * len(texts)  # two views of each distinct text, once for both layers
     want = rg.measure(model, texts, layers=["resid_post:0", "final"], metrics=["infonce", "dispersion"],
                       pooling="mean", dtype="float64", seed=3, progress=False).results
     for layer, scores in cached_scores(tmp_path / "r", "PydocSTS").items():

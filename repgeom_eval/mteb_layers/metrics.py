@@ -144,7 +144,7 @@ class SweepMetrics:
         self.evaluating: tuple[str, str] | None = None  # (task, split) being evaluated: its encodes feed the banks
         self.batch_size = 32
         self.progress = False
-        self.view_sequences = 0  # sequences run for augmented views (benchmarks, tests)
+        self.view_sequences = 0  # augmented views run through the model
         self._splits: dict[Context, _Split] = {}
         self._carried: dict[tuple[Context, Address], dict[str, Any]] = {}
 

@@ -42,6 +42,7 @@ class SweepResult:
     layers: list[str]
     rows: list[dict[str, Any]] = field(default_factory=list)
     forward_passes: int = 0  # embed() calls; 0 when everything came from the cache
+    view_sequences: int = 0  # augmented views run through the model for multi-view metrics (all layers at once)
     seconds: float = 0.0
     output_folder: str | None = None
 
@@ -242,5 +243,6 @@ def run_layers(
         if datasets_bars:
             datasets.utils.enable_progress_bars()
     out.forward_passes = sweep.forward_passes
+    out.view_sequences = sweep_metrics.view_sequences if sweep_metrics is not None else 0
     out.seconds = time.perf_counter() - t_start
     return out
