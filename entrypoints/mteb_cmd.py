@@ -22,6 +22,17 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _metric_param_option() -> dict:
+    """``repgeom measure``'s --metric-param declaration (parser of METRIC.PARAM=VALUE, and the merge of repeated
+    flags into ``{metric: {param: value}}``), so both commands read parameters alike."""
+    from dataclasses import fields
+
+    from repgeom_eval.measurement.config import RunConfig
+
+    meta = next(f for f in fields(RunConfig) if f.name == "metric_params").metadata
+    return {"type": meta["cli"]["type"], "merge": meta["from_cli"]}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="mteb_command", metavar="SUBCOMMAND")
     run = sub.add_parser("run", help="evaluate a model at one or many layers on MTEB tasks",
@@ -43,6 +54,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     run.add_argument("--max-length", type=int, default=None,
                      help="truncate texts to this many tokens (default: max_seq_length of a sentence-transformers "
                           "model, else the model context)")
+    run.add_argument("--metrics", nargs="+", default=None, metavar="NAME",
+                     help="registered metrics (built-in or from plugins; `repgeom plugins` lists them) computed at "
+                          "every layer from the sweep's forward passes, on the texts each task split embedded, and "
+                          "written next to its score as repgeom.<metric>[.<sub>]. Pooled metrics use --pooling "
+                          "unless METRIC.pooling=... is set; multi-view metrics cost extra forward passes")
+    run.add_argument("--metric-param", dest="metric_params", action="append", default=[],
+                     type=_metric_param_option()["type"], metavar="METRIC.PARAM=VALUE",
+                     help="set a parameter of a --metrics metric, as in `repgeom measure` (e.g. "
+                          "dispersion.pooling=last; repeatable)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the augmented views of multi-view metrics "
+                                                         "(infonce, lidar, dime)")
     run.add_argument("--name", default=None,
                      help="model name in the results (org/name; default: the hub id, or local/<folder>)")
     run.add_argument("--model-revision", "--revision", dest="revision", default=None,
@@ -109,10 +131,33 @@ def run(args: argparse.Namespace) -> int:
     return _run(args)
 
 
-def _print_table(console, rows: list[dict]) -> None:
+def _header(key: str) -> str:
+    """A metric key as a two-line column header: ``repgeom.dataset_entropy.raw`` → ``dataset_entropy`` / ``raw``."""
+    from repgeom_eval.mteb_layers.summary import metric_label
+
+    return metric_label(key).replace(".", "\n", 1)
+
+
+def _metric_table(rows: list[dict], extra: list[str]) -> object:
+    """Layers × requested metric values (``repgeom.*`` keys) of one task, next to the main score."""
     from rich.table import Table
 
     from repgeom_eval.mteb_layers.summary import fmt_number
+
+    table = Table(box=None, padding=(0, 1))
+    table.add_column("layer", no_wrap=True)
+    table.add_column(rows[0].get("main_score_name") or "main score", justify="right")
+    for key in extra:
+        table.add_column(_header(key), justify="right")
+    for r in rows:
+        table.add_row(r["layer"], fmt_number(r["main_score"]), *(fmt_number(r.get(k)) for k in extra))
+    return table
+
+
+def _print_table(console, rows: list[dict]) -> None:
+    from rich.table import Table
+
+    from repgeom_eval.mteb_layers.summary import fmt_number, metric_columns
 
     table = Table()
     for col in ("task", "split", "subset", "layer", "main score", "dataset entropy", "dispersion", "eff. rank"):
@@ -122,6 +167,13 @@ def _print_table(console, rows: list[dict]) -> None:
                       fmt_number(r["repgeom_dataset_entropy"]), fmt_number(r["repgeom_dispersion"]),
                       fmt_number(r["repgeom_effective_rank"]))
     console.print(table)
+    if metric_columns(rows):  # the requested metrics (repgeom.* keys), one table per task, split and subset
+        groups: dict[tuple, list[dict]] = {}
+        for r in rows:
+            groups.setdefault((r["task"], r["split"], r["subset"]), []).append(r)
+        for (task, split, subset), task_rows in groups.items():
+            console.print(f"{task} ({split}, {subset}): requested metrics")
+            console.print(_metric_table(task_rows, metric_columns(task_rows)))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -134,8 +186,12 @@ def _run(args: argparse.Namespace) -> int:
     from repgeom_eval.output.files import check_creatable_dir
     from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
 
+    from repgeom_eval.mteb_layers.metrics import check_metrics
+
     if args.batch_size < 1:
         raise RepgeomError(f"--batch-size must be positive, got {args.batch_size}")
+    metric_params = _metric_param_option()["merge"](args.metric_params)
+    metrics = check_metrics(_words(args.metrics) or (), metric_params)  # before tasks and model are loaded
     out = check_creatable_dir(args.output_folder, "--output-folder")
     tasks = resolve_tasks(_words(args.tasks), tasks_file=args.tasks_file, task_types=_words(args.task_types),
                           categories=_words(args.categories), languages=_words(args.languages),
@@ -150,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         max_length=args.max_length, batch_size=args.batch_size, dtype=args.dtype, device=dist.device(args.device),
         output_folder=str(out), overwrite_strategy=args.overwrite_strategy, name=args.name, revision=args.revision,
         co2_tracker=args.co2_tracker, prediction_folder=args.prediction_folder, num_proc=args.num_proc,
-        progress=progress)
+        progress=progress, metrics=metrics, metric_params=metric_params, seed=args.seed)
     parts = dist.gather((result.rows, result.forward_passes))
     dist.close()
     if parts is None:
@@ -174,10 +230,10 @@ def _run(args: argparse.Namespace) -> int:
 def _summary(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from repgeom_eval.mteb_layers.summary import best_vs_last, write_summary, rows_by_group
+    from repgeom_eval.mteb_layers.summary import best_vs_last, metric_columns, rows_by_group, write_summary
 
     written = write_summary(args.folder, args.output_dir, prefix=args.prefix, plots=not args.no_plot)
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     for (model, revision, family), tasks in rows_by_group(written["rows"]).items():
         console.print(f"[bold]{model}[/bold] @ {revision} ({family})")
         for label, rows in tasks.items():
@@ -189,6 +245,9 @@ def _summary(args: argparse.Namespace) -> int:
                               f"{v['last_score']:.4f} ({v['gain']:+.4f})")
             else:
                 console.print(f"  {label}: the last layer {v['last_layer']} is best ({v['last_score']:.4f})")
+            extra = metric_columns(rows)
+            if extra:  # the requested metrics, layer by layer, next to the main score
+                console.print(_metric_table(rows, extra))
     paths = written["paths"]
     console.print(f"wrote {paths['csv']}, {paths['markdown']}" + "".join(f", {p}" for p in paths["plots"]))
     return 0

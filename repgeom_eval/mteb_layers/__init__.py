@@ -1,5 +1,6 @@
 """MTEB at any layer: an mteb encoder per layer address, layer sweeps from one forward pass, geometry next to the
-scores, local tasks from JSONL, and per-layer summaries built from mteb's cache.
+scores (and any registered metric: ``run_layers(..., metrics=[...])``), local tasks from JSONL, and per-layer
+summaries built from mteb's cache.
 
 Python use::
 
@@ -19,6 +20,7 @@ from .embedder import POOLING_CHOICES, LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep, content_hash, layer_encoder
 from .geometry import attach_geometry, geometry_scores
 from repgeom_eval.mteb_layers.model_meta import GENERIC_NAME, load_layer_encoder, register_generic, register_model
+from .metrics import SweepMetrics
 from .runner import SweepResult, resolve_tasks, run_layers
 from .summary import summarize, write_summary
 from .tasks import load_tasks_file, make_task
@@ -26,7 +28,7 @@ from .tasks import load_tasks_file, make_task
 register_generic()
 
 __all__ = [
-    "GENERIC_NAME", "POOLING_CHOICES", "LayerEmbedder", "LayerEncoder", "LayerSweep", "SweepResult",
+    "GENERIC_NAME", "POOLING_CHOICES", "LayerEmbedder", "LayerEncoder", "LayerSweep", "SweepMetrics", "SweepResult",
     "attach_geometry", "content_hash", "geometry_scores", "layer_encoder", "load_layer_encoder", "load_tasks_file",
     "make_task", "register_generic", "register_model", "resolve_tasks", "run_layers", "summarize", "write_summary",
 ]

@@ -9,7 +9,7 @@ prompts) unless the caller overrides it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,9 @@ from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
 from repgeom_eval.modeling.loading import LoadedModel, load_model
-from repgeom_eval.measurement.forward import Forward, context_length
+from repgeom_eval.measurement.forward import Batch, Forward, context_length
+from repgeom_eval.measurement.plan import Item, plan_shard
+from repgeom_eval.measurement.texts import Record
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 from repgeom_eval.measurement.pooling import check_pooling, pool
 
@@ -121,13 +123,22 @@ class LayerEmbedder:
         return float(address.layer or 0) + _SITE_OFFSET[address.site]
 
     # -- embedding ---------------------------------------------------------------------------------------------------
+    def prepare(self, texts: Sequence[str]) -> list[str]:
+        """The strings the tokenizer gets: lower-cased if the model's recipe says so."""
+        return [t.lower() for t in texts] if self.recipe.lowercase else list(texts)
+
     def embed(self, texts: Sequence[str], addresses: Sequence[Address], batch_size: int = 32,
-              progress: bool = False, desc: str = "forward") -> dict[Address, np.ndarray]:
-        """Embed ``texts`` at every address; one forward pass per batch, stopped after the deepest address."""
+              progress: bool = False, desc: str = "forward",
+              sink: Callable[[Batch, list[str]], None] | None = None) -> dict[Address, np.ndarray]:
+        """Embed ``texts`` at every address; one forward pass per batch, stopped after the deepest address.
+
+        ``sink(batch, strings)``, if given, also reads every batch's captured token vectors (``batch.hidden``,
+        ``batch.mask``) with the prepared strings of its rows: registered metrics are fed from this pass.
+        """
         if batch_size < 1:
             raise RepgeomError(f"batch size must be positive, got {batch_size}")
         addresses = list(dict.fromkeys(addresses))
-        texts = [t.lower() for t in texts] if self.recipe.lowercase else list(texts)
+        texts = self.prepare(texts)
         dim = self.loaded.info.hidden_size
         out = {a: np.zeros((len(texts), dim), dtype=np.float32) for a in addresses}
         if not texts:
@@ -143,11 +154,37 @@ class LayerEmbedder:
         ) as bar:
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
-                batch = fwd.texts([texts[i] for i in rows], self.recipe.max_length, "right", row_ids=rows)
+                strings = [texts[i] for i in rows]
+                batch = fwd.texts(strings, self.recipe.max_length, "right", row_ids=rows)
+                if sink is not None:
+                    sink(batch, strings)
                 for addr in addresses:
-                    vecs = pool(batch.hidden[addr].double(), batch.mask, self.recipe.pooling)[0]
+                    hidden = batch.hidden[addr]
+                    vecs = pool(hidden.double(), batch.mask.to(hidden.device), self.recipe.pooling)[0]
                     if self.recipe.normalize:
                         vecs = unit(vecs)
                     out[addr][rows] = vecs.float().cpu().numpy()
                 bar.update(len(rows))
         return out
+
+    def forward_views(self, texts: Sequence[str], addresses: Sequence[Address], n_views: int, augmenter: object,
+                      batch_size: int, sink: Callable[[Batch, list[Item]], None], progress: bool = False) -> int:
+        """Run ``n_views`` augmented views of each prepared text (text ``i`` has index ``i``) through the model, cut
+        into batches as ``measure`` cuts them (a text's views stay together), and hand each batch to
+        ``sink(batch, items)``. Returns the number of sequences run."""
+        records = [Record(i, i, t) for i, t in enumerate(texts) if t.strip()]
+        plan = plan_shard(records, self.loaded.tokenizer, batch_size, n_views, False, augmenter)
+        done = 0
+        with Forward(self.loaded, self.points(addresses)) as fwd, tqdm(
+            total=len(plan.items), unit="view", desc="augmented views", disable=not progress, leave=False
+        ) as bar:
+            for unit_rows in plan.units:
+                for start in range(0, len(unit_rows), batch_size):
+                    rows = unit_rows[start:start + batch_size]
+                    items = [plan.items[k] for k in rows]
+                    batch = fwd.texts([plan.strings[k] for k in rows], self.recipe.max_length, "right",
+                                      row_ids=[it.text for it in items])
+                    sink(batch, items)
+                    done += len(rows)
+                    bar.update(len(rows))
+        return done

@@ -7,7 +7,7 @@ results folder per layer: ``results/<org__model>/<revision>/experiments/<layer_.
 
 Several encoders can share one :class:`LayerSweep`: the first ``encode`` call for a list of texts runs one forward
 pass that captures every address still to be evaluated, and the other layers' encoders answer the same texts from
-that store.
+that store. With registered metrics (:mod:`.metrics`), that pass also feeds them, at every captured address.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.errors import RepgeomError
 
 from .embedder import LayerEmbedder
+
+if TYPE_CHECKING:
+    from .metrics import SweepMetrics
 
 _HASH_CHUNK = 1 << 20
 
@@ -47,25 +50,42 @@ class LayerSweep:
     forgets everything (between tasks).
     """
 
-    def __init__(self, embedder: LayerEmbedder, addresses: Sequence[Address], progress: bool = False):
+    def __init__(self, embedder: LayerEmbedder, addresses: Sequence[Address], progress: bool = False,
+                 metrics: "SweepMetrics | None" = None):
         self.embedder = embedder
         self.addresses = list(dict.fromkeys(addresses))
         self.active = list(self.addresses)
         self.progress = progress
+        self.metrics = metrics  # registered metrics fed from these forward passes (see .metrics)
         self.forward_passes = 0  # number of embed() calls, for tests and benchmarks
         self._store: dict[str, dict[Address, np.ndarray]] = {}
 
-    def vectors(self, texts: Sequence[str], address: Address, batch_size: int) -> np.ndarray:
+    def vectors(self, texts: Sequence[str], address: Address, batch_size: int,
+                context: tuple[str, str, str] | None = None) -> np.ndarray:
+        """The embeddings of ``texts`` at ``address``. With ``context`` (the evaluated task, split and subset) the
+        forward pass also feeds the sweep's metrics, and stored embeddings are used only where they already did."""
         key = _texts_key(texts)
         held = self._store.get(key, {})
-        if address in held:
+        metrics = self.metrics if context is not None else None
+        prepared: list[str] = []
+        if metrics is not None:
+            prepared = self.embedder.prepare(texts)
+            metrics.register(context, prepared)  # type: ignore[arg-type]
+
+        def stale(a: Address) -> bool:
+            return a not in held or (metrics is not None and metrics.missing(context, prepared, a))  # type: ignore
+
+        if not stale(address):
             return held[address]
-        wanted = [a for a in self.active if a not in held]
+        wanted = [a for a in self.active if stale(a)]
         if address not in wanted:
             wanted.append(address)
         self.forward_passes += 1
+        if metrics is not None:
+            metrics.batch_size = batch_size
         got = self.embedder.embed(texts, wanted, batch_size=batch_size, progress=self.progress,
-                                  desc=f"forward ({len(wanted)} layer{'s' if len(wanted) > 1 else ''})")
+                                  desc=f"forward ({len(wanted)} layer{'s' if len(wanted) > 1 else ''})",
+                                  sink=metrics.sink(context) if metrics is not None else None)  # type: ignore
         if len(wanted) > 1:  # something else will read these texts again: keep them
             self._store.setdefault(key, {}).update({a: v for a, v in got.items() if a != address})
         return got[address]
@@ -79,6 +99,8 @@ class LayerSweep:
     def clear(self) -> None:
         self._store.clear()
         self.active = list(self.addresses)
+        if self.metrics is not None:
+            self.metrics.clear()
 
     def encoder(self, address: Address, **kwargs: Any) -> "LayerEncoder":
         return LayerEncoder(self, address, **kwargs)
@@ -150,7 +172,9 @@ class LayerEncoder(AbsEncoder):
         if prompt_name:
             texts = [self.model_prompts[prompt_name] + t for t in texts]  # type: ignore[index]
         batch_size = int(kwargs.get("batch_size") or getattr(inputs, "batch_size", None) or 32)
-        vectors = self.sweep.vectors(texts, self.address, batch_size)
+        metrics = self.sweep.metrics
+        context = metrics.context(task_metadata.name, hf_split, hf_subset) if metrics is not None else None
+        vectors = self.sweep.vectors(texts, self.address, batch_size, context)
         if self._recording:
             self._seen.setdefault((task_metadata.name, hf_split, hf_subset), []).append((texts, vectors))
         return vectors

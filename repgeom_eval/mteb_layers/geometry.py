@@ -3,7 +3,8 @@
 ``attach_geometry(task)`` wraps one task instance's ``evaluate``: while it runs, a :class:`LayerEncoder` keeps the
 embeddings it returns; afterwards each subset's score dict gets ``repgeom_*`` keys computed by the project's metric
 plugins (``dataset_entropy``, ``dispersion``, ``effective_rank``) on the distinct texts embedded for that split and
-subset (queries and documents for retrieval; the evaluated split, not the training split, for classification).
+subset (queries and documents for retrieval; the evaluated split, not the training split, for classification), the
+``repgeom.*`` values of the sweep's requested metrics (:mod:`.metrics`), and the main score's name.
 mteb saves extra keys of a subset's score dict in its cache and loads them back.
 """
 
@@ -25,6 +26,8 @@ GEOMETRY_KEYS = {
     "repgeom_dispersion": ("dispersion", None),
     "repgeom_effective_rank": ("effective_rank", "rankme"),
 }
+#: score key naming the task's main score (mteb's result files hold only its value)
+MAIN_SCORE_NAME_KEY = "repgeom_main_score_name"
 GEOMETRY_CONFIG = ("dataset_entropy: von Neumann entropy of the centred, unit embeddings, normalised by "
                    "log min(N, D) (paper B's maxEntropy); dispersion: mean pairwise cosine distance; "
                    "effective_rank: RankMe of the embedding matrix (no centring)")
@@ -62,13 +65,25 @@ def attach_geometry(task: Any, host: PluginHost | None = None) -> Any:
     def evaluate(model, split: str = "test", subsets_to_run=None, **kwargs):
         if not isinstance(model, LayerEncoder):
             return original(model, split, subsets_to_run, **kwargs)
-        with model.recording():
-            scores = original(model, split, subsets_to_run, **kwargs)
+        name = task.metadata.name
+        metrics = model.sweep.metrics
+        if metrics is not None:
+            metrics.evaluating = (name, split)  # this split's encodes feed the registered metrics
+        try:
+            with model.recording():
+                scores = original(model, split, subsets_to_run, **kwargs)
+        finally:
+            if metrics is not None:
+                metrics.evaluating = None
         for subset, subset_scores in scores.items():
-            vectors = model.take_embeddings(task.metadata.name, split, subset)
+            vectors = model.take_embeddings(name, split, subset)
             if vectors is not None:
                 subset_scores.update(geometry_scores(vectors, host))
+            if metrics is not None:
+                subset_scores.update(metrics.scores((name, split, subset), model.address, model.sweep.embedder))
             subset_scores["repgeom_depth"] = model.depth
+            # mteb's result file names the main score's value, not the score: keep its name for the summary
+            subset_scores[MAIN_SCORE_NAME_KEY] = task.metadata.main_score
         return scores
 
     task.evaluate = evaluate

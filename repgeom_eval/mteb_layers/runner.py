@@ -4,6 +4,8 @@ For each task: the layers whose results are not cached yet are the sweep's activ
 evaluation runs the forward passes that capture every active layer, the others are answered from those vectors.
 Each layer is evaluated by ``mteb.evaluate`` with its own :class:`LayerEncoder` (own ``ModelMeta``, own results
 folder), on a task whose random state is reset first, so a sweep gives exactly the numbers of single-layer runs.
+Requested metrics (:mod:`.metrics`) are fed from the same forward passes; a cached result that lacks one of them,
+or holds it with other parameters, is evaluated again.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from repgeom_eval.modeling.loading import LoadedModel
 from .embedder import LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep
 from .geometry import GEOMETRY_KEYS, attach_geometry
+from .metrics import SweepMetrics, check_metrics, metric_keys
 from .tasks import load_tasks_file
 
 
@@ -39,6 +42,7 @@ class SweepResult:
     layers: list[str]
     rows: list[dict[str, Any]] = field(default_factory=list)
     forward_passes: int = 0  # embed() calls; 0 when everything came from the cache
+    view_sequences: int = 0  # augmented views run through the model for multi-view metrics (all layers at once)
     seconds: float = 0.0
     output_folder: str | None = None
 
@@ -91,12 +95,19 @@ def _reseed(task: Any) -> None:
     task.rng_state, task.np_rng = random.Random(task.seed), np.random.default_rng(task.seed)
 
 
-def _complete(cache: mteb.ResultCache, task: Any, encoder: LayerEncoder) -> bool:
+def _status(cache: mteb.ResultCache, task: Any, encoder: LayerEncoder,
+            metrics: SweepMetrics | None) -> tuple[str, Any]:
+    """("done" | "metrics" | "missing", cached result): complete, complete but for requested metrics, or not."""
     try:
         existing = cache.load_task_result(task.metadata.name, encoder.mteb_model_meta)
     except Exception:  # noqa: BLE001 - an unreadable cached file: evaluate again
-        return False
-    return existing is not None and not existing.get_missing_evaluations(task)
+        return "missing", None
+    if existing is None or existing.get_missing_evaluations(task):
+        return "missing", existing
+    if metrics is not None and not all(metrics.satisfied(scores) for split in task.eval_splits
+                                       for scores in existing.scores.get(split, [])):
+        return "metrics", existing
+    return "done", existing
 
 
 def _load(task: Any, num_proc: int | None) -> None:
@@ -118,6 +129,7 @@ def _rows(result: Any, task: Any, encoder: LayerEncoder) -> list[dict[str, Any]]
                    "depth": encoder.depth, "split": split, "subset": scores.get("hf_subset"),
                    "main_score_name": task.metadata.main_score, "main_score": scores.get("main_score")}
             row.update({k: scores.get(k) for k in (*GEOMETRY_KEYS, "repgeom_n_texts")})
+            row.update({k: scores[k] for k in metric_keys(scores)})
             rows.append(row)
     return rows
 
@@ -141,10 +153,18 @@ def run_layers(
     prediction_folder: str | Path | None = None,
     num_proc: int | None = None,
     progress: bool = True,
+    metrics: str | Sequence[str] | None = None,
+    metric_params: dict[str, dict[str, Any]] | None = None,
+    seed: int = 0,
 ) -> SweepResult:
     """Evaluate ``model`` at every address of ``layers`` on ``tasks`` (instances, or names for
     :func:`resolve_tasks`), with ``repgeom_*`` geometry next to each score, cached in ``output_folder`` (mteb's
-    cache layout; ``None`` = no cache)."""
+    cache layout; ``None`` = no cache).
+
+    ``metrics``: registered metric names computed at every layer from the sweep's forward passes and written next to
+    each score as ``repgeom.<metric>[.<sub>]`` (:mod:`repgeom_eval.mteb_layers.metrics`); ``metric_params``:
+    ``{metric: {parameter: value}}`` (``pooling`` included; the default pooling is the embedding recipe's);
+    ``seed``: seed of the augmented views of multi-view metrics."""
     t_start = time.perf_counter()
     try:
         strategy = OverwriteStrategy.from_str(overwrite_strategy)
@@ -153,12 +173,17 @@ def run_layers(
                            f"{', '.join(s.value for s in OverwriteStrategy)})") from None
     if batch_size < 1:
         raise RepgeomError(f"batch size must be positive, got {batch_size}")
+    metric_names = check_metrics(metrics or (), metric_params)  # unknown names fail before the model loads
     task_list = [t for t in tasks if not isinstance(t, str)] + (
         resolve_tasks([t for t in tasks if isinstance(t, str)]) if any(isinstance(t, str) for t in tasks) else [])
     embedder = model if isinstance(model, LayerEmbedder) else LayerEmbedder(
         model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device)
     addresses = embedder.addresses(layers)
-    sweep = LayerSweep(embedder, addresses, progress=progress)
+    sweep_metrics = SweepMetrics(metric_names, addresses, params=metric_params, pooling=embedder.recipe.pooling,
+                                 seed=seed) if metric_names else None
+    if sweep_metrics is not None:
+        sweep_metrics.progress = progress
+    sweep = LayerSweep(embedder, addresses, progress=progress, metrics=sweep_metrics)
     encoders = {a: sweep.encoder(a, name=name, revision=revision) for a in addresses}
     first = encoders[addresses[0]]
     cache = mteb.ResultCache(output_folder) if output_folder is not None else None
@@ -171,8 +196,20 @@ def run_layers(
     try:
         for task in task_list:
             attach_geometry(task)
-            todo = [a for a in addresses if strategy == OverwriteStrategy.ALWAYS or cache is None
-                    or (strategy != OverwriteStrategy.ONLY_CACHE and not _complete(cache, task, encoders[a]))]
+            status = {a: _status(cache, task, encoders[a], sweep_metrics) if cache is not None else ("missing", None)
+                      for a in addresses} if strategy != OverwriteStrategy.ALWAYS else {}
+            rerun: set = set()  # cached but for requested metrics: evaluated again, other cached metrics kept
+            if strategy == OverwriteStrategy.ALWAYS or cache is None:
+                todo = list(addresses)
+            elif strategy == OverwriteStrategy.ONLY_CACHE:
+                todo = []
+            elif strategy == OverwriteStrategy.NEVER:
+                todo = [a for a in addresses if status[a][0] == "missing"]
+            else:
+                todo = [a for a in addresses if status[a][0] != "done"]
+                rerun = {a for a in todo if status[a][0] == "metrics"}
+            for a in rerun:
+                sweep_metrics.carry(task.metadata.name, a, status[a][1])  # type: ignore[union-attr]
             loaded_here = bool(todo) and not task.data_loaded and strategy != OverwriteStrategy.ONLY_CACHE
             if loaded_here:
                 bar.set_description(f"{task.metadata.name} · loading data")
@@ -184,7 +221,8 @@ def run_layers(
                     _reseed(task)
                     try:
                         result = mteb.evaluate(
-                            encoders[addr], task, cache=cache, overwrite_strategy=strategy,
+                            encoders[addr], task, cache=cache,
+                            overwrite_strategy=OverwriteStrategy.ALWAYS if addr in rerun else strategy,
                             encode_kwargs=dict(encode_kwargs), show_progress_bar=False, co2_tracker=co2_tracker,
                             prediction_folder=prediction_folder, num_proc=num_proc)
                     except ValueError as exc:  # mteb's refusals (only-cache / never with missing results)
@@ -205,5 +243,6 @@ def run_layers(
         if datasets_bars:
             datasets.utils.enable_progress_bars()
     out.forward_passes = sweep.forward_passes
+    out.view_sequences = sweep_metrics.view_sequences if sweep_metrics is not None else 0
     out.seconds = time.perf_counter() - t_start
     return out

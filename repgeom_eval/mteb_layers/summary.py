@@ -2,10 +2,15 @@
 
 mteb's own ``BenchmarkResults.to_dataframe()`` averages the experiments of one model (here: its layers) together,
 so this module reads the cache files itself: every ``experiments/<name>/`` folder whose ``model_meta.json`` has a
-``layer`` in its ``experiment_kwargs`` is one layer of one model, and each ``<Task>.json`` in it holds the scores and
-the ``repgeom_*`` geometry of that layer. Outputs: a long CSV (one row per model, recipe, layer, task, split and
-subset), a Markdown report (one table per task: layers × main score + geometry, with the best layer against the last
-one), and one plot per model and recipe (score and geometry against depth).
+``layer`` in its ``experiment_kwargs`` is one layer of one model, and each ``<Task>.json`` in it holds the scores,
+the ``repgeom_*`` geometry and the ``repgeom.*`` values of requested metrics of that layer. Outputs: a long CSV (one
+row per model, recipe, layer, task, split and subset), a Markdown report (one table per task: layers × main score,
+geometry and metrics, with the best layer against the last one), and one plot per model and recipe (score, geometry
+and metrics against depth).
+
+The name of the main score is not in mteb's result file (only its value is): it is read from the
+``repgeom_main_score_name`` key that ``repgeom mteb run`` writes beside it, else from mteb's task registry (which
+knows only mteb's own tasks, not the local tasks of a ``--tasks-file``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open
 
-from .geometry import GEOMETRY_KEYS
+from .geometry import GEOMETRY_KEYS, MAIN_SCORE_NAME_KEY
+from .metrics import RESULT_PREFIX, metric_keys
 
 COLUMNS = ("model", "revision", "pooling", "normalize", "max_length", "layer", "depth", "task", "split", "subset",
            "main_score_name", "main_score", *GEOMETRY_KEYS, "repgeom_n_texts")
@@ -67,9 +73,9 @@ def summarize(folder: str | Path) -> list[dict[str, Any]]:
             except (OSError, json.JSONDecodeError):
                 continue
             task = result.get("task_name", result_file.stem)
-            declared = result.get("main_score_name") or _main_score_name(task, names)
             for split, subsets in (result.get("scores") or {}).items():
                 for scores in subsets:
+                    declared = scores.get(MAIN_SCORE_NAME_KEY) or _main_score_name(task, names)
                     row = {"model": meta.get("name"), "revision": meta.get("revision"),
                            "pooling": exp.get("pooling"), "normalize": exp.get("normalize"),
                            "max_length": exp.get("max_length", meta.get("max_tokens")), "layer": exp["layer"],
@@ -77,6 +83,7 @@ def summarize(folder: str | Path) -> list[dict[str, Any]]:
                            "subset": scores.get("hf_subset"), "main_score_name": declared,
                            "main_score": scores.get("main_score")}
                     row.update({k: scores.get(k) for k in (*GEOMETRY_KEYS, "repgeom_n_texts")})
+                    row.update({k: scores[k] for k in metric_keys(scores)})
                     rows.append(row)
     if not rows:
         raise RepgeomError(f"no layer results under {str(root)!r} (expected mteb cache folders written by "
@@ -84,6 +91,16 @@ def summarize(folder: str | Path) -> list[dict[str, Any]]:
     rows.sort(key=lambda r: (str(r["model"]), str(r["revision"]), _family(r), r["task"], r["split"],
                              str(r["subset"]), _num(r["depth"]), r["layer"]))
     return rows
+
+
+def metric_columns(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """The ``repgeom.*`` metric keys found in ``rows``, sorted."""
+    return sorted({k for r in rows for k in r if k.startswith(RESULT_PREFIX)})
+
+
+def metric_label(key: str) -> str:
+    """``repgeom.dataset_entropy.normalized`` → ``dataset_entropy.normalized`` (table headers)."""
+    return key[len(RESULT_PREFIX):]
 
 
 def _num(x: Any) -> float:
@@ -126,11 +143,13 @@ def best_vs_last(task_rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
+    """The long table: fixed columns, then one column per metric key found (``repgeom.<metric>[.<sub>]``)."""
+    columns = [*COLUMNS, *metric_columns(rows)]
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(COLUMNS), extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for r in rows:
-        writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in COLUMNS})
+        writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
     return buf.getvalue()
 
 
@@ -138,23 +157,27 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["# MTEB scores and embedding geometry by layer", "",
              "Geometry is computed on the embeddings each task scored: dataset entropy = von Neumann entropy of the "
              "centred, unit embeddings / log min(N, D); dispersion = mean pairwise cosine distance; effective rank "
-             "= RankMe. The best layer is in bold.", ""]
+             "= RankMe; other columns are the requested metrics (`repgeom.<metric>` keys of the result files). "
+             "The best layer is in bold.", ""]
     for (model, revision, family), tasks in rows_by_group(rows).items():
         lines += [f"## {model} @ {revision} ({family})", ""]
         wins = []
         for label, task_rows in tasks.items():
             name = task_rows[0]["main_score_name"] or "main score"
             verdict = best_vs_last(task_rows)
+            extra = metric_columns(task_rows)
             lines += [f"### {label}", "",
-                      f"| layer | depth | {name} | dataset entropy | dispersion | effective rank | texts |",
-                      "|---|---:|---:|---:|---:|---:|---:|"]
+                      f"| layer | depth | {name} | dataset entropy | dispersion | effective rank | texts |"
+                      + "".join(f" {metric_label(k)} |" for k in extra),
+                      "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra)]
             for r in task_rows:
                 score = fmt_number(r["main_score"])
                 if verdict and r["layer"] == verdict["best_layer"]:
                     score = f"**{score}**"
-                lines.append(f"| {r['layer']} | {fmt_number(r['depth'])} | {score} | {fmt_number(r['repgeom_dataset_entropy'])} | "
-                             f"{fmt_number(r['repgeom_dispersion'])} | {fmt_number(r['repgeom_effective_rank'])} | "
-                             f"{fmt_number(r['repgeom_n_texts'])} |")
+                cells = [r["layer"], fmt_number(r["depth"]), score, fmt_number(r["repgeom_dataset_entropy"]),
+                         fmt_number(r["repgeom_dispersion"]), fmt_number(r["repgeom_effective_rank"]),
+                         fmt_number(r["repgeom_n_texts"]), *(fmt_number(r.get(k)) for k in extra)]
+                lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
             if verdict:
                 if verdict["intermediate_wins"]:
@@ -171,18 +194,20 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str | Path, title: str | None = None) -> Path:
-    """Main score and the three geometry values against depth, one line per task (rows of ONE model/recipe)."""
+    """Main score, the three geometry values and every metric key against depth, one line per task (rows of ONE
+    model/recipe)."""
     from repgeom_eval.output.plotting import pyplot
 
     plt = pyplot()
     tasks = next(iter(rows_by_group(rows).values()))
-    fig, axes = plt.subplots(len(PLOTTED), 1, figsize=(7.0, 2.4 * len(PLOTTED)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], PLOTTED):
+    keys = [*PLOTTED, *metric_columns(rows)]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7.0, 2.4 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
         for label, task_rows in tasks.items():
             pts = [(r["depth"], r[key]) for r in task_rows if r["depth"] is not None and r.get(key) is not None]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
-        ax.set_ylabel(_LABELS[key], fontsize=8)
+        ax.set_ylabel(_LABELS.get(key) or metric_label(key), fontsize=8)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7, loc="best")
     axes[-1, 0].set_xlabel("depth (hidden-state index: 0 = embeddings, L = last layer)")
