@@ -145,6 +145,7 @@ def test_third_party_metric_equals_measure(lm, model_dir, data, example_plugin_s
             assert results["repgeom:mean_norm@final,none"] > 0
             record = out["configs"]["repgeom_hardness_mmlu"]["metadata"]["repgeom"]
             assert record["metric_configs"] == {"mean_norm": {"pooling": pooling}}
+            assert record["metric_plugins"]["mean_norm"]["distribution"] == "repgeom-example-metric"
     finally:
         sys.modules.pop("repgeom_example_metric", None)
         reset_host()

@@ -203,7 +203,9 @@ def test_third_party_metric_in_mteb_results_equals_measure(example_plugin_site, 
     for layer, scores in cached.items():
         assert_equal_to_measure(scores, want[layer], names, layer)
         assert abs(scores["repgeom.mean_norm"] - 1.0) > 1e-3
-        assert stored_configs(scores)["mean_norm"] == {"pooling": "last"}
+        assert stored_configs(scores)["mean_norm"] == {
+            "pooling": "last",  # and the plugin that computed it, as in every output
+            "plugin": {"plugin": "example", "distribution": "repgeom-example-metric", "version": "0.1.0"}}
     # the summary (no plugin needed to read it back) shows the third-party metric
     summary = subprocess.run([sys.executable, "-m", "repgeom_eval", "mteb", "summary", "results", "--no-plot"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300,

@@ -211,7 +211,7 @@ class TaskBank:
         """What the run resolved: addresses and every metric's parameters (``metadata.repgeom`` of the task)."""
         assert self.bank is not None
         out: dict[str, Any] = {"metric_addresses": [str(a) for a in self.addresses],
-                               "metric_configs": self.bank.configs()}
+                               "metric_configs": self.bank.configs(), "metric_plugins": self.bank.provenance()}
         if self.augmenter is not None:
             out["views"] = self.augmenter.config() | {"n_views": self.n_views, "extra_pass": True}
         return out

@@ -148,6 +148,11 @@ class MetricBank:
         first = next(iter(self.states.values()), [])
         return {spec.name: spec.config(m) for spec, m in first}
 
+    def provenance(self) -> dict[str, dict[str, str | None]]:
+        """``{metric: {"plugin", "distribution", "version"}}``: what every output records beside the values."""
+        return {spec.name: {"plugin": spec.plugin, "distribution": spec.distribution, "version": spec.version}
+                for spec in self.specs}
+
     def compute(self) -> dict[str, dict[str, Any]]:
         """``{address: {metric: compute()}}``."""
         out: dict[str, dict[str, Any]] = {}

@@ -129,8 +129,8 @@ def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None
 class Batch:
     """One forward pass: the inputs, and what it captured (hidden states upcast to float32 at least)."""
 
-    ids: torch.Tensor
-    mask: torch.Tensor  # bool [B, T]
+    ids: torch.Tensor  # [B, T], on the CPU
+    mask: torch.Tensor  # bool [B, T], on the model's device
     hidden: dict[Address, torch.Tensor]
     logits: torch.Tensor | None
 
@@ -187,7 +187,8 @@ class Forward:
     def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, row_ids: Sequence[Any] | None,
              **extra: torch.Tensor) -> Batch:
         captured = self._capture.run(**model_inputs(self.loaded, ids, mask, **extra))
-        bool_mask = (mask if mask is not None else torch.ones_like(ids)).bool()
+        # on the model's device, beside the hidden states (pooling indexes both with the same rows)
+        bool_mask = (mask if mask is not None else torch.ones_like(ids)).bool().to(self.loaded.device)
         names = list(row_ids) if row_ids is not None else list(range(len(ids)))
         hidden = {}
         for addr, h in captured.items():

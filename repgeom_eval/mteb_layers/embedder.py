@@ -21,7 +21,7 @@ from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
 from repgeom_eval.modeling.loading import LoadedModel, load_model
-from repgeom_eval.measurement.forward import Batch, Forward, context_length
+from repgeom_eval.measurement.forward import Batch, Forward, context_length, token_lengths
 from repgeom_eval.measurement.plan import Item, plan_shard
 from repgeom_eval.measurement.texts import Record
 from repgeom_eval.plugin_system.host import PluginHost, get_host
@@ -144,7 +144,7 @@ class LayerEmbedder:
         if not texts:
             return out
         tok = self.loaded.tokenizer
-        lengths = [len(x) for x in tok(texts, add_special_tokens=True, verbose=False)["input_ids"]]
+        runnable, lengths = token_lengths(tok, texts, self.recipe.max_length)  # huge texts cut before tokenizing
         empty = sum(n == 0 for n in lengths)
         if empty:
             warnings.warn(f"{empty} text(s) tokenize to no tokens; their embeddings are zero vectors", stacklevel=2)
@@ -155,7 +155,7 @@ class LayerEmbedder:
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
                 strings = [texts[i] for i in rows]
-                batch = fwd.texts(strings, self.recipe.max_length, "right", row_ids=rows)
+                batch = fwd.texts([runnable[i] for i in rows], self.recipe.max_length, "right", row_ids=rows)
                 if sink is not None:
                     sink(batch, strings)
                 for addr in addresses:
@@ -173,7 +173,8 @@ class LayerEmbedder:
         into batches as ``measure`` cuts them (a text's views stay together), and hand each batch to
         ``sink(batch, items)``. Returns the number of sequences run."""
         records = [Record(i, i, t) for i, t in enumerate(texts) if t.strip()]
-        plan = plan_shard(records, self.loaded.tokenizer, batch_size, n_views, False, augmenter)
+        plan = plan_shard(records, self.loaded.tokenizer, batch_size, n_views, False, augmenter,
+                          self.recipe.max_length)
         done = 0
         with Forward(self.loaded, self.points(addresses)) as fwd, tqdm(
             total=len(plan.items), unit="view", desc="augmented views", disable=not progress, leave=False

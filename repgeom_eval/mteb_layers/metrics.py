@@ -130,7 +130,11 @@ class SweepMetrics:
         self.addresses = list(addresses)
         self.seed = seed
         specs = instantiate_metrics(self.names, self.host, self.params, False, pooling)
-        self.configs = {s.name: _plain(s.config(s.new())) for s in specs}
+        # each metric's parameters and the plugin (distribution, version) that computed it: a cached result from
+        # other parameters or another plugin version is computed again
+        self.configs = {s.name: _plain(s.config(s.new()) | {"plugin": {"plugin": s.plugin, "distribution":
+                                                                       s.distribution, "version": s.version}})
+                        for s in specs}
         views = [(s.name, int(s.new().n_views)) for s in specs if s.consumes == Consumes.VIEWS]  # type: ignore
         self.n_views = max([n for _, n in views] or [0])
         self.augmenter = None
