@@ -24,7 +24,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.measurement.checkpoint import RunDir, model_fingerprint
+from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_fingerprint
 from repgeom_eval.measurement.config import RunConfig
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.feed import Feeder, StatsCollector
@@ -127,16 +127,23 @@ class MeasureRun:
         cfg, loaded, dist = self.config, self.loaded, self.dist
         if not cfg.run_dir:
             return None
+        # The content of every input, never its path: a moved file resumes, an edited one is refused.
         key = cfg.checkpoint_key({
             "model": model_fingerprint(loaded.info.name, loaded.info.source, loaded.model.config),
-            "model_name": loaded.info.name, "data": self.source.fingerprint, "data_path": self.source.source,
+            "data": self.source.fingerprint,
+            "preprocess_stats": "sha256:" + file_fingerprint(Path(cfg.preprocess_stats)) if cfg.preprocess_stats
+            else None,
             "addresses": [str(a) for a in self.addresses], "metrics": self.state.metric_configs(),
             "plugins": self.plugins, "max_length": self.context, "dtype": loaded.info.dtype, "world_size": dist.world})
         ckpt = RunDir(cfg.run_dir, key, dist.rank, dist.world, cfg.resume, dist.is_main)
         dist.barrier()  # rank 0 has created the directory
         saved = ckpt.load()
         if saved is not None:
-            self.state.load(saved)
+            try:
+                self.state.load(saved, cfg.shard_size, self.source.n_texts)
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                raise RepgeomError(f"checkpoint {ckpt.state_file} does not fit this run ({type(exc).__name__}: "
+                                   f"{str(exc)[:160]}); delete the run directory to start over") from None
             if self.state.prep_transforms is not None:
                 self.prep = Preprocessor(cfg.preprocess, self.state.prep_transforms, "same data (checkpoint)")
         return ckpt

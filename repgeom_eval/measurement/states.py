@@ -93,17 +93,34 @@ class RunState:
             "prep": self.prep_transforms,
         }
 
-    def load(self, saved: dict[str, Any]) -> None:
+    def load(self, saved: dict[str, Any], shard_size: int, n_texts: int | None) -> None:
+        """Take a checkpoint's state, after checking that it fits this run: every metric state of the same
+        kind and dtype as a fresh one, one hidden size across them, finite values, sane counts, a shard index the
+        data can have. Anything else raises ValueError (the caller refuses the checkpoint in one line)."""
+        next_shard = saved["next_shard"]
+        counts = saved["counts"]
+        if not (isinstance(next_shard, int) and next_shard >= 0):
+            raise ValueError(f"shard index {next_shard!r} is not a count")
+        if n_texts is not None and next_shard > -(-n_texts // shard_size):
+            raise ValueError(f"shard index {next_shard} is past the data's {-(-n_texts // shard_size)} shards")
+        if not (isinstance(counts, (list, tuple)) and len(counts) == 5
+                and all(isinstance(c, int) and c >= 0 for c in counts)):
+            raise ValueError(f"counts {counts!r} are not five non-negative integers")
+        widths: set[int] = set()
         for addr, ms in self.states.items():
             for spec, m in ms:
+                state = saved["metrics"][str(addr)][spec.name]
+                _check_state(f"{spec.name} at {addr}", m.state_dict(), state, widths)
                 with spec.guard("load_state_dict", addr):
-                    m.load_state_dict(saved["metrics"][str(addr)][spec.name])
+                    m.load_state_dict(state)
         for addr, m in self.energy.items():
-            m.load_state_dict(saved["energy"][str(addr)])
-        self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed = saved["counts"]
+            state = saved["energy"][str(addr)]
+            _check_state(f"energy at {addr}", m.state_dict(), state, widths)
+            m.load_state_dict(state)
+        self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed = counts
         self.empty_ids = list(saved["empty_ids"])
         self.text_info = {int(i): (rid, n) for i, (rid, n) in saved["text_info"].items()}
-        self.next_shard = self.resumed_from = saved["next_shard"]
+        self.next_shard = self.resumed_from = next_shard
         self.prep_transforms = saved.get("prep")
 
     # -- processes -----------------------------------------------------------------------------------------------
@@ -128,3 +145,26 @@ class RunState:
                 other = self._energy_cls(top_k=ENERGY_TOP)  # type: ignore[misc]
                 other.load_state_dict(part["energy"][str(addr)])
                 m.merge(other)
+
+
+def _check_state(what: str, fresh: dict[str, torch.Tensor], saved: Any, widths: set[int]) -> None:
+    """A saved metric state must hold the fresh state's tensors, with their dtypes, finite, and every
+    hidden-size-shaped sum agreeing with the others'."""
+    if not isinstance(saved, dict) or set(saved) != set(fresh):
+        raise ValueError(f"{what}: state holds {sorted(saved) if isinstance(saved, dict) else type(saved).__name__}, "
+                         f"expected {sorted(fresh)}")
+    for name, tensor in saved.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != fresh[name].dtype:
+            raise ValueError(f"{what}: {name} is {getattr(tensor, 'dtype', type(tensor).__name__)}, expected "
+                             f"{fresh[name].dtype}")
+        if fresh[name].ndim and tensor.ndim != fresh[name].ndim and fresh[name].numel():
+            raise ValueError(f"{what}: {name} has shape {tuple(tensor.shape)}, expected {tuple(fresh[name].shape)}")
+        if tensor.dtype.is_floating_point and tensor.numel():
+            # NaN is never a state; ±inf only where the fresh state starts from it (a running max or min)
+            starts_infinite = fresh[name].numel() and bool(torch.isinf(fresh[name]).any())
+            if bool(torch.isnan(tensor).any()) or (not starts_infinite and bool(torch.isinf(tensor).any())):
+                raise ValueError(f"{what}: {name} holds NaN or inf")
+    if "energy" in saved and saved["energy"].ndim == 1 and saved["energy"].numel():
+        widths.add(int(saved["energy"].shape[0]))
+        if len(widths) > 1:
+            raise ValueError(f"{what}: hidden sizes {sorted(widths)} disagree")
