@@ -454,7 +454,8 @@ def checkpoints(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("fault-runs")
     s = Setup(root, model, data, root)
     for name, metrics in (("run", ("dispersion",)), ("other", ("token_dispersion",))):
-        assert main([str(a) for a in _resume_args(s, root / name, metrics)] + ["-o", str(root / f"{name}-result.json")]) == 0
+        args = [str(a) for a in _resume_args(s, root / name, metrics)]
+        assert main(args + ["-o", str(root / f"{name}-result.json")]) == 0
         assert (root / name / "state.rank0-of-1.pt").is_file()
     return root
 

@@ -235,9 +235,9 @@ def load_model(
         # Only the attention mask matters for padded positions; any existing token will do.
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
     if tokenizer.pad_token is None:
-        raise RepgeomError(f"model {name!r}: its tokenizer defines no pad, eos, unk or bos token, so texts of different "
-                           "lengths cannot be batched; name one in its tokenizer_config.json (e.g. \"pad_token\": "
-                           "\"<pad>\")")
+        raise RepgeomError(f"model {name!r}: its tokenizer defines no pad, eos, unk or bos token, so texts of "
+                           "different lengths cannot be batched; name one in its tokenizer_config.json (e.g. "
+                           "\"pad_token\": \"<pad>\")")
     loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
     if random_init:
         loaded.info.random_init_tensors = random_init
