@@ -573,6 +573,14 @@ def _save_model(trainer: Any, tokenizer: Any, path: Path) -> None:
     try:
         trainer.save_model(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+    except OSError as exc:  # a full disk or a file-size limit: one line, and no half-saved model left
+        from repgeom_eval.output.files import write_error
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        clean = write_error(path, exc)
+        if clean is None:
+            raise
+        raise clean from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
