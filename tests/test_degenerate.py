@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.measurement.degenerate import degenerate_diagnostics, degenerate_warning, find_degenerate
+from repgeom_eval.measurement.degenerate import (degenerate_diagnostics, degenerate_warning, find_degenerate,
+                                                 zero_vector_warning)
 
 
 def test_find_degenerate_on_a_report():
@@ -52,11 +53,21 @@ def zero_model(tiny_model_dir, tmp_path_factory):
     return path
 
 
+def test_zero_vector_warning_names_the_dead_addresses():
+    assert zero_vector_warning("m", {"embed": (0, 40), "final": (3, 40)}) is None  # some zeros: not dead
+    message = zero_vector_warning("m", {"embed": (0, 40), "mlp_out:1": (40, 40), "final": (40, 40)})
+    assert message.startswith("model 'm': every token vector is zero at 2 address(es): mlp_out:1, final; ")
+    assert zero_vector_warning(None, {"final": (5, 5)}).startswith("the model: every token vector at every address")
+
+
 def test_an_all_zero_model_is_flagged(zero_model, texts):
-    """An all-zero model gives dispersion exactly 1.0 at every layer; the detector names the model and says why."""
+    """An all-zero model gives dispersion exactly 1.0 at every layer: the forward passes warn, naming the model, and
+    the report-level detector says which numbers are affected."""
     import repgeom_eval as rg
 
-    result = rg.measure(str(zero_model), texts[:8], layers="all", metrics=["dispersion"], progress=False)
+    with pytest.warns(UserWarning, match=r"every token vector at every address is zero") as caught:
+        result = rg.measure(str(zero_model), texts[:8], layers="all", metrics=["dispersion"], progress=False)
+    assert any(str(zero_model) in str(w.message) for w in caught)
     assert all(r["dispersion"] == 1.0 for r in result.results.values())
     message = degenerate_warning(result.model["name"], result.results, result.diagnostics)
     assert message is not None and str(zero_model) in message
@@ -101,3 +112,26 @@ def test_gap_of_a_sound_model_has_no_warning(tiny_model_dir, tmp_path):
         assert main(["gap", "-m", tiny_model_dir("gpt2"), "--domain", "digits", "--reference", "general",
                      "-o", str(out)]) == 0
     assert json.loads(out.read_text())["results"][0]["warnings"] == []
+
+
+@pytest.mark.parametrize("command", [
+    ["knn-keys", "--chunk-len", "8", "--n", "2", "4", "--seeds", "2"],
+    ["clusters", "--ngram", "2", "--min-count", "3", "--contexts", "3", "--context-len", "4", "--clusters", "5"],
+    ["perturb", "--lengths", "4", "8", "--n-prompts", "4"],
+])
+def test_analyses_of_an_all_zero_model_warn(command, zero_model, texts, tmp_path):
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(t for t in texts if len(t.split()) > 6) + "\n")
+    with pytest.warns(UserWarning, match=r"every token vector at every address is zero"):
+        assert main([*command, "-m", str(zero_model), "-d", str(data), "--no-progress"]) == 0
+
+
+def test_a_sound_model_gives_no_zero_warning(tiny_model_dir, texts):
+    import warnings
+
+    import repgeom_eval as rg
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rg.measure(tiny_model_dir("llama"), texts[:8], layers="all", metrics=["dispersion"], progress=False)
+    assert not [w for w in caught if "zero" in str(w.message)]

@@ -14,7 +14,7 @@ means every mean-pooled vector is zero) and the metric values.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,3 +92,17 @@ def degenerate_diagnostics(found: list[Degenerate]) -> dict[str, dict[str, Any]]
     """address → ``{"zero_vectors": k, "all_zero": bool, "nan_metrics": [...]}``, for a report's diagnostics."""
     return {d.address: {"zero_vectors": d.n_zero, "all_zero": d.all_zero, "nan_metrics": d.nan_metrics}
             for d in found}
+
+
+def zero_vector_warning(model: str | None, counts: Mapping[Any, Sequence[int]]) -> str | None:
+    """One line naming the model and the addresses whose every real-token vector was zero, from
+    ``address → (zero vectors, vectors)`` counted over a run's forward passes
+    (:class:`repgeom_eval.measurement.forward.Forward` counts them); None when there is none."""
+    dead = [str(a) for a, (zero, total) in counts.items() if total and zero == total]
+    if not dead:
+        return None
+    who = f"model {model!r}" if model else "the model"
+    if len(dead) == len(counts):
+        return f"{who}: every token vector at every address is zero (an all-zero or untrained checkpoint?); {ZERO_NOTE}"
+    shown = ", ".join(dead[:8]) + (f" and {len(dead) - 8} more" if len(dead) > 8 else "")
+    return f"{who}: every token vector is zero at {len(dead)} address(es): {shown}; {ZERO_NOTE}"
