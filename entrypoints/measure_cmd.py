@@ -44,13 +44,15 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from repgeom_eval.output.files import check_outputs, check_writable, commit_together, jsonable
+    from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable, commit_together, jsonable
     from repgeom_eval.measurement.config import RunConfig
     from repgeom_eval.measurement.engine import measure
     from repgeom_eval.measurement.texts import source_files
     from repgeom_eval.modeling.loading import model_inputs
     from repgeom_eval.output.console import results_table
 
+    if args.run_dir:
+        check_creatable_dir(args.run_dir, "--run-dir")
     outputs = {"--output": args.output, "--per-text": args.per_text,
                "--save-preprocess-stats": args.save_preprocess_stats, "--run-dir": run_dir_files(args.run_dir)}
     model_files, model_dirs = model_inputs(args.model)

@@ -64,8 +64,10 @@ def guard_outputs(args: argparse.Namespace, outputs: dict, data: dict, models: l
     folder (repgeom_eval/output/files.py), every output can be written. Returns the output paths, for
     ``commit_together``."""
     from repgeom_eval.modeling.loading import model_inputs
-    from repgeom_eval.output.files import check_outputs, check_writable
+    from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable
 
+    if getattr(args, "plot_dir", None):
+        check_creatable_dir(args.plot_dir, "--plot-dir")
     model_files, model_dirs = model_inputs(models)
     check_outputs(outputs, inputs={**data, "--model": model_files}, folders={"--model": model_dirs})
     paths = [p for value in outputs.values() for p in (value if isinstance(value, list) else [value]) if p]

@@ -331,6 +331,14 @@ OUTPUT_CASES: dict[str, OutputCase] = {
         r"--save-preprocess-stats .*--preprocess-stats input", lambda s: [s.model, s.data, _stats(s)]),
     "measure --run-dir is the model folder": OutputCase(lambda s: _measure(s, "--run-dir", s.model, "-o", s.result),
                                                         r"--run-dir .*run\.json.*inside the --model folder"),
+    "measure --run-dir is a file": OutputCase(lambda s: _measure(s, "--run-dir", s.data, "-o", s.result),
+                                              r"--run-dir '.*texts\.jsonl' is a file"),
+    "ppl-bins --plot-dir is a file": OutputCase(
+        lambda s: COMMANDS["ppl-bins"](s, s.model, s.data) + ["--plot-dir", s.data],
+        r"--plot-dir '.*texts\.jsonl' is a file"),
+    "demo --output-dir is the model folder": OutputCase(
+        lambda s: ["demo", "--model", s.model, "--output-dir", s.model, "--profile-only"],
+        r"--output-dir .*results\.json.*inside the --model folder"),
     "ppl-bins --per-chunk is the data": OutputCase(
         lambda s: COMMANDS["ppl-bins"](s, s.model, s.data) + ["--per-chunk", s.data], r"--per-chunk .*--data input"),
     "ppl-bins --plot-dir is the model folder": OutputCase(
