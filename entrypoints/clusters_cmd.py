@@ -6,7 +6,7 @@ import argparse
 import math
 
 from .measure_cmd import add_loading_args
-from .ppl_bins_cmd import add_output_args, plot_dir, positive_int, progress, stem
+from .ppl_bins_cmd import add_output_args, guard_outputs, plot_dir, plot_files, positive_int, progress
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -42,17 +42,21 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.clusters import clusters
     from repgeom_eval.analyses.plots import figure_clusters, save_png
-    from repgeom_eval.output.files import check_writable
+    from repgeom_eval.output.files import commit_together
 
-    if args.output:
-        check_writable(args.output)
+    figures = plot_files(args, "clusters", [""])
+    outputs = guard_outputs(args, {"--output": args.output, "--plot-dir": figures}, {"--data": args.data}, args.model)
     layers = args.layers[0] if len(args.layers) == 1 else args.layers
-    result = clusters(args.model, args.data, layers=layers, ngram=args.ngram, min_count=args.min_count,
-                      contexts=args.contexts, context_len=args.context_len, n_clusters=args.clusters, seed=args.seed,
-                      text_field=args.text_field, batch_size=args.batch_size, dtype=args.dtype, device=args.device,
-                      progress=progress(args))
-    if args.output:
-        result.write(args.output)
+    with commit_together(outputs):  # every output, or none
+        result = clusters(args.model, args.data, layers=layers, ngram=args.ngram, min_count=args.min_count,
+                          contexts=args.contexts, context_len=args.context_len, n_clusters=args.clusters,
+                          seed=args.seed, text_field=args.text_field, batch_size=args.batch_size, dtype=args.dtype,
+                          device=args.device, progress=progress(args))
+        if args.output:
+            result.write(args.output)
+        if figures:
+            plot_dir(args)
+            save_png(figure_clusters(result.to_dict()), figures[0])
     console = Console(width=max(Console().width, 100))
     res = result.results
     table = Table(title=escape(f"{len(res['clusters'])} clusters · {result.data['n_contexts']} contexts · "
@@ -66,9 +70,7 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(escape(label) if i == 0 else "", escape(a), _fmt(m["within"][i]), _fmt(m["between"][i]),
                           _fmt(m["ratio"][i]))
     console.print(table)
-    where = plot_dir(args)
-    if where is not None:
-        path = save_png(figure_clusters(result.to_dict()), where / f"{stem(args, 'clusters')}.png")
+    for path in figures:
         console.print(f"plot:    {escape(str(path))}", soft_wrap=True)
     if args.output:
         console.print(f"results: {escape(args.output)}", soft_wrap=True)

@@ -6,7 +6,7 @@ import argparse
 import math
 
 from .measure_cmd import add_loading_args
-from .ppl_bins_cmd import add_output_args, plot_dir, positive_int, progress, stem
+from .ppl_bins_cmd import add_output_args, guard_outputs, plot_dir, plot_files, positive_int, progress
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -38,16 +38,20 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.condensation import condensation
     from repgeom_eval.analyses.plots import figure_condensation, save_png
-    from repgeom_eval.output.files import check_writable
+    from repgeom_eval.output.files import commit_together
 
-    if args.output:
-        check_writable(args.output)
+    figures = plot_files(args, "condensation", [""])
+    outputs = guard_outputs(args, {"--output": args.output, "--plot-dir": figures}, {"--data": args.data}, args.model)
     layers = args.layers[0] if len(args.layers) == 1 else args.layers
-    result = condensation(args.model, args.data, layers=layers, bins=args.bins, max_length=args.max_length,
-                          n_texts=args.n_texts, text_field=args.text_field, batch_size=args.batch_size,
-                          dtype=args.dtype, device=args.device, progress=progress(args))
-    if args.output:
-        result.write(args.output)
+    with commit_together(outputs):  # every output, or none
+        result = condensation(args.model, args.data, layers=layers, bins=args.bins, max_length=args.max_length,
+                              n_texts=args.n_texts, text_field=args.text_field, batch_size=args.batch_size,
+                              dtype=args.dtype, device=args.device, progress=progress(args))
+        if args.output:
+            result.write(args.output)
+        if figures:
+            plot_dir(args)
+            save_png(figure_condensation(result.to_dict()), figures[0])
     console = Console(width=max(Console().width, 100))
     table = Table(title=escape(f"embedding condensation · {result.data['n_texts']} texts · mean token cosine"))
     table.add_column("model", style="bold")
@@ -61,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
         v = m["mean_cosine"]
         table.add_row(escape(label), *[_fmt(x) for x in (v[0], min(v), max(v), v[-1], m["spearman"], m["kendall"])])
     console.print(table)
-    where = plot_dir(args)
-    if where is not None:
-        path = save_png(figure_condensation(result.to_dict()), where / f"{stem(args, 'condensation')}.png")
+    for path in figures:
         console.print(f"plot:    {escape(str(path))}", soft_wrap=True)
     if args.output:
         console.print(f"results: {escape(args.output)}", soft_wrap=True)

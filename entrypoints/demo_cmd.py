@@ -37,10 +37,18 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.output.plotting import plot_profile
     from repgeom_eval.output.console import results_table
 
+    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.output.files import check_outputs
+
     console = Console(soft_wrap=True)  # long paths stay whole (copyable), lines are never hard-wrapped
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model = args.model or str(smollm2_path())
+    model_files, model_dirs = model_inputs(model)
+    written = ["results.json", "dispersion_profile.png", "ppl_bins.json", "ppl_bins_scatter.png",
+               "ppl_bins_by_depth.png", "condensation.json", "condensation.png", "report.html"]
+    check_outputs({"--output-dir": [out / name for name in written]}, inputs={"--model": model_files},
+                  folders={"--model": model_dirs})
+    out.mkdir(parents=True, exist_ok=True)
     texts = python_doc_paragraphs(args.n_texts)
     console.print(f"[bold]repgeom demo[/bold]: {Path(model).name} over {len(texts)} paragraphs of the Python docs "
                   f"(pydoc_data.topics), every hidden state, pooling=last")

@@ -69,10 +69,9 @@ def read_scores(path: str) -> dict[str, float]:
     if not text.strip():
         raise RepgeomError(f"scores file {path!r} is empty; write model,accuracy lines or a JSON object")
     if p.suffix.lower() == ".json" or text.lstrip().startswith(("{", "[")):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise RepgeomError(f"scores file {path!r}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+        from repgeom_eval.measurement.texts import parse_json
+
+        data = parse_json(text, f"scores file {path!r}")
         if not isinstance(data, dict):
             raise RepgeomError(f"scores file {path!r}: expected a JSON object {{\"model\": accuracy, ...}}, got "
                                f"{type(data).__name__}")
@@ -141,8 +140,14 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.gap import screen
     from repgeom_eval.functional.stats import complete_pairs, spearman
-    from repgeom_eval.output.files import check_writable, jsonable
+    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.output.files import check_outputs, check_writable, jsonable
 
+    model_files, model_dirs = model_inputs(list(args.models))
+    token_files = {label: value for label, value in (("--domain", args.domain), ("--reference", args.reference))
+                   if os.path.isfile(os.path.expanduser(value))}
+    check_outputs({"--output": args.output}, inputs={"--models": model_files, "--scores": args.scores, **token_files},
+                  folders={"--models": model_dirs})
     if args.output:
         check_writable(args.output)  # fail before reading any checkpoint
     scores = None

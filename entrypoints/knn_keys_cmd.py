@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .measure_cmd import add_model_args
-from .ppl_bins_cmd import add_corpus_args, add_output_args, plot_dir, positive_int, progress, stem
+from .ppl_bins_cmd import add_corpus_args, add_output_args, guard_outputs, plot_dir, plot_files, positive_int, progress
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -32,15 +32,19 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.knn_keys import knn_keys
     from repgeom_eval.analyses.plots import figure_knn_keys, save_png
-    from repgeom_eval.output.files import check_writable
+    from repgeom_eval.output.files import commit_together
 
-    if args.output:
-        check_writable(args.output)
-    result = knn_keys(args.model, args.data, candidates=args.candidates, ns=args.n, n_seeds=args.seeds,
-                      seed=args.seed, chunk_len=args.chunk_len, packing=args.packing, text_field=args.text_field,
-                      batch_size=args.batch_size, dtype=args.dtype, device=args.device, progress=progress(args))
-    if args.output:
-        result.write(args.output)
+    figures = plot_files(args, "knn_keys", [""])
+    outputs = guard_outputs(args, {"--output": args.output, "--plot-dir": figures}, {"--data": args.data}, args.model)
+    with commit_together(outputs):  # every output, or none
+        result = knn_keys(args.model, args.data, candidates=args.candidates, ns=args.n, n_seeds=args.seeds,
+                          seed=args.seed, chunk_len=args.chunk_len, packing=args.packing, text_field=args.text_field,
+                          batch_size=args.batch_size, dtype=args.dtype, device=args.device, progress=progress(args))
+        if args.output:
+            result.write(args.output)
+        if figures:
+            plot_dir(args)
+            save_png(figure_knn_keys(result.to_dict()), figures[0])
     res = result.results
     ns = result.config["ns"]
     console = Console(width=max(Console().width, 100))
@@ -58,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"recommended key (most dispersed at N={ns[-1]}): [bold]{escape(res['recommended'])}[/]"
                   + ("" if res["consistent_across_N"] else " — the ranking changes with N"), soft_wrap=True)
-    where = plot_dir(args)
-    if where is not None:
-        path = save_png(figure_knn_keys(result.to_dict()), where / f"{stem(args, 'knn_keys')}.png")
+    for path in figures:
         console.print(f"plot:    {escape(str(path))}", soft_wrap=True)
     if args.output:
         console.print(f"results: {escape(args.output)}", soft_wrap=True)

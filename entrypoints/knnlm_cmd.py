@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from .measure_cmd import add_model_args
-from .ppl_bins_cmd import add_output_args, positive_int, progress
+from .ppl_bins_cmd import add_output_args, guard_outputs, positive_int, progress
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -45,17 +46,23 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from repgeom_eval.analyses.knnlm import knnlm
-    from repgeom_eval.output.files import check_writable
+    from repgeom_eval.output.files import check_creatable_dir, commit_together
 
-    if args.output:
-        check_writable(args.output)
-    result = knnlm(args.model, args.datastore, args.eval, keys=args.key, k=args.neighbors, lambdas=args.lambdas,
-                   temperature=args.temperature, chunk_len=args.chunk_len, packing=args.packing, fp16=args.fp16,
-                   index=args.index, nlist=args.nlist, nprobe=args.nprobe, store_dir=args.store_dir,
-                   text_field=args.text_field, batch_size=args.batch_size, seed=args.seed, dtype=args.dtype,
-                   device=args.device, progress=progress(args))
-    if args.output:
-        result.write(args.output)
+    store = []
+    if args.store_dir:
+        check_creatable_dir(args.store_dir, "kNN store folder (--store-dir)")
+        # the files every store holds (keys_*.npy and index_*.faiss are named after the key addresses)
+        store = [os.path.join(args.store_dir, name) for name in ("manifest.json", "values.npy")]
+    outputs = guard_outputs(args, {"--output": args.output, "--store-dir": store},
+                            {"--datastore": args.datastore, "--eval": args.eval}, args.model)
+    with commit_together(outputs):
+        result = knnlm(args.model, args.datastore, args.eval, keys=args.key, k=args.neighbors, lambdas=args.lambdas,
+                       temperature=args.temperature, chunk_len=args.chunk_len, packing=args.packing, fp16=args.fp16,
+                       index=args.index, nlist=args.nlist, nprobe=args.nprobe, store_dir=args.store_dir,
+                       text_field=args.text_field, batch_size=args.batch_size, seed=args.seed, dtype=args.dtype,
+                       device=args.device, progress=progress(args))
+        if args.output:
+            result.write(args.output)
     res = result.results
     console = Console(width=max(Console().width, 100))
     table = Table(title=escape(f"{result.model['name']} · kNN-LM perplexity on {res['n_eval_tokens']} tokens · "

@@ -44,25 +44,35 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from repgeom_eval.output.files import check_writable, jsonable
+    from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable, commit_together, jsonable
     from repgeom_eval.measurement.config import RunConfig
     from repgeom_eval.measurement.engine import measure
+    from repgeom_eval.measurement.texts import source_files
+    from repgeom_eval.modeling.loading import model_inputs
     from repgeom_eval.output.console import results_table
 
+    if args.run_dir:
+        check_creatable_dir(args.run_dir, "--run-dir")
+    outputs = {"--output": args.output, "--per-text": args.per_text,
+               "--save-preprocess-stats": args.save_preprocess_stats, "--run-dir": run_dir_files(args.run_dir)}
+    model_files, model_dirs = model_inputs(args.model)
+    check_outputs(outputs, inputs={"--data": source_files(args.data), "--preprocess-stats": args.preprocess_stats,
+                                   "--model": model_files}, folders={"--model": model_dirs})
     for path in (args.output, args.per_text, args.save_preprocess_stats):
         if path:
             check_writable(path)  # fail before the forward passes, not after
     config = RunConfig.from_namespace(args, dtype=args.dtype, device=args.device, per_text=bool(args.per_text))
-    result = measure(args.model, args.data, config)
-    if not result.is_main:
-        return 0  # a rank > 0 of a distributed run: the merged results and the files belong to rank 0
-    if args.output or args.per_text:
-        if args.output:
-            result.write(args.output, args.per_text)
-        else:
-            from repgeom_eval.output.files import write_jsonl
+    with commit_together([args.output, args.per_text, args.save_preprocess_stats]):  # all of them, or none
+        result = measure(args.model, args.data, config)
+        if not result.is_main:
+            return 0  # a rank > 0 of a distributed run: the merged results and the files belong to rank 0
+        if args.output or args.per_text:
+            if args.output:
+                result.write(args.output, args.per_text)
+            else:
+                from repgeom_eval.output.files import write_jsonl
 
-            write_jsonl(args.per_text, result.per_text)
+                write_jsonl(args.per_text, result.per_text)
     if args.json:
         print(json.dumps(jsonable(result.to_dict()), indent=2))
         return 0
@@ -76,3 +86,15 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         console.print(f"results: {args.output}" + (f", per-text scores: {args.per_text}" if args.per_text else ""))
     return 0
+
+
+def run_dir_files(run_dir: str | None) -> list[str]:
+    """The files a checkpointed run writes into ``--run-dir`` (repgeom_eval/measurement/checkpoint.py): its key and
+    one state file per process."""
+    if not run_dir:
+        return []
+    import os
+
+    world = max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    return [os.path.join(run_dir, "run.json")] + [os.path.join(run_dir, f"state.rank{r}-of-{world}.pt")
+                                                   for r in range(world)]

@@ -6,7 +6,7 @@ import argparse
 import math
 
 from .measure_cmd import add_model_args
-from .ppl_bins_cmd import add_output_args, plot_dir, positive_int, progress, stem
+from .ppl_bins_cmd import add_output_args, guard_outputs, plot_dir, plot_files, positive_int, progress
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -36,16 +36,20 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.perturb import perturb
     from repgeom_eval.analyses.plots import figure_perturb, save_png
-    from repgeom_eval.output.files import check_writable
+    from repgeom_eval.output.files import commit_together
 
-    if args.output:
-        check_writable(args.output)
+    figures = plot_files(args, "perturb", [""])
+    outputs = guard_outputs(args, {"--output": args.output, "--plot-dir": figures}, {"--data": args.data}, args.model)
     layers = args.layers[0] if len(args.layers) == 1 else args.layers
-    result = perturb(args.model, args.data, layers=layers, sweeps=args.sweeps, ps=args.ps, lengths=args.lengths,
-                     n_prompts=args.n_prompts, seed=args.seed, text_field=args.text_field,
-                     batch_size=args.batch_size, dtype=args.dtype, device=args.device, progress=progress(args))
-    if args.output:
-        result.write(args.output)
+    with commit_together(outputs):  # every output, or none
+        result = perturb(args.model, args.data, layers=layers, sweeps=args.sweeps, ps=args.ps, lengths=args.lengths,
+                         n_prompts=args.n_prompts, seed=args.seed, text_field=args.text_field,
+                         batch_size=args.batch_size, dtype=args.dtype, device=args.device, progress=progress(args))
+        if args.output:
+            result.write(args.output)
+        if figures:
+            plot_dir(args)
+            save_png(figure_perturb(result.to_dict()), figures[0])
     res = result.results
     last = res["layers"][-1]
     console = Console(width=max(Console().width, 100))
@@ -57,9 +61,7 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(sweep if j == 0 else "", f"{v:g}", _fmt(r["prompt_entropy"][j][-1]),
                           _fmt(r["token_dispersion"][j][-1]))
     console.print(table)
-    where = plot_dir(args)
-    if where is not None:
-        path = save_png(figure_perturb(result.to_dict()), where / f"{stem(args, 'perturb')}.png")
+    for path in figures:
         console.print(f"plot:    {escape(str(path))}", soft_wrap=True)
     if args.output:
         console.print(f"results: {escape(args.output)}", soft_wrap=True)

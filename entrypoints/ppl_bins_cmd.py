@@ -39,14 +39,42 @@ def add_output_args(p: argparse.ArgumentParser, plots: bool = True) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def plot_dir(args: argparse.Namespace) -> Path | None:
+def plot_dir(args: argparse.Namespace, create: bool = True) -> Path | None:
     if getattr(args, "plot_dir", None):
         d = Path(args.plot_dir)
-        d.mkdir(parents=True, exist_ok=True)
+        if create:
+            d.mkdir(parents=True, exist_ok=True)
         return d
     if args.output:
         return Path(args.output).resolve().parent
     return None
+
+
+def plot_files(args: argparse.Namespace, default_stem: str, suffixes: list[str]) -> list[Path]:
+    """The figure files a command writes (``STEM{suffix}.png`` in :func:`plot_dir`), named before the run so that
+    they are checked against the inputs and committed with the other outputs; nothing is created."""
+    where = plot_dir(args, create=False)
+    if where is None:
+        return []
+    return [where / f"{stem(args, default_stem)}{suffix}.png" for suffix in suffixes]
+
+
+def guard_outputs(args: argparse.Namespace, outputs: dict, data: dict, models: list[str] | str) -> list:
+    """The checks every analysis command runs before any compute: no output replaces an input or lands in a model
+    folder (repgeom_eval/output/files.py), every output can be written. Returns the output paths, for
+    ``commit_together``."""
+    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable
+
+    if getattr(args, "plot_dir", None):
+        check_creatable_dir(args.plot_dir, "--plot-dir")
+    model_files, model_dirs = model_inputs(models)
+    check_outputs(outputs, inputs={**data, "--model": model_files}, folders={"--model": model_dirs})
+    paths = [p for value in outputs.values() for p in (value if isinstance(value, list) else [value]) if p]
+    for label in ("--output", "--per-chunk", "--plot"):
+        if outputs.get(label):
+            check_writable(outputs[label])
+    return paths
 
 
 def stem(args: argparse.Namespace, default: str) -> str:
@@ -91,27 +119,27 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.plots import figure_correlation_vs_depth, figure_ppl_vs_dispersion, save_png
     from repgeom_eval.analyses.ppl_bins import ppl_bins
-    from repgeom_eval.output.files import check_writable
+    from repgeom_eval.output.files import commit_together
 
-    for path in (args.output, args.per_chunk):
-        if path:
-            check_writable(path)
-    result = ppl_bins(args.model, args.data, layers=args.layers, chunk_len=args.chunk_len, n_chunks=args.n_chunks,
-                      group_size=args.group_size, n_bins=args.bins, packing=args.packing, seed=args.seed,
-                      max_ppl=args.max_ppl, confound_ratio=args.confound_ratio, text_field=args.text_field,
-                      source_field=args.source_field, batch_size=args.batch_size, dtype=args.dtype,
-                      device=args.device, per_chunk_path=args.per_chunk, progress=progress(args))
-    if not result.is_main:
-        return 0  # a rank > 0 of a distributed run: rank 0 writes the merged result
-    if args.output:
-        result.write(args.output)
-    out = result.to_dict()
-    figures = []
-    where = plot_dir(args)
-    if where is not None:
-        base = stem(args, "ppl_bins")
-        figures.append(save_png(figure_ppl_vs_dispersion(out), where / f"{base}_scatter.png"))
-        figures.append(save_png(figure_correlation_vs_depth(out), where / f"{base}_by_depth.png"))
+    figures = plot_files(args, "ppl_bins", ["_scatter", "_by_depth"])
+    outputs = guard_outputs(args, {"--output": args.output, "--per-chunk": args.per_chunk, "--plot-dir": figures},
+                            {"--data": args.data}, args.model)
+    with commit_together(outputs):  # every output, or none
+        result = ppl_bins(args.model, args.data, layers=args.layers, chunk_len=args.chunk_len,
+                          n_chunks=args.n_chunks, group_size=args.group_size, n_bins=args.bins, packing=args.packing,
+                          seed=args.seed, max_ppl=args.max_ppl, confound_ratio=args.confound_ratio,
+                          text_field=args.text_field, source_field=args.source_field, batch_size=args.batch_size,
+                          dtype=args.dtype, device=args.device, per_chunk_path=args.per_chunk,
+                          progress=progress(args))
+        if not result.is_main:
+            return 0  # a rank > 0 of a distributed run: rank 0 writes the merged result
+        if args.output:
+            result.write(args.output)
+        out = result.to_dict()
+        if figures:
+            plot_dir(args)  # creates --plot-dir
+            save_png(figure_ppl_vs_dispersion(out), figures[0])
+            save_png(figure_correlation_vs_depth(out), figures[1])
 
     console = Console(width=max(Console().width, 100))
     res = result.results

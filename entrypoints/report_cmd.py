@@ -17,9 +17,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from repgeom_eval.analyses.html_report import write_report
-    from repgeom_eval.output.files import check_writable
+    from repgeom_eval.analyses.html_report import result_files, write_report
+    from repgeom_eval.output.files import check_outputs, check_writable
 
+    check_outputs({"--output": args.output}, inputs={"RESULT": [str(p) for p in result_files(args.results)]})
     check_writable(args.output)
     path = write_report(args.results, args.output, args.title)
     Console().print(f"report: {escape(str(path))} ({path.stat().st_size / 1024:.0f} KiB, self-contained)",

@@ -52,10 +52,16 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval import __version__
     from repgeom_eval.errors import RepgeomError
-    from repgeom_eval.output.files import check_writable, jsonable, write_json
+    from pathlib import Path
+
+    from repgeom_eval.output.files import check_outputs, check_writable, commit_together, jsonable, write_json
     from repgeom_eval.analyses.queries import from_samples, from_vector_file
     from repgeom_eval.analyses.slices import calibrate, controlled_slices
 
+    source = Path(args.source)
+    samples = sorted(str(p) for p in source.rglob("samples_*.jsonl")) if source.is_dir() else [args.source]
+    check_outputs({"--output": args.output, "--plot": args.plot},
+                  inputs={"SAMPLES": samples, "--vectors": args.vectors})
     for path in (args.output, args.plot):
         if path:
             check_writable(path)
@@ -90,12 +96,13 @@ def run(args: argparse.Namespace) -> int:
         "calibration": calibration.to_dict() if calibration else None,
         "notes": notes,
     }
-    if args.output:
-        write_json(args.output, result)
-    if args.plot:
-        from repgeom_eval.output.plotting import plot_slices
+    with commit_together([args.output, args.plot]):  # both, or neither
+        if args.output:
+            write_json(args.output, result)
+        if args.plot:
+            from repgeom_eval.output.plotting import plot_slices
 
-        plot_slices(curve.to_dict(), args.plot)
+            plot_slices(curve.to_dict(), args.plot)
     if args.json:
         print(json.dumps(jsonable(result), indent=2))
         return 0

@@ -14,6 +14,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set training.max_steps=50 --set output_dir=runs/b "
                         "(VALUE is read as YAML; repeatable)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in output_dir (its results.json, model/ and trainer/); without it "
+                        "such an output_dir is refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the per-domain perplexities as JSON")
 
@@ -23,10 +26,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from repgeom_eval.training.loop import read_config, train
+    from repgeom_eval.training.loop import check_train_outputs, read_config, train
 
     cfg = read_config(args.config, args.overrides)
-    result = train(cfg, progress=not args.no_progress)
+    check_train_outputs(cfg, args.overwrite, config_file=args.config)
+    result = train(cfg, progress=not args.no_progress, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(result.perplexity_table(), indent=2))
         return 0

@@ -16,14 +16,13 @@ No special tokens are added: chunks after the first had no BOS in paper A's code
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.measurement.texts import decode_line
+from repgeom_eval.measurement.texts import data_format, decode_line, parse_json
 from ..errors import RepgeomError
 
 PACKINGS = ("concat", "document")
@@ -59,11 +58,11 @@ def read_documents(path: str | Path, text_field: str = "text", source_field: str
         raise RepgeomError(f"data file {str(path)!r} does not exist")
     if p.is_dir():
         raise RepgeomError(f"data path {str(path)!r} is a directory; pass a .jsonl or .txt file")
+    is_jsonl = data_format(p) == "jsonl"
     lines = p.read_bytes().splitlines()
     if lines and lines[0].startswith(b"\xef\xbb\xbf"):
         lines[0] = lines[0][3:]
     docs: list[Document] = []
-    is_jsonl = p.suffix.lower() in {".jsonl", ".json", ".ndjson"}
     with_source: bool | None = None
     for lineno, raw in enumerate(lines, start=1):
         line = decode_line(raw, p, lineno)
@@ -73,10 +72,11 @@ def read_documents(path: str | Path, text_field: str = "text", source_field: str
             docs.append(Document(line, NO_SOURCE, lineno))
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise RepgeomError(f"{p}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                               "each line of a .jsonl file must be one JSON object") from None
+            record = parse_json(line, f"{p}:{lineno}")
+        except RepgeomError as exc:
+            if "not valid JSON" not in str(exc):
+                raise
+            raise RepgeomError(f"{exc}; each line of a .jsonl file must be one JSON object") from None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
             got = type(record).__name__ if not isinstance(record, dict) else (
                 f"fields {', '.join(map(repr, list(record)[:10]))}" if text_field not in record

@@ -63,8 +63,8 @@ def classify(doc: Any) -> str:
     return "unknown"
 
 
-def collect(paths: Sequence[str | Path]) -> list[tuple[Path, dict[str, Any]]]:
-    """(path, parsed JSON) for every file; a directory contributes its ``*.json`` files in name order."""
+def result_files(paths: Sequence[str | Path]) -> list[Path]:
+    """The files a report reads: each file given, and the ``*.json`` files of each directory in name order."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -78,13 +78,26 @@ def collect(paths: Sequence[str | Path]) -> list[tuple[Path, dict[str, Any]]]:
             raise RepgeomError(f"result file {str(p)!r} does not exist")
     if not files:
         raise RepgeomError("give at least one result file (.json) or directory")
+    return files
+
+
+def collect(paths: Sequence[str | Path]) -> list[tuple[Path, dict[str, Any]]]:
+    """(path, parsed JSON) for every file; a directory contributes its ``*.json`` files in name order."""
+    from repgeom_eval.measurement.texts import parse_json
+
     out = []
-    for f in files:
+    for f in result_files(paths):
         try:
-            doc = json.loads(f.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RepgeomError(f"{f} is not a JSON results file ({exc}); pass the .json a repgeom command wrote "
-                               "with --output") from None
+            doc = parse_json(f.read_text(encoding="utf-8"), str(f))
+        except UnicodeDecodeError as exc:
+            reason = f"not UTF-8: {exc.reason} at byte {exc.start}"
+        except RepgeomError as exc:
+            reason = str(exc).removeprefix(f"{f}: ")
+        else:
+            reason = None
+        if reason is not None:
+            raise RepgeomError(f"{f} is not a JSON results file ({reason}); pass the .json a repgeom command wrote "
+                               "with --output")
         if not isinstance(doc, dict):
             raise RepgeomError(f"{f} holds a JSON {type(doc).__name__}, not a repgeom results object")
         out.append((f, doc))

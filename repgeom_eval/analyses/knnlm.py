@@ -217,6 +217,10 @@ def knnlm(
     if index not in INDEX_KINDS:
         raise RepgeomError(f"unknown index {index!r} (valid: {', '.join(INDEX_KINDS)})")
     _faiss()
+    if store_dir is not None:
+        from repgeom_eval.output.files import check_creatable_dir
+
+        check_creatable_dir(store_dir, "kNN store folder (--store-dir)")  # before the model is loaded
     store_docs, store_path = load_documents(datastore, text_field)
     eval_docs, eval_path = load_documents(eval_data, text_field)
     t0 = time.perf_counter()
@@ -278,6 +282,13 @@ def knnlm(
                     hit_parts[name].append(hit)
                 bar.update(len(batch))
         t_eval = time.perf_counter() - t0
+    except OSError as exc:  # the keys are written to disk chunk by chunk: a full disk or a file-size limit
+        from repgeom_eval.output.files import write_error
+
+        clean = write_error(getattr(exc, "filename", None) or directory, exc)
+        if clean is None:
+            raise
+        raise clean from None
     finally:
         if tmp is not None:
             tmp.cleanup()

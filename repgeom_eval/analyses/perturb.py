@@ -70,8 +70,14 @@ def _measure(runner: Forward, addrs: Sequence[Any], prompts: Sequence[Sequence[i
                 tokens = vecs[owner == i]
                 ent[a].append(prompt_entropy(tokens)["normalized"])
                 disp[a].append(float(dispersion(tokens)))
-    return {"prompt_entropy": [float(np.nanmean(ent[a])) for a in addrs],
-            "token_dispersion": [float(np.nanmean(disp[a])) for a in addrs]}
+    return {"prompt_entropy": [_nanmean(ent[a]) for a in addrs], "token_dispersion": [_nanmean(disp[a]) for a in addrs]}
+
+
+def _nanmean(values: list[float]) -> float:
+    """The mean of the defined values; NaN, silently, when none is (the table shows nan; an all-zero model is
+    reported once by the forward passes, not here once per cell)."""
+    finite = [v for v in values if not np.isnan(v)]
+    return float(np.mean(finite)) if finite else float("nan")
 
 
 def perturb(

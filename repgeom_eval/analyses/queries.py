@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import base64
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.measurement.texts import parse_json
 
 SAMPLES_FIELD = "repgeom_slice_spearman"
 
@@ -46,10 +46,7 @@ def _json_lines(path: Path) -> list[dict]:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise RepgeomError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+                record = parse_json(line, f"{path}:{lineno}")
                 if not isinstance(record, dict):
                     raise RepgeomError(f"{path}:{lineno}: expected a JSON object per line")
                 records.append(record)

@@ -68,9 +68,9 @@ class RunDir:
         if key_file.exists():
             try:
                 old = json.loads(key_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise RepgeomError(f"{key_file}: unreadable run key ({exc}); delete the run directory to start "
-                                   "over") from None
+            except (OSError, ValueError, RecursionError) as exc:
+                raise RepgeomError(f"{key_file}: unreadable run key ({type(exc).__name__}: {str(exc)[:120]}); "
+                                   "delete the run directory to start over") from None
             self._check_key(old, key_file)
         others = sorted(p.name for p in self.path.glob("state.rank*-of-*.pt")) if self.path.is_dir() else []
         if others and not resume:

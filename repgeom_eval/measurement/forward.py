@@ -8,7 +8,10 @@ sweep) or from token ids (the analyses, the lm-eval extra pass):
 * the pass stops after the deepest requested module unless logits are needed (:class:`~repgeom_eval.modeling.hooks.
   Capture`);
 * float16/bfloat16 activations are upcast to float32, and a NaN or inf at a real (non-pad) token is an error that
-  names the address and the text (:func:`check_finite`).
+  names the address and the text (:func:`check_finite`);
+* an address whose every real-token vector is zero (an all-zero or wiped checkpoint) is a warning naming the model
+  and the addresses when the passes end: a zero vector is at cosine distance 1 from everything, so every
+  dispersion there is exactly 1.0 (:mod:`repgeom_eval.measurement.degenerate`).
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ class Forward:
         self._capture = Capture(loaded.model, points, stop_early=not logits)
         tok = loaded.tokenizer
         self.pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+        self.zero_counts: dict[Address, list[int]] = {}  # address → [real tokens with a zero vector, real tokens]
 
     @classmethod
     def at(cls, loaded: LoadedModel, addresses: Sequence[Address], logits: bool = False) -> "Forward":
@@ -166,6 +170,12 @@ class Forward:
 
     def __exit__(self, *exc: Any) -> None:
         self._capture.__exit__(*exc)
+        if exc[0] is None:
+            from repgeom_eval.measurement.degenerate import zero_vector_warning
+
+            message = zero_vector_warning(self.loaded.info.name, self.zero_counts)
+            if message:
+                warnings.warn(message, stacklevel=2)
 
     def texts(self, strings: Sequence[str], max_length: int, padding_side: str = "right",
               row_ids: Sequence[Any] | None = None) -> Batch:
@@ -195,6 +205,10 @@ class Forward:
             if h.dtype in (torch.float16, torch.bfloat16):
                 h = h.float()
             check_finite(addr, h, bool_mask, names)
+            counts = self.zero_counts.setdefault(addr, [0, 0])
+            real = bool_mask.to(h.device)
+            counts[0] += int(((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum())  # one reduction, no copy
+            counts[1] += int(real.sum())
             hidden[addr] = h
         logits = None
         if self.need_logits:

@@ -8,6 +8,8 @@ repgeom-eval and keeps its traceback.
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,8 +119,13 @@ def instantiate_metrics(
         if bad:
             raise RepgeomError(f"metric {name!r} has no parameter(s) {sorted(bad)} "
                                f"(parameters: {', '.join(accepted + ['pooling'])})")
+        check_parameter_types(name, cls, kwargs)
         if per_text and "per_text" in accepted:
             kwargs.setdefault("per_text", True)
+        try:
+            cls(**kwargs)  # the metric's own checks, before the model is loaded
+        except (TypeError, ValueError) as exc:
+            raise RepgeomError(f"metric {name!r}: bad parameter ({exc})") from None
         if cls.consumes == Consumes.TOKENS:
             chosen = None
         else:
@@ -132,3 +139,48 @@ def instantiate_metrics(
         spec.new()  # a parameter value the metric rejects fails here, before the model is loaded
         out.append(spec)
     return out
+
+
+def check_parameter_types(name: str, cls: type[Metric], kwargs: Mapping[str, Any]) -> None:
+    """Refuse a parameter whose value does not fit the simple type its constructor declares (``bool``, ``int``,
+    ``float``, ``str``, a ``Literal`` or a union of these, e.g. ``per_text: bool``): ``--metric-param
+    dispersion.per_text=3`` is a one-line error, not a quiet ``True``. Other annotations are left to the metric."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - a plugin's annotations may not resolve; then the metric checks for itself
+        return
+    for key, value in kwargs.items():
+        hint = hints.get(key)
+        if hint is not None and _fits(hint, value) is False:
+            raise RepgeomError(f"metric {name!r}: parameter {key} must be {_describe(hint)}, got {value!r}")
+
+
+def _fits(hint: Any, value: Any) -> bool | None:
+    """True or False where the annotation says, None where it cannot tell."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        answers = [_fits(a, value) for a in typing.get_args(hint)]
+        return True if True in answers else (None if None in answers else False)
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return None
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))

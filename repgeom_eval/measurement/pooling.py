@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from repgeom_eval.errors import UnknownNameError
+from repgeom_eval.errors import RepgeomError, UnknownNameError
 
 POOLINGS = ("last", "mean", "first", "tokens")
 POOLING_ALIASES = {"cls": "first"}
 
 
 def check_pooling(name: str) -> str:
+    if not isinstance(name, str):
+        raise RepgeomError(f"pooling must be one of {', '.join(POOLINGS + tuple(POOLING_ALIASES))}, got {name!r}")
     name = POOLING_ALIASES.get(name, name)
     if name not in POOLINGS:
         raise UnknownNameError("pooling", name, POOLINGS + tuple(POOLING_ALIASES))

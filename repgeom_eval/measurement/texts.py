@@ -74,8 +74,81 @@ def decode_line(raw: bytes, path: Path, lineno: int) -> str:
         ) from None
 
 
+# -- file formats ----------------------------------------------------------------------------------------------------
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # one JSON object per line
+TEXT_SUFFIXES = (".txt",)  # one text per line
+_COMPRESSED = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zip": "zip", ".tgz": "gzip",
+               ".tar": "tar", ".7z": "7z", ".lz4": "lz4"}
+
+
+def data_format(path: str | Path) -> str:
+    """``"jsonl"`` or ``"text"`` by the file's extension (README, "Measure"); any other extension is refused rather
+    than read as lines of text (a CSV's header would become a text, a .gz file would be bytes)."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in TEXT_SUFFIXES:
+        return "text"
+    known = "; repgeom reads .jsonl (also .json, .ndjson: one JSON object per line) and .txt (one text per line)"
+    if suffix in _COMPRESSED:
+        raise RepgeomError(f"data file {str(path)!r} is {_COMPRESSED[suffix]}-compressed{known}: decompress it first")
+    what = f"has the extension {suffix!r}" if suffix else "has no extension"
+    hint = ("convert it to .jsonl" if suffix in (".csv", ".tsv", ".parquet", ".arrow", ".xlsx") else
+            "rename it to .txt if it holds one plain text per line")
+    raise RepgeomError(f"data file {str(path)!r} {what}{known}; {hint}")
+
+
+def source_files(data: Any) -> list[str]:
+    """The local files a data argument reads (a path, or the ``data_files`` of an ``hf:`` spec), for
+    :func:`repgeom_eval.output.files.check_outputs`."""
+    if isinstance(data, Path):
+        return [str(data)]
+    if not isinstance(data, str) or not data:
+        return []
+    if data.startswith("hf:"):
+        files = dict(parse_qsl(data.partition("?")[2], keep_blank_values=True)).get("data_files")
+        return [f for f in (files or "").split(",") if f and Path(f).exists()]
+    return [data]
+
+
+def parse_json(text: str, where: str) -> Any:
+    """``json.loads`` with user-facing errors: invalid JSON, nesting too deep for the parser, and lone UTF-16
+    surrogates (``"\\ud800"`` escapes that are no Unicode character) are a one-line :class:`RepgeomError` naming
+    ``where`` (e.g. ``file.jsonl:12``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RepgeomError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise RepgeomError(f"{where}: JSON nested too deeply to read (thousands of levels of [ or {{)") from None
+    _check_surrogates(value, where)
+    return value
+
+
+def _check_surrogates(value: Any, where: str) -> None:
+    """Refuse strings that hold a lone surrogate: tokenizers and UTF-8 writers fail on them later, far from here."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise RepgeomError(f"{where}: the string {item[max(0, exc.start - 10):exc.start + 10]!r} holds a lone "
+                                   f"UTF-16 surrogate (U+{ord(item[exc.start]):04X}), which is not a character; "
+                                   "fix the \\u escape in the file") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def load_texts(path: str | Path, text_field: str = "text", min_texts: int = 2) -> TextSet:
-    """Read ``path`` whole: ``.jsonl``/``.json`` lines with a ``text_field``, anything else one text per line."""
+    """Read ``path`` whole: ``.jsonl``/``.json``/``.ndjson`` lines with a ``text_field``, ``.txt`` one text per line;
+    other extensions are refused (:func:`data_format`)."""
     src = FileSource(path, text_field, min_texts)  # validates the whole file
     texts, ids, skipped = [], [], []
     for rid, text in src.records():
@@ -161,6 +234,7 @@ class ListSource(TextSource):
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
                     raise RepgeomError(f"text #{i} of {source} is a {type(t).__name__}, not a string")
+                _check_surrogates(t, f"text #{i} of {source}")
             self._pairs = list(enumerate(texts))
             self.source = source
         self.min_texts = min_texts
@@ -186,7 +260,7 @@ class FileSource(TextSource):
             raise RepgeomError(f"data path {str(path)!r} is a directory; pass a .jsonl or .txt file")
         self.path, self.text_field, self.min_texts = p, text_field, min_texts
         self.source = str(p)
-        self.is_jsonl = p.suffix.lower() in {".jsonl", ".json", ".ndjson"}
+        self.is_jsonl = data_format(p) == "jsonl"
         self.fingerprint = "sha256:" + _file_hash(p)
         self.n_texts = sum(1 for _ in self)  # full validation pass, constant memory
 
@@ -254,6 +328,7 @@ class DatasetSource(TextSource):
             if text is not None and not isinstance(text, str):
                 raise RepgeomError(f"{self.source}: row {i} field {self.text_field!r} is a "
                                    f"{type(text).__name__}, not a string")
+            _check_surrogates(text, f"{self.source}: row {i}")
             yield row.get("id", i), text
 
 
@@ -275,10 +350,11 @@ def open_source(data: str | Path | Sequence[str] | TextSet | TextSource, text_fi
 
 def _parse_record(line: str, path: Path, lineno: int, text_field: str) -> tuple[Any, str]:
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise RepgeomError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                           "each line of a .jsonl file must be one JSON object") from None
+        record = parse_json(line, f"{path}:{lineno}")
+    except RepgeomError as exc:
+        if "not valid JSON" not in str(exc):
+            raise
+        raise RepgeomError(f"{exc}; each line of a .jsonl file must be one JSON object") from None
     if not isinstance(record, dict):
         raise RepgeomError(f"{path}:{lineno}: expected a JSON object like {{\"{text_field}\": \"...\"}}, "
                            f"got {type(record).__name__}")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
+import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,23 @@ def locate_model(name: str) -> tuple[str, dict[str, Any], str]:
     return name, {}, "hub"
 
 
+def model_inputs(names: str | Sequence[str]) -> tuple[list[str], list[str]]:
+    """(files, folders) that loading ``names`` reads, for :func:`repgeom_eval.output.files.check_outputs`: a
+    ``.gguf`` file is a file input, a model directory a folder nothing may be written into; a hub id (or a path
+    that does not exist: loading reports it) is neither."""
+    files: list[str] = []
+    folders: list[str] = []
+    for name in [names] if isinstance(names, str) else list(names):
+        if isinstance(name, LoadedModel):
+            continue
+        path = Path(os.path.expanduser(str(name)))
+        if path.is_file():
+            files.append(str(name))
+        elif path.is_dir():
+            folders.append(str(name))
+    return files, folders
+
+
 def load_model(
     name: str,
     dtype: str | torch.dtype | None = "auto",
@@ -161,7 +180,12 @@ def load_model(
         target, extra = str(cache), {}
     try:
         config = AutoConfig.from_pretrained(target, **extra, **remote)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a config.json of the wrong types raises huggingface_hub's own errors
+        bad = _bad_config(name, exc)
+        if bad is not None:
+            raise bad from None
+        if not isinstance(exc, (OSError, ValueError)):
+            raise
         _refuse_remote_code(name, exc)
         if source == "hub":
             raise RepgeomError(
@@ -171,6 +195,8 @@ def load_model(
         raise RepgeomError(f"cannot read the model config of {name!r}: {_first_line(exc)}") from None
     spec: ArchitectureSpec = host.architectures.get(config.model_type)
     auto = AutoModelForCausalLM if spec.causal else AutoModel
+    if source == "directory" or from_cache:
+        check_safetensors(Path(target), name)
     verbosity = transformers.logging.get_verbosity()
     bars = transformers.utils.logging.is_progress_bar_enabled()
     try:
@@ -188,7 +214,13 @@ def load_model(
                 # Tensors of the wrong shape: load again to learn which (the check below refuses them by name).
                 model, report = auto.from_pretrained(target, dtype=torch_dtype, output_loading_info=True,
                                                      ignore_mismatched_sizes=True, **extra, **remote)
-    except (OSError, ValueError, ImportError, RuntimeError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - sorted below: a user's broken files get one line, bugs a traceback
+        bad = _bad_config(name, exc)
+        if bad is not None:
+            raise bad from None
+        if not isinstance(exc, (OSError, ValueError, ImportError, RuntimeError, TypeError, EOFError,
+                                pickle.UnpicklingError)) and type(exc).__name__ != "SafetensorError":
+            raise
         _refuse_remote_code(name, exc)
         raise RepgeomError(f"cannot load model {name!r}: {_first_line(exc)}") from None
     finally:  # restore the caller's logging settings
@@ -202,10 +234,44 @@ def load_model(
     if tokenizer.pad_token is None:
         # Only the attention mask matters for padded positions; any existing token will do.
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+    if tokenizer.pad_token is None:
+        raise RepgeomError(f"model {name!r}: its tokenizer defines no pad, eos, unk or bos token, so texts of "
+                           "different lengths cannot be batched; name one in its tokenizer_config.json (e.g. "
+                           "\"pad_token\": \"<pad>\")")
     loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
     if random_init:
         loaded.info.random_init_tensors = random_init
     return loaded
+
+
+def check_safetensors(directory: Path, name: str) -> None:
+    """Open the header of every ``*.safetensors`` file of a model directory (milliseconds: the tensors stay on
+    disk), so that a truncated, empty or garbage weights file is one line naming it rather than a traceback from the
+    middle of ``from_pretrained``."""
+    try:
+        from safetensors import safe_open
+    except ImportError:  # pragma: no cover - a core dependency
+        return
+    for f in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                fh.keys()
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError ...: the file is unusable either way
+            detail = _first_line(exc).removeprefix("Error while deserializing header: ")
+            raise RepgeomError(f"model {name!r}: weights file {f.name} is truncated, empty or not a safetensors file "
+                               f"({detail}); download or save the checkpoint again") from None
+
+
+def _bad_config(name: str, exc: BaseException) -> RepgeomError | None:
+    """A config.json value of the wrong type (``"hidden_size": "32"``), which transformers 5 validates through
+    huggingface_hub's strict dataclasses: one line naming the field, or None for any other error."""
+    if not any(c.__name__.startswith("StrictDataclass") for c in type(exc).__mro__):
+        return None
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    detail = lines[-1] if lines else type(exc).__name__
+    detail = detail.removeprefix("TypeError: ").removeprefix("ValueError: ").split(". Errors:")[0]
+    detail = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", detail)  # <class 'int'> -> int
+    return RepgeomError(f"model {name!r}: its config.json does not fit its architecture: {detail}; fix config.json")
 
 
 def _refuse_remote_code(name: str, exc: BaseException) -> None:

@@ -405,8 +405,11 @@ def _training_arguments(cfg: TrainConfig):
         raise RepgeomError(f"training: {str(exc).splitlines()[0]}") from None
 
 
-def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainResult:
-    """Run one training config end to end (see the module docstring)."""
+def train(cfg: TrainConfig, progress: bool = True, host: Any = None, overwrite: bool = False) -> TrainResult:
+    """Run one training config end to end (see the module docstring).
+
+    ``output_dir`` must not hold an earlier run (its ``results.json``, ``model/`` or trainer checkpoints) unless
+    ``overwrite``, and nothing written there may replace an input (:func:`check_train_outputs`)."""
     import torch
     import transformers
 
@@ -418,6 +421,7 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
     host = host or get_host()
     losses = [build_aux_loss(spec, host, where=f"aux_losses[{i}]") for i, spec in enumerate(cfg.aux_losses)]
     _check_output_dir(cfg.output_dir)  # before hours of training; created only once the data and model are ready
+    check_train_outputs(cfg, overwrite)
     args, arg_kwargs = _training_arguments(cfg)
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
@@ -510,6 +514,34 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None) -> TrainRes
     return result
 
 
+def check_train_outputs(cfg: TrainConfig, overwrite: bool = False, config_file: str | Path | None = None) -> None:
+    """Refuse, before any work, an ``output_dir`` whose outputs would replace an input (a data file, the model or
+    tokenizer being read, the config file) or lie inside the model folder, and one that holds an earlier run's
+    results or model, unless ``overwrite`` (``repgeom train --overwrite``)."""
+    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.output.files import check_outputs
+
+    out = cfg.output_dir
+    written = [out / "results.json", out / "trainer"] + ([out / "model"] if cfg.save_model else [])
+    inputs: dict[str, Any] = {"--config": config_file}
+    folders: dict[str, Any] = {}
+    for name, files in cfg.domains.items():
+        for kind, path in files.items():
+            inputs[f"data.domains.{name}.{kind}"] = path
+    for label, model in (("model", cfg.model), ("from_scratch.tokenizer", (cfg.from_scratch or {}).get("tokenizer"))):
+        if model:
+            model_files, model_dirs = model_inputs(str(model))
+            inputs[label], folders[label] = model_files, model_dirs
+    check_outputs({"output_dir": written}, inputs=inputs, folders=folders)
+    trainer = out / "trainer"
+    earlier = [p.name for p in (out / "results.json", out / "model") if p.exists()]
+    if trainer.is_dir() and any(trainer.iterdir()):
+        earlier.append("trainer/")
+    if earlier and not overwrite:
+        raise RepgeomError(f"output_dir {str(out)!r} already holds a run ({', '.join(earlier)}); pass --overwrite to "
+                           "replace it, or choose another output_dir")
+
+
 def _check_output_dir(path: Path) -> None:
     existing = next((p for p in [path, *path.parents] if p.exists()), None)
     if existing is not None and not existing.is_dir():
@@ -542,6 +574,14 @@ def _save_model(trainer: Any, tokenizer: Any, path: Path) -> None:
     try:
         trainer.save_model(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+    except OSError as exc:  # a full disk or a file-size limit: one line, and no half-saved model left
+        from repgeom_eval.output.files import write_error
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        clean = write_error(path, exc)
+        if clean is None:
+            raise
+        raise clean from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()

@@ -51,6 +51,39 @@ class GapResult:
         write_json(path, self.to_dict())
 
 
+def degenerate_rows(model: str, W: Any, T_pos: Sequence[int], Tbar_pos: Sequence[int], values: dict[str, float],
+                    distance: str) -> list[str]:
+    """Why this model's G says nothing, one line each naming the model (empty when it is sound).
+
+    NaN or inf in the rows read makes G NaN (ranked last); a zero row is at cosine distance 1 from everything
+    (docs/metrics.md#conventions), so zero rows pull within(T) and between towards 1 and an all-zero embedding gives
+    G = 2 exactly (docs/metrics.md#dispersion-gap); a NaN G or a G of exactly 2 is flagged whatever the cause.
+    """
+    import torch
+
+    flags = []
+    rows = W.double()
+    finite = torch.isfinite(rows).all(dim=1)
+    zero = (rows == 0).all(dim=1)
+    bad_T, bad_R = int((~finite[list(T_pos)]).sum()), int((~finite[list(Tbar_pos)]).sum())
+    if bad_T or bad_R:
+        flags.append(f"model {model!r}: {bad_T} of {len(T_pos)} domain rows and {bad_R} of {len(Tbar_pos)} reference "
+                     "rows of the output embedding hold NaN or inf; its G is NaN (ranked last)")
+    zero_T, zero_R = int(zero[list(T_pos)].sum()), int(zero[list(Tbar_pos)].sum())
+    if zero_T or zero_R:
+        why = ("a zero row is at cosine distance 1 from everything" if distance == "cosine"
+               else "a zero row is the origin, not a learned embedding")
+        flags.append(f"model {model!r}: {zero_T} of {len(T_pos)} domain rows and {zero_R} of {len(Tbar_pos)} "
+                     f"reference rows of the output embedding are all zero; {why}, so G = {values['G']:.4f} reflects "
+                     "the zeros, not the geometry (an untrained or pruned checkpoint?)")
+    G = values["G"]
+    if math.isnan(G) and not (bad_T or bad_R):
+        flags.append(f"model {model!r}: G is NaN (within(T) = {values['within_T']}, between = {values['between']})")
+    elif distance == "cosine" and G == 2.0 and not (zero_T or zero_R):
+        flags.append(f"model {model!r}: G is exactly 2, the value of an all-zero embedding; check the checkpoint")
+    return flags
+
+
 def screen(models: Sequence[str], domain: str = DEFAULT_DOMAIN, reference: str = DEFAULT_REFERENCE,
            distance: str = "cosine", seed: int = DEFAULT_SEED, size: int = DEFAULT_SIZE, force: bool = False,
            host: Any = None) -> GapResult:
@@ -132,6 +165,9 @@ def screen(models: Sequence[str], domain: str = DEFAULT_DOMAIN, reference: str =
         pos = {i: k for k, i in enumerate(needed)}
         values = dispersion_gap(sub, [pos[i] for i in T.ids], [pos[i] for i in Tbar.ids], distance=distance)
         t4 = time.perf_counter()
+        flags = degenerate_rows(m, sub, [pos[i] for i in T.ids], [pos[i] for i in Tbar.ids], values, distance)
+        for flag in flags:
+            warnings.warn(flag, stacklevel=2)
         del sub, source
         config_sets.setdefault("domain", T.config)
         config_sets.setdefault("reference", Tbar.config)
@@ -151,6 +187,7 @@ def screen(models: Sequence[str], domain: str = DEFAULT_DOMAIN, reference: str =
             "T": T.to_dict(with_tokens=True),
             "Tbar": Tbar.to_dict(with_tokens=False),
             "n_rows_read": len(needed),
+            "warnings": flags,
             "timings": {"tokenizer_s": tok_s[m], "open_s": t1 - t0, "token_sets_s": t2 - t1, "read_rows_s": t3 - t2,
                         "compute_s": t4 - t3, "total_s": tok_s[m] + (t4 - t0), "peak_rss_mib": _peak_rss_mib()},
         })
