@@ -236,7 +236,8 @@ class MeasureRun:
         if state.n_truncated and dist.is_main:
             warnings.warn(f"{state.n_truncated} of {counts['n_texts']} texts are longer than {self.context} tokens "
                           "and were truncated (set --max-length to change the limit)", stacklevel=3)
-        rep = report(state, self.specs, cfg.per_text, cfg.massive_share_warning) if dist.is_main else None
+        rep = (report(state, self.specs, cfg.per_text, cfg.massive_share_warning, self.loaded.info.name)
+               if dist.is_main else None)
         t_metrics = self.timer["metrics"] + time.perf_counter() - t0
         config = cfg.config_block({
             "layers": [str(a) for a in self.addresses], "metrics": state.metric_configs(), "plugins": self.plugins,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from repgeom_eval.measurement.bank import per_text_table
+from repgeom_eval.measurement.degenerate import degenerate_warning
 from repgeom_eval.measurement.metric_specs import MetricSpec
 from repgeom_eval.measurement.states import RunState
 from repgeom_eval.modeling.addresses import Address
@@ -53,7 +54,8 @@ class Report:
     per_text: list[dict[str, Any]] = field(default_factory=list)
 
 
-def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share_warning: float) -> Report:
+def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share_warning: float,
+           model_name: str | None = None) -> Report:
     """compute() every metric; diagnostics, the massive-dimension warning, summaries and per-text rows."""
     out = Report()
     per_text_cols: dict[int, dict[str, Any]] = {}
@@ -77,6 +79,10 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
             f"mean-pooled vectors at {len(flagged)} address(es): {compact(flagged)}; cosine-based metrics there "
             "mostly measure that dimension. See the massive_activations metric, or try --preprocess standardize",
             stacklevel=4)
+    degenerate = degenerate_warning(model_name, out.results, out.diagnostics,
+                                    {str(a): m.compute() for a, m in run.energy.items()})
+    if degenerate:  # zero vectors or NaN results: correct numbers that carry no geometry, said once
+        warnings.warn(degenerate, stacklevel=4)
     for spec in specs:
         with spec.guard("across_layers"):
             across = spec.cls.across_layers({k: out.results[k][spec.name] for k in out.results},
