@@ -153,8 +153,8 @@ def _main(argv: Sequence[str] | None) -> int:
         flags = {"trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
                  "allow_random_init": bool(getattr(args, "allow_random_init", False))}
         if not any(flags.values()) and "repgeom_eval.modeling.loading" not in sys.modules:
-            # The default policy is the one in force until something imports the loader (which imports torch),
-            # so a command that loads no model (`repgeom plugins`) need not import it to say so.
+            # Without loading flags the policy to set is the default one, which is in force anyway until something
+            # imports the loader (and torch with it): `repgeom plugins` need not import it just to set it.
             return int(args._run(args) or 0)
         from repgeom_eval.modeling.loading import LoadingPolicy, use_loading_policy
 
