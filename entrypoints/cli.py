@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from repgeom_eval import __version__
 from repgeom_eval.errors import RepgeomError
@@ -53,7 +53,46 @@ def disabled_by_flags(argv: Sequence[str]) -> list[str]:
     return names
 
 
+class _CommandParsers(argparse._SubParsersAction):
+    """The ``COMMAND`` positional: every command's parser exists (``repgeom --help`` lists them with their help
+    lines), but a command's options are added, by its ``configure``, only when that command is the one parsed.
+
+    ``configure`` may import the command's module and heavy defaults (torch, an analysis module); doing that for
+    every command would make ``repgeom --help`` pay for all of them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pending: dict[str, tuple[Callable[[argparse.ArgumentParser], None], str]] = {}
+
+    def add_command(self, name: str, help: str, configure: Callable[[argparse.ArgumentParser], None],
+                    run: Callable[[argparse.Namespace], int | None], plugin: str) -> argparse.ArgumentParser:
+        p = self.add_parser(name, help=help, description=help)
+        p.set_defaults(_run=run)
+        self._pending[name] = (configure, plugin)
+        return p
+
+    def configure(self, name: str) -> argparse.ArgumentParser:
+        """Add command ``name``'s options now (once); a failing ``configure`` is the command's plugin's error."""
+        parser = self._name_parser_map[name]
+        pending = self._pending.pop(name, None)
+        if pending is not None:
+            configure, plugin = pending
+            try:
+                configure(parser)
+            except Exception as exc:  # noqa: BLE001 - a broken command plugin breaks only its own command
+                raise RepgeomError(f"command {name!r} from plugin {plugin!r} is unavailable: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        return parser
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values and values[0] in self._name_parser_map:
+            self.configure(values[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser(host) -> argparse.ArgumentParser:
+    """The ``repgeom`` parser. Each command's options are added when that command is parsed; call
+    ``command_parser(parser, name)`` to get one command's complete parser without parsing."""
     parser = argparse.ArgumentParser(
         prog="repgeom",
         description="Representation-geometry metrics for language models (dispersion, entropy, ...).",
@@ -64,17 +103,24 @@ def build_parser(host) -> argparse.ArgumentParser:
     parser.add_argument("-p", dest="disabled_plugins", action="append", type=_plugin_switch, default=[],
                         metavar="no:NAME", help="switch plugin NAME off for this command, without uninstalling it "
                         "(repeatable; `repgeom plugins` shows each item's plugin; also REPGEOM_DISABLE_PLUGINS=A,B)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", action=_CommandParsers)
     for name in host.commands:
         try:
             cmd = host.commands.get(name)
-            p = sub.add_parser(name, help=cmd.help, description=cmd.help)
-            cmd.configure(p)
-            p.set_defaults(_run=cmd.run)
         except Exception as exc:  # noqa: BLE001 - a broken command plugin must not hide the others
             entry = host.commands.entry(name)
             warnings.warn(f"command {name!r} from plugin {entry.plugin!r} is unavailable: {exc}")
+            continue
+        sub.add_command(name, cmd.help, cmd.configure, cmd.run, host.commands.entry(name).plugin)
     return parser
+
+
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """Command ``name``'s parser from :func:`build_parser`, with its options added (tests, documentation)."""
+    for action in parser._actions:
+        if isinstance(action, _CommandParsers):
+            return action.configure(name)
+    raise ValueError("not a parser made by build_parser")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,11 +150,15 @@ def _main(argv: Sequence[str] | None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0
+        flags = {"trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
+                 "allow_random_init": bool(getattr(args, "allow_random_init", False))}
+        if not any(flags.values()) and "repgeom_eval.modeling.loading" not in sys.modules:
+            # Without loading flags the policy to set is the default one, which is in force anyway until something
+            # imports the loader (and torch with it): `repgeom plugins` need not import it just to set it.
+            return int(args._run(args) or 0)
         from repgeom_eval.modeling.loading import LoadingPolicy, use_loading_policy
 
-        policy = LoadingPolicy(trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-                               allow_random_init=bool(getattr(args, "allow_random_init", False)))
-        with use_loading_policy(policy):
+        with use_loading_policy(LoadingPolicy(**flags)):
             rc = args._run(args)
         return int(rc or 0)
     except RepgeomError as exc:

@@ -6,18 +6,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.functional.condensation import (
-    CONDENSATION_EPS,
-    DEFAULT_BINS,
-    condensation_batch,
-    cosine_histogram,
-    histogram_edges,
-)
-from repgeom_eval.functional.stats import kendall_tau_b, spearman
+from repgeom_eval.plugin_system.lazy import lazy
+
+# Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
+torch = lazy("torch")
+condensation_batch = lazy("repgeom_eval.functional.condensation:condensation_batch")
+cosine_histogram = lazy("repgeom_eval.functional.condensation:cosine_histogram")
+histogram_edges = lazy("repgeom_eval.functional.condensation:histogram_edges")
+kendall_tau_b = lazy("repgeom_eval.functional.stats:kendall_tau_b")
+spearman = lazy("repgeom_eval.functional.stats:spearman")
+# The constructor's defaults are needed while the class is defined: the values of
+# repgeom_eval.functional.condensation's constants of the same names (tests/test_startup.py checks they agree).
+CONDENSATION_EPS = 1e-3
+DEFAULT_BINS = 50
 
 _NAN = float("nan")
 

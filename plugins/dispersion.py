@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
-from repgeom_eval.functional import dispersion_from_sums, token_dispersion, unit
+from repgeom_eval.plugin_system.lazy import lazy
+
+# Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
+torch = lazy("torch")
+dispersion_from_sums = lazy("repgeom_eval.functional:dispersion_from_sums")
+token_dispersion = lazy("repgeom_eval.functional:token_dispersion")
+unit = lazy("repgeom_eval.functional:unit")
 
 
 class Dispersion(Metric):

@@ -13,24 +13,24 @@ here only keep mergeable state.
 
 from __future__ import annotations
 
-import torch
-
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.functional.curvature import VARIANTS as CURVATURE_VARIANTS
-from repgeom_eval.functional.curvature import curvature
-from repgeom_eval.functional.dispersion import unit
-from repgeom_eval.functional.entropy import (
-    CENTERINGS,
-    VARIANTS,
-    dataset_entropy,
-    effective_rank_from_gram_eigenvalues,
-    entropy_result,
-    gram_entropy,
-    linear_gram,
-    prompt_entropy,
-    spectrum_entropy,
-)
+from repgeom_eval.plugin_system.lazy import lazy
+
+# Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
+torch = lazy("torch")
+CURVATURE_VARIANTS = lazy("repgeom_eval.functional.curvature:VARIANTS")
+curvature = lazy("repgeom_eval.functional.curvature:curvature")
+unit = lazy("repgeom_eval.functional.dispersion:unit")
+CENTERINGS = lazy("repgeom_eval.functional.entropy:CENTERINGS")
+VARIANTS = lazy("repgeom_eval.functional.entropy:VARIANTS")
+dataset_entropy = lazy("repgeom_eval.functional.entropy:dataset_entropy")
+effective_rank_from_gram_eigenvalues = lazy("repgeom_eval.functional.entropy:effective_rank_from_gram_eigenvalues")
+entropy_result = lazy("repgeom_eval.functional.entropy:entropy_result")
+gram_entropy = lazy("repgeom_eval.functional.entropy:gram_entropy")
+linear_gram = lazy("repgeom_eval.functional.entropy:linear_gram")
+prompt_entropy = lazy("repgeom_eval.functional.entropy:prompt_entropy")
+spectrum_entropy = lazy("repgeom_eval.functional.entropy:spectrum_entropy")
 
 _NAN = float("nan")
 ENTROPY_KEYS = ("raw", "normalized", "logN", "logD")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.errors import check_param, is_count
+from repgeom_eval.plugin_system.lazy import lazy
+
+# Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
+torch = lazy("torch")
 
 
 class MassiveActivations(Metric):

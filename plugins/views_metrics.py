@@ -22,18 +22,18 @@ States and memory:
 
 from __future__ import annotations
 
-import torch
-
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.errors import RepgeomError, check_param, is_count, is_real
-from repgeom_eval.functional.contrastive import (
-    INFONCE_VARIANTS,
-    LIDAR_VARIANTS,
-    dime,
-    infonce,
-    lidar_from_stats,
-)
-from repgeom_eval.functional.dispersion import unit
+from repgeom_eval.plugin_system.lazy import lazy
+
+# Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
+torch = lazy("torch")
+INFONCE_VARIANTS = lazy("repgeom_eval.functional.contrastive:INFONCE_VARIANTS")
+LIDAR_VARIANTS = lazy("repgeom_eval.functional.contrastive:LIDAR_VARIANTS")
+dime = lazy("repgeom_eval.functional.contrastive:dime")
+infonce = lazy("repgeom_eval.functional.contrastive:infonce")
+lidar_from_stats = lazy("repgeom_eval.functional.contrastive:lidar_from_stats")
+unit = lazy("repgeom_eval.functional.dispersion:unit")
 
 
 def _unit_views(metric: Metric, batch: LayerBatch) -> torch.Tensor:

@@ -10,7 +10,9 @@ Quick start::
 
 __version__ = "0.1.0"
 
-from .hookspecs import hookimpl  # noqa: E402  (plugins need this before anything heavy)
+# What a plugin module imports at its top. All of it is light (no torch, no transformers: the metric API binds torch
+# lazily), so that `repgeom --help` and `repgeom plugins` can import every plugin cheaply; tests/test_startup.py checks.
+from .hookspecs import hookimpl  # noqa: E402
 from .modeling.architectures import ArchitectureSpec, SiteHook, post_ln_encoder, pre_ln_decoder  # noqa: E402
 from .errors import ParameterError, PluginError, RepgeomError, UnknownNameError  # noqa: E402
 from .metric import Consumes, LayerBatch, Metric  # noqa: E402
@@ -18,7 +20,7 @@ from .plugin_system.kinds import Command  # noqa: E402
 
 
 def __getattr__(name: str):
-    # Heavy pieces (transformers) load lazily so `import repgeom_eval` in a plugin stays cheap.
+    # Heavy pieces (torch, transformers) load on first access, so `import repgeom_eval` in a plugin stays cheap.
     if name == "RunConfig":
         from .measurement.config import RunConfig
 

@@ -16,7 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
+from repgeom_eval.plugin_system.lazy import lazy
+
+# Imported on first use: a plugin module subclasses Metric while `repgeom --help` or `repgeom plugins` runs, and
+# neither needs torch (the annotations below are strings, `from __future__ import annotations`).
+torch = lazy("torch")
 
 REDUCTIONS = ("sum", "cat", "max", "min")
 

@@ -17,12 +17,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
-from repgeom_eval.modeling.addresses import Address, parse_request
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.plugin_system.lazy import lazy
+
+# Imported on first use: the aux-loss plugin subclasses AuxLoss while `repgeom plugins` runs, which needs no torch.
+torch = lazy("torch")
+parse_request = lazy("repgeom_eval.modeling.addresses:parse_request")
 
 if TYPE_CHECKING:  # pragma: no cover
+    from repgeom_eval.modeling.addresses import Address
     from repgeom_eval.modeling.loading import ModelInfo
     from repgeom_eval.plugin_system.host import PluginHost
 
