@@ -19,10 +19,54 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.prefix_chars = "\0"
 
 
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in lm-eval's arguments (the last one wins)."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(name + "="):
+            value = word[len(name) + 1:]
+    return value
+
+
+def check_arguments(argv: list[str]) -> None:
+    """One-line errors, before lm-eval starts, for what would otherwise end in a traceback or destroy an input:
+    malformed ``--metadata`` JSON, and an ``--output_path`` inside (or holding) the ``pretrained=`` model folder or
+    on a ``repgeom_data`` file."""
+    import json
+
+    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.output.files import check_outputs
+
+    metadata = _option(argv, "--metadata")
+    data_files: list[str] = []
+    if metadata is not None:
+        try:
+            parsed = json.loads(metadata)
+        except (ValueError, RecursionError) as exc:
+            raise RepgeomError(f"--metadata is not valid JSON ({str(exc)[:80]}); give an object, e.g. "
+                               "--metadata '{\"repgeom_data\": \"piqa.jsonl\"}'") from None
+        if not isinstance(parsed, dict):
+            raise RepgeomError(f"--metadata must be a JSON object ({{...}}), got {type(parsed).__name__}")
+        data = parsed.get("repgeom_data")
+        data_files = [str(v) for v in (data.values() if isinstance(data, dict) else [data]) if isinstance(v, str)]
+    model_args = _option(argv, "--model_args") or ""
+    pretrained = [part.split("=", 1)[1] for part in model_args.split(",") if part.startswith("pretrained=")]
+    output = _option(argv, "--output_path")
+    if output:
+        files, folders = model_inputs(pretrained)
+        check_outputs({"--output_path": output}, inputs={"repgeom_data": data_files, "pretrained": files},
+                      folders={"pretrained": folders})
+
+
 def run(args: argparse.Namespace) -> int:
     from _repgeom_lm_eval_hook import patch_task_manager, when_imported
 
     from repgeom_eval.errors import RepgeomError
+
+    check_arguments(list(args.lm_eval_args))
 
     try:
         from lm_eval.__main__ import cli_evaluate

@@ -183,7 +183,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.measurement.distributed import Distributed
     from repgeom_eval.errors import RepgeomError
-    from repgeom_eval.output.files import check_creatable_dir
+    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.output.files import check_creatable_dir, check_outputs
     from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
 
     from repgeom_eval.mteb_layers.metrics import check_metrics
@@ -193,6 +194,9 @@ def _run(args: argparse.Namespace) -> int:
     metric_params = _metric_param_option()["merge"](args.metric_params)
     metrics = check_metrics(_words(args.metrics) or (), metric_params)  # before tasks and model are loaded
     out = check_creatable_dir(args.output_folder, "--output-folder")
+    model_files, model_dirs = model_inputs([args.model])
+    # mteb only adds files under the output folder: it must not be (or hold, or lie in) the model folder
+    check_outputs({"--output-folder": str(out)}, inputs={"--model": model_files}, folders={"--model": model_dirs})
     tasks = resolve_tasks(_words(args.tasks), tasks_file=args.tasks_file, task_types=_words(args.task_types),
                           categories=_words(args.categories), languages=_words(args.languages),
                           benchmarks=_words(args.benchmarks), eval_splits=_words(args.eval_splits))

@@ -102,3 +102,23 @@ def test_write_errors_are_one_line_and_leave_nothing(tree, monkeypatch):
             fh.write("x")
             raise FileNotFoundError(errno.ENOENT, "unrelated")
     assert list((tree / "out").iterdir()) == []
+
+
+def test_mteb_and_lm_eval_outputs_never_land_in_the_model_folder(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    from repgeom_eval.entrypoints.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("bert"), model)
+    before = sorted(p.name for p in model.iterdir())
+    assert main(["mteb", "run", "-m", str(model), "--layer", "final", "-t", "STS12",
+                 "--output-folder", str(model / "results")]) == 2
+    assert "inside the --model folder" in capsys.readouterr().err
+    assert main(["lm-eval", "--model", "hf", "--model_args", f"pretrained={model}", "--tasks",
+                 "repgeom_hardness_piqa", "--output_path", str(model / "out")]) == 2
+    assert "pretrained" in capsys.readouterr().err
+    assert sorted(p.name for p in model.iterdir()) == before
+    assert main(["lm-eval", "--model", "hf", "--tasks", "x", "--metadata", "{not json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--metadata is not valid JSON" in err[0]
