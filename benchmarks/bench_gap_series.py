@@ -68,6 +68,7 @@ def write_series(root: str, n: int, size: str) -> tuple[list[str], int, float]:
     tok = make_tokenizer()
     cfg = tiny_config("llama", vocab, n_layers=layers, width=hidden)
     cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads = inter, heads, kv
+    cfg.head_dim = hidden // heads
     cfg.tie_word_embeddings = False
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}

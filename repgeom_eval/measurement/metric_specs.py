@@ -122,10 +122,6 @@ def instantiate_metrics(
         check_parameter_types(name, cls, kwargs)
         if per_text and "per_text" in accepted:
             kwargs.setdefault("per_text", True)
-        try:
-            cls(**kwargs)  # the metric's own checks, before the model is loaded
-        except (TypeError, ValueError) as exc:
-            raise RepgeomError(f"metric {name!r}: bad parameter ({exc})") from None
         if cls.consumes == Consumes.TOKENS:
             chosen = None
         else:
