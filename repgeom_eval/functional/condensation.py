@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .tokens import TokenBlock
+
 CONDENSATION_EPS = 1e-3  # paper C's max-eps (not F.normalize's 1e-12)
 DEFAULT_BINS = 50
 
@@ -56,11 +58,15 @@ def condensation_batch(hidden: torch.Tensor, mask: torch.Tensor,
     Returns:
         (m_incl [B], m_excl [B]) float64; NaN where a text has too few tokens (0, resp. < 2).
     """
-    u = condensation_units(hidden, eps) * mask.unsqueeze(-1).to(torch.float64)
-    total = u.sum(1)
+    return condensation_block(TokenBlock(hidden, mask), eps)
+
+
+def condensation_block(block: TokenBlock, eps: float = CONDENSATION_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`condensation_batch` of a :class:`~repgeom_eval.functional.tokens.TokenBlock`: from its float64 sums of
+    max-eps unit vectors, Σu and Σ‖u‖², one text at a time (no [B, T, d] float64 copy)."""
+    total, q = block.unit_sums(eps)
     sq = (total * total).sum(-1)
-    q = (u * u).sum((1, 2))
-    n = mask.sum(1).to(torch.float64)
+    n = torch.tensor(block.lengths, dtype=torch.float64, device=sq.device)
     nan = torch.full_like(sq, float("nan"))
     incl = torch.where(n >= 1, sq / (n * n).clamp(min=1), nan)
     excl = torch.where(n >= 2, (sq - q) / (n * (n - 1)).clamp(min=1), nan)
@@ -96,3 +102,45 @@ def cosine_histogram(tokens: torch.Tensor, bins: int = DEFAULT_BINS, eps: float 
         idx = torch.bucketize(c.flatten(), inner, right=True)
         counts += torch.bincount(idx, minlength=bins).to(torch.float64).cpu()
     return counts
+
+
+def cosine_histogram_block(block: TokenBlock, bins: int = DEFAULT_BINS, eps: float = CONDENSATION_EPS,
+                           max_elements: int = 1 << 22) -> torch.Tensor:
+    """Σ over the texts of a :class:`~repgeom_eval.functional.tokens.TokenBlock` of :func:`cosine_histogram` / S²
+    (float64 [bins], on the CPU): the summed per-text bin fractions of the condensation histogram.
+
+    The texts' cosine matrices come from one batched product (groups of at most ``max_elements`` entries); each
+    text's S² entries are counted exactly (integers) and divided by S² once, as the per-text function does. A text
+    longer than the group size is done on its own, ``block`` rows at a time (:func:`cosine_histogram`).
+    """
+    edges = histogram_edges(bins)
+    out = torch.zeros(bins, dtype=torch.float64)
+    live = [i for i, k in enumerate(block.lengths) if k]
+    if not live:
+        return out
+    lo, hi = block.span
+    width = hi - lo
+    if width * width > max_elements:
+        for i in live:
+            s = block.lengths[i]
+            out += cosine_histogram(block.row(i), bins, eps) / (s * s)
+        return out
+    norms = block.norms()[:, lo:hi]
+    mask = block.mask[:, lo:hi]
+    u = block.x64[:, lo:hi] / norms.clamp(min=eps).unsqueeze(-1)
+    u = u.masked_fill_(~mask.unsqueeze(-1), 0.0)
+    inner = edges[1:-1].to(u.device)
+    per = max(1, max_elements // (width * width))
+    for g in range(0, len(live), per):
+        rows = live[g:g + per]
+        idx = torch.tensor(rows, device=u.device)
+        ur, mr = u.index_select(0, idx), mask.index_select(0, idx)
+        c = (ur @ ur.transpose(1, 2)).clamp(-1.0, 1.0)
+        pairs = mr.unsqueeze(2) & mr.unsqueeze(1)
+        owner = torch.arange(len(rows), device=u.device).reshape(-1, 1, 1).expand_as(c)[pairs]
+        bucket = torch.bucketize(c[pairs], inner, right=True)
+        counts = torch.bincount(owner * bins + bucket, minlength=len(rows) * bins).reshape(len(rows), bins)
+        sizes = torch.tensor([block.lengths[i] for i in rows], dtype=torch.float64)
+        for k in range(len(rows)):
+            out += counts[k].to(torch.float64).cpu() / (sizes[k] * sizes[k])
+    return out

@@ -181,6 +181,93 @@ def prompt_entropy(tokens: torch.Tensor, alpha: float = 1.0, variant: str = "pap
     return matrix_entropy(center_and_unit(tokens), alpha, variant)
 
 
+def spectrum_entropies(eigenvalues: torch.Tensor, sizes: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """:func:`spectrum_entropy` of each row of ``eigenvalues`` [R, M] at once (float64 [R]).
+
+    Row r holds the ``sizes[r]`` eigenvalues of an m×m matrix, padded with zeros to M (a block-diagonal padding
+    of the matrix adds exact zero eigenvalues, which the positive-only rule drops). The round-off floor is that of
+    the unpadded matrix, ``sizes[r] · eps · λ_max``, so each row gives what :func:`spectrum_entropy` gives for it.
+    """
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    lam = eigenvalues.double()
+    if lam.numel() == 0:
+        return torch.full((lam.shape[0],), _NAN, dtype=torch.float64, device=lam.device)
+    rtol = sizes.to(device=lam.device, dtype=torch.float64) * torch.finfo(torch.float64).eps
+    top = lam.max(1, keepdim=True).values
+    keep = (lam > 0) & (lam > rtol.unsqueeze(1) * top)
+    lam = torch.where(keep, lam, torch.zeros_like(lam))
+    p = lam / lam.sum(1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
+    logp = torch.log(torch.where(keep, p, torch.ones_like(p)))
+    if alpha == 1:
+        h = -(p * logp).sum(1)
+    else:
+        h = torch.log(torch.where(keep, torch.exp(alpha * logp), torch.zeros_like(p)).sum(1)) / (1.0 - alpha)
+    return torch.where(keep.any(1), h, torch.full_like(h, _NAN)) + 0.0
+
+
+def _ratios(raw: torch.Tensor, n: torch.Tensor, d: int) -> torch.Tensor:
+    """[R, 4] ``raw, normalized, logN, logD`` (:func:`entropy_result` for many rows; a zero denominator gives NaN)."""
+    log_n = torch.log(n.to(torch.float64))
+    log_d = torch.full_like(log_n, math.log(d) if d > 0 else _NAN)
+    nan = torch.full_like(raw, _NAN)
+
+    def ratio(den: torch.Tensor) -> torch.Tensor:
+        return torch.where(den > 0, raw / torch.where(den > 0, den, torch.ones_like(den)), nan)
+
+    return torch.stack([raw, ratio(torch.minimum(log_n, log_d)), ratio(log_n), ratio(log_d)], 1)
+
+
+def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, variant: str) -> torch.Tensor:
+    """S_α of a batch of (zero-padded) linear Grams, as :func:`gram_entropy` computes each one."""
+    if variant == "information_flow":
+        grams = grams.clamp(min=0)
+        trace = grams.diagonal(dim1=-2, dim2=-1).sum(-1)
+        ok = trace > 0
+        grams = grams / torch.where(ok, trace, torch.ones_like(trace)).reshape(-1, 1, 1)
+        raw = spectrum_entropies(torch.linalg.eigvalsh(grams), sizes, alpha)
+        return torch.where(ok, raw, torch.full_like(raw, _NAN))
+    return spectrum_entropies(torch.linalg.eigvalsh(grams), sizes, alpha)
+
+
+def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
+                     max_elements: int = 1 << 22) -> torch.Tensor:
+    """:func:`prompt_entropy` of every text of a :class:`~repgeom_eval.functional.tokens.TokenBlock` at once:
+    float64 [B, 4] on the CPU, columns ``raw``, ``normalized``, ``logN``, ``logD`` (NaN rows for texts with fewer
+    than 2 tokens).
+
+    The centred unit vectors of all texts come from the block in a few batched operations; texts with N ≤ D
+    tokens (the usual case) get their N×N Grams Z Zᵀ from one batched product over the positions any text uses,
+    zero-padded (which adds exact zero eigenvalues only: the round-off floor is that of each text's own N, see
+    :func:`spectrum_entropies`), and one batched ``eigvalsh`` (in groups of at most ``max_elements`` Gram
+    entries); texts with N > D get their D×D Grams Zᵀ Z one at a time, as paper B's branch rule asks.
+    """
+    _check_variant(variant)
+    b, d = len(block), block.dim
+    out = torch.full((b, 4), _NAN, dtype=torch.float64)
+    n = torch.tensor(block.lengths)
+    small = [i for i, k in enumerate(block.lengths) if 2 <= k <= d]
+    large = [i for i, k in enumerate(block.lengths) if k > d]
+    if not small and not large:
+        return out
+    z = block.centered_units()
+    if small:
+        lo, hi = block.span
+        zs = z[:, lo:hi]
+        per = max(1, max_elements // max(1, (hi - lo) ** 2))
+        for g in range(0, len(small), per):
+            rows = small[g:g + per]
+            idx = torch.tensor(rows, device=zs.device)
+            zr = zs if len(rows) == b else zs.index_select(0, idx)
+            raw = _gram_entropies(zr @ zr.transpose(1, 2), n[rows], alpha, variant).cpu()
+            out[rows] = _ratios(raw, n[rows], d)
+    for i in large:
+        zi = z[i][block.mask[i]]
+        raw = _gram_entropies((zi.T @ zi).unsqueeze(0), torch.tensor([d]), alpha, variant).cpu()
+        out[i] = _ratios(raw, n[i:i + 1], d)[0]
+    return out
+
+
 def prepare_pooled(pooled: torch.Tensor, centering: str = "global", batch_size: int = 2) -> torch.Tensor:
     """The rows dataset entropy takes the Gram of, for each ``centering`` (see :func:`dataset_entropy`)."""
     pooled = pooled.double()
