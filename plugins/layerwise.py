@@ -255,8 +255,10 @@ class EffectiveRank(_GramAccumulator):
         found = self._gram()
         if found is None:
             return {"rankme": _NAN, "erank": _NAN, "exp_entropy": _NAN}
+        from repgeom_eval.functional.entropy import serial_eigvalsh
+
         g, n, d = found
-        return effective_rank_from_gram_eigenvalues(torch.linalg.eigvalsh(g), n, d)
+        return effective_rank_from_gram_eigenvalues(serial_eigvalsh(g), n, d)
 
 
 class Curvature(Metric):
@@ -345,10 +347,12 @@ class Vendi(_GramAccumulator):
         self._add_rows(unit(batch.pooled.double()))
 
     def compute(self) -> float:
+        from repgeom_eval.functional.entropy import serial_eigvalsh
+
         found = self._gram()
         if found is None:
             return _NAN
-        return float(torch.exp(spectrum_entropy(torch.linalg.eigvalsh(found[0]), 1.0)))
+        return float(torch.exp(spectrum_entropy(serial_eigvalsh(found[0]), 1.0)))
 
 
 @hookimpl

@@ -233,3 +233,14 @@ def test_token_metrics_without_a_block_path_get_the_padded_float64_tensor(tiny_m
     for addr, values in result.results.items():
         assert values["padded_tokens"]["bad"] == 0.0, addr
         assert values["padded_tokens"]["total"] != 0.0
+
+
+def test_bin_index_is_bucketize_on_the_edges_themselves():
+    from repgeom_eval.functional.condensation import bin_index, histogram_edges
+
+    for bins in (1, 2, 7, 50, 64):
+        edges = histogram_edges(bins)
+        values = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, 2.0)),
+                            torch.nextafter(edges, torch.full_like(edges, -2.0)), torch.rand(5000, dtype=torch.float64) * 2 - 1])
+        values = values.clamp(-1.0, 1.0)
+        assert torch.equal(bin_index(values, edges), torch.bucketize(values, edges[1:-1], right=True)), bins

@@ -40,6 +40,24 @@ def _safe_ratio(value: float, denominator: float) -> float:
     return value / denominator if denominator > 0 else _NAN
 
 
+def serial_eigvalsh(matrices: torch.Tensor) -> torch.Tensor:
+    """``torch.linalg.eigvalsh`` on one CPU thread.
+
+    On the CPU, LAPACK's ``syevd`` gains little or nothing from more threads at the sizes the metrics diagonalise
+    (Grams of up to D×D) and spends up to twice the CPU time synchronising them (2 cores: 8 Grams of 150×150 take
+    5.4 ms wall and 9.7 ms CPU on 2 threads, 4.2 ms both on one; one 576×576 Gram 12.7 ms wall and 24 ms CPU against
+    13.7 ms both), so the intra-op thread count is set to 1 for the call and restored after it (other threads of the
+    process that run torch meanwhile get one thread too). Other devices run as they are."""
+    threads = torch.get_num_threads()
+    if matrices.device.type != "cpu" or threads == 1:
+        return torch.linalg.eigvalsh(matrices)
+    torch.set_num_threads(1)
+    try:
+        return torch.linalg.eigvalsh(matrices)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def spectrum_entropy(eigenvalues: torch.Tensor, alpha: float = 1.0, rtol: float | None = None) -> torch.Tensor:
     """Rényi entropy S_α of a spectrum: p_i = λ_i / Σ λ_j over the positive λ only.
 
@@ -75,7 +93,7 @@ def renyi_entropy(K: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     indefinite K (B's clamped Gram) is handled the way repitl handles it. α = 1 is the von Neumann entropy.
     Cost O(m³) for an m×m matrix.
     """
-    return spectrum_entropy(torch.linalg.eigvalsh(K.double()), alpha)
+    return spectrum_entropy(serial_eigvalsh(K.double()), alpha)
 
 
 def repitl_alpha2_shortcut(K: torch.Tensor) -> torch.Tensor:
@@ -108,7 +126,7 @@ def gram_spectrum(Z: torch.Tensor) -> torch.Tensor:
     Both matrices have the same non-zero eigenvalues (the squared singular values of Z), so the result has
     min(N, D) entries. N ≤ D uses Z Zᵀ.
     """
-    return torch.linalg.eigvalsh(linear_gram(Z))
+    return serial_eigvalsh(linear_gram(Z))
 
 
 def center_and_unit(Z: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -132,7 +150,7 @@ def gram_entropy(K: torch.Tensor, alpha: float = 1.0, variant: str = "paper") ->
     _check_variant(variant)
     K = K.double()
     if variant == "paper":
-        return spectrum_entropy(torch.linalg.eigvalsh(K), alpha)
+        return spectrum_entropy(serial_eigvalsh(K), alpha)
     K = K.clamp(min=0)
     trace = torch.trace(K)
     if not trace > 0:
@@ -218,16 +236,27 @@ def _ratios(raw: torch.Tensor, n: torch.Tensor, d: int) -> torch.Tensor:
     return torch.stack([raw, ratio(torch.minimum(log_n, log_d)), ratio(log_n), ratio(log_d)], 1)
 
 
-def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, variant: str) -> torch.Tensor:
-    """S_α of a batch of (zero-padded) linear Grams, as :func:`gram_entropy` computes each one."""
+def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, variant: str,
+                    real: torch.Tensor | None = None) -> torch.Tensor:
+    """S_α of a batch of linear Grams [R, L, L], each zero outside its ``real`` rows and columns (``sizes`` of them),
+    as :func:`gram_entropy` computes each one (the ``information_flow`` clamp and trace normalisation included).
+
+    The eigendecompositions run as one batched ``eigvalsh`` when the Grams fill most of L×L; when padding would
+    more than double the O(L³) work, each Gram is cut to its real rows and columns and diagonalised on its own."""
     if variant == "information_flow":
         grams = grams.clamp(min=0)
         trace = grams.diagonal(dim1=-2, dim2=-1).sum(-1)
         ok = trace > 0
         grams = grams / torch.where(ok, trace, torch.ones_like(trace)).reshape(-1, 1, 1)
-        raw = spectrum_entropies(torch.linalg.eigvalsh(grams), sizes, alpha)
-        return torch.where(ok, raw, torch.full_like(raw, _NAN))
-    return spectrum_entropies(torch.linalg.eigvalsh(grams), sizes, alpha)
+    n_rows, width = grams.shape[0], grams.shape[-1]
+    if real is None or 2 * float((sizes.double() ** 3).sum()) >= n_rows * float(width) ** 3:
+        raw = spectrum_entropies(serial_eigvalsh(grams), sizes, alpha)
+    else:
+        raw = torch.cat([spectrum_entropies(serial_eigvalsh(g[r][:, r]).unsqueeze(0), sizes[i:i + 1], alpha)
+                         for i, (g, r) in enumerate(zip(grams, real))])
+    if variant == "information_flow":
+        raw = torch.where(ok.to(raw.device), raw, torch.full_like(raw, _NAN))
+    return raw
 
 
 def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
@@ -236,34 +265,33 @@ def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
     float64 [B, 4] on the CPU, columns ``raw``, ``normalized``, ``logN``, ``logD`` (NaN rows for texts with fewer
     than 2 tokens).
 
-    The centred unit vectors of all texts come from the block in a few batched operations; texts with N ≤ D
-    tokens (the usual case) get their N×N Grams Z Zᵀ from one batched product over the positions any text uses,
-    zero-padded (which adds exact zero eigenvalues only: the round-off floor is that of each text's own N, see
-    :func:`spectrum_entropies`), and one batched ``eigvalsh`` (in groups of at most ``max_elements`` Gram
-    entries); texts with N > D get their D×D Grams Zᵀ Z one at a time, as paper B's branch rule asks.
+    Texts with N ≤ D tokens (the usual case) take their N×N Grams Z Zᵀ from the block's Gram of centred tokens
+    (:meth:`~repgeom_eval.functional.tokens.TokenBlock.centered_gram`, one batched product, shared with the
+    condensation histogram), scaled to unit rows, zero-padded (which adds exact zero eigenvalues only; the round-off
+    floor is that of each text's own N, see :func:`spectrum_entropies`) and diagonalised by one batched
+    ``eigvalsh``. Texts with N > D, and every text when the padded Grams would exceed ``max_elements`` entries, are
+    computed one at a time as :func:`prompt_entropy` does (a D×D Gram Zᵀ Z for N > D, paper B's branch rule).
     """
     _check_variant(variant)
     b, d = len(block), block.dim
     out = torch.full((b, 4), _NAN, dtype=torch.float64)
     n = torch.tensor(block.lengths)
-    small = [i for i, k in enumerate(block.lengths) if 2 <= k <= d]
-    large = [i for i, k in enumerate(block.lengths) if k > d]
-    if not small and not large:
-        return out
-    z = block.centered_units()
+    lo, hi = block.span
+    batched = b * (hi - lo) ** 2 <= max_elements
+    small = [i for i, k in enumerate(block.lengths) if 2 <= k <= d] if batched else []
+    alone = [i for i, k in enumerate(block.lengths) if k >= 2 and i not in set(small)]
     if small:
-        lo, hi = block.span
-        zs = z[:, lo:hi]
-        per = max(1, max_elements // max(1, (hi - lo) ** 2))
-        for g in range(0, len(small), per):
-            rows = small[g:g + per]
-            idx = torch.tensor(rows, device=zs.device)
-            zr = zs if len(rows) == b else zs.index_select(0, idx)
-            raw = _gram_entropies(zr @ zr.transpose(1, 2), n[rows], alpha, variant).cpu()
-            out[rows] = _ratios(raw, n[rows], d)
-    for i in large:
-        zi = z[i][block.mask[i]]
-        raw = _gram_entropies((zi.T @ zi).unsqueeze(0), torch.tensor([d]), alpha, variant).cpu()
+        g, _, _, real = block.centered_gram()
+        idx = torch.tensor(small, device=g.device)
+        g, real = (g, real) if len(small) == b else (g.index_select(0, idx), real.index_select(0, idx))
+        w = 1.0 / g.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().clamp(min=1e-12)  # 1/‖c_t‖, as unit() scales
+        w = torch.where(real, w, torch.zeros_like(w))
+        k = (g * w.unsqueeze(2)).mul_(w.unsqueeze(1))  # exactly 0 in the pad rows and columns (w = 0 there)
+        raw = _gram_entropies(k, n[small], alpha, variant, real).cpu()
+        out[small] = _ratios(raw, n[small], d)
+    for i in alone:
+        gi = linear_gram(center_and_unit(block.row(i)))
+        raw = _gram_entropies(gi.unsqueeze(0), torch.tensor([gi.shape[0]]), alpha, variant).cpu()
         out[i] = _ratios(raw, n[i:i + 1], d)[0]
     return out
 

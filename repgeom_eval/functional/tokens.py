@@ -12,8 +12,9 @@ is shared by every metric of one address and batch instead:
 * float64 sums over each text's real tokens as one batched matrix product with per-token weights (zero at the
   pads): the sums of the unit vectors and of their squared norms for ``token_dispersion`` and ``condensation``
   (:meth:`TokenBlock.unit_sums`), the plain sums for mean pooling and the energy diagnostic (:meth:`TokenBlock.mean`);
-* each text's centred unit vectors (:meth:`TokenBlock.centered_units`) for ``prompt_entropy`` and the
-  ``information_flow`` curvature, again as a few batched operations.
+* each text's Gram of centred tokens from one batched product (:meth:`TokenBlock.centered_gram`), which gives both
+  ``prompt_entropy``'s Gram and the raw cosines of the condensation histogram, and the centred unit vectors
+  (:meth:`TokenBlock.centered_units`) for the ``information_flow`` curvature.
 
 Everything stays float64 and the formulas are those of the per-text functions; only the order of some additions
 differs, so the numbers agree with the per-text computation to rounding (~1e-15 relative). Callers bound the size
@@ -43,7 +44,18 @@ class TokenBlock:
     Rows with no real token are empty: their sums and mean are zero.
     """
 
-    def __init__(self, hidden: torch.Tensor, mask: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, mask: torch.Tensor, like: "TokenBlock | None" = None):
+        """``like``: a block over the same mask (another address of the same batch), whose layout is reused."""
+        if like is not None and like.mask.shape == mask.shape[:2]:
+            self.hidden, self.mask = hidden, like.mask
+            self.n, self.lengths, self._spans, self.span = like.n, like.lengths, like._spans, like.span
+        else:
+            self._layout(hidden, mask)
+        self._x64: torch.Tensor | None = None
+        self._norms: torch.Tensor | None = None
+        self._cache: dict[object, object] = {}
+
+    def _layout(self, hidden: torch.Tensor, mask: torch.Tensor) -> None:
         mask = mask.to(hidden.device).bool()
         b, t = mask.shape
         self.hidden, self.mask = hidden, mask
@@ -58,9 +70,6 @@ class TokenBlock:
         real = [s for s, n in zip(self._spans, self.lengths) if n]
         # the positions any text uses: Grams over [lo, hi) only (right padding: [0, longest))
         self.span = (min(s[0] for s in real), max(s[1] for s in real)) if real and None not in real else (0, t)
-        self._x64: torch.Tensor | None = None
-        self._norms: torch.Tensor | None = None
-        self._cache: dict[object, object] = {}
 
     @classmethod
     def padded(cls, hidden: torch.Tensor, mask: torch.Tensor) -> "TokenBlock":
@@ -146,6 +155,23 @@ class TokenBlock:
             c = c / torch.linalg.vector_norm(c, dim=-1, keepdim=True).clamp(min=eps)
             self._cache[key] = c.masked_fill_(~self.mask.unsqueeze(-1), 0.0)
         return self._cache[key]  # type: ignore[return-value]
+
+    def centered_gram(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(G, a, m, real)`` over the positions any text uses (:attr:`span`, length L), float64:
+        G [B, L, L] = C Cᵀ of each text's centred tokens c_t = x_t − μ (one batched product), a [B, L] = c_t·μ and
+        m [B] = ‖μ‖², and ``real`` [B, L], the mask over those positions. Rows and columns of G and entries of a at
+        pad positions hold finite values of no meaning: scale them by a weight that is zero there.
+
+        The centred Gram is what ``prompt_entropy`` diagonalises (scaled to unit rows); the raw Gram X Xᵀ that the
+        condensation histogram needs follows without a second product as G + a_i + a_j + m (adding terms of the
+        raw Gram's own size, so no precision is lost; the reverse, centring a raw Gram, would cancel digits)."""
+        if "gram" not in self._cache:
+            lo, hi = self.span
+            real = self.mask[:, lo:hi]
+            mu = self.mean()
+            c = self.x64[:, lo:hi] - mu.unsqueeze(1)
+            self._cache["gram"] = (c @ c.transpose(1, 2), (c @ mu.unsqueeze(-1)).squeeze(-1), (mu * mu).sum(-1), real)
+        return self._cache["gram"]  # type: ignore[return-value]
 
     def padded64(self) -> torch.Tensor:
         """[B, T, D] float64 with pad positions zero: the documented ``LayerBatch.hidden`` of a TOKENS metric, for

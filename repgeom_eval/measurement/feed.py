@@ -57,6 +57,7 @@ class Feeder:
         self.n_views = n_views
         self._view_poolings = view_poolings
         self.buffers: dict[tuple[Address, str], ViewBuffer] = {}
+        self._batch: tuple | None = None  # (items, mask, split_rows(items), block layouts) of the current batch
 
     def pending_views(self) -> int:
         """Texts whose views have not all arrived (zero at the end of every shard)."""
@@ -75,7 +76,10 @@ class Feeder:
         float64 ``LayerBatch.hidden`` (pads zero), built once per block. Batches whose float64 copy would exceed
         :data:`~repgeom_eval.functional.tokens.BLOCK_ELEMENTS` are fed in several blocks of rows.
         """
-        orig, views, text_index = split_rows(items)
+        if self._batch is None or self._batch[0] is not items or self._batch[1] is not mask:
+            self._batch = (items, mask, split_rows(items), {})  # the same for every address of this batch
+        orig, views, text_index = self._batch[2]
+        layouts: dict[int, TokenBlock] = self._batch[3]
         name = str(addr)
         if len(orig):
             if len(orig) == h.shape[0]:  # no augmented views in this batch: every row is an original
@@ -85,7 +89,9 @@ class Feeder:
                 ho, mo = h[o], mask[o]
             index = text_index[orig]
             for rows in row_chunks(ho.shape[0], ho.shape[1] * ho.shape[2]):  # one block unless the batch is huge
-                self._feed_block(name, TokenBlock(ho[rows], mo[rows]), index[rows], orig[rows], metrics, energy)
+                block = TokenBlock(ho[rows], mo[rows], like=layouts.get(rows.start))
+                layouts.setdefault(rows.start, block)
+                self._feed_block(name, block, index[rows], orig[rows], metrics, energy)
         if len(views):
             self._feed_views(addr, h, mask, items, views, metrics)
 
