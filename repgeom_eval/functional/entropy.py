@@ -40,22 +40,29 @@ def _safe_ratio(value: float, denominator: float) -> float:
     return value / denominator if denominator > 0 else _NAN
 
 
-def serial_eigvalsh(matrices: torch.Tensor) -> torch.Tensor:
-    """``torch.linalg.eigvalsh`` on one CPU thread.
+def serial_eigvalsh(matrices: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """``torch.linalg.eigvalsh`` of one matrix, a batch [R, m, m], or a list of matrices, on one CPU thread.
 
     On the CPU, LAPACK's ``syevd`` gains little or nothing from more threads at the sizes the metrics diagonalise
     (Grams of up to D×D) and spends up to twice the CPU time synchronising them (2 cores: 8 Grams of 150×150 take
     5.4 ms wall and 9.7 ms CPU on 2 threads, 4.2 ms both on one; one 576×576 Gram 12.7 ms wall and 24 ms CPU against
-    13.7 ms both), so the intra-op thread count is set to 1 for the call and restored after it (other threads of the
-    process that run torch meanwhile get one thread too). Other devices run as they are."""
+    13.7 ms both). So the intra-op thread count is set to 1 for the call and restored after it (other threads of the
+    process that run torch meanwhile get one thread too). Spreading the matrices over Python threads instead was
+    slower inside the pipeline (OpenMP's waiting threads compete with them). Other devices run as they are."""
     threads = torch.get_num_threads()
-    if matrices.device.type != "cpu" or threads == 1:
-        return torch.linalg.eigvalsh(matrices)
-    torch.set_num_threads(1)
-    try:
-        return torch.linalg.eigvalsh(matrices)
-    finally:
-        torch.set_num_threads(threads)
+    single = isinstance(matrices, torch.Tensor)
+    items = [matrices] if single else list(matrices)
+    if not items:
+        return []
+    if items[0].device.type != "cpu" or threads == 1:
+        out = [torch.linalg.eigvalsh(m) for m in items]
+    else:
+        torch.set_num_threads(1)
+        try:
+            out = [torch.linalg.eigvalsh(m) for m in items]
+        finally:
+            torch.set_num_threads(threads)
+    return out[0] if single else out
 
 
 def spectrum_entropy(eigenvalues: torch.Tensor, alpha: float = 1.0, rtol: float | None = None) -> torch.Tensor:
@@ -241,19 +248,22 @@ def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, vari
     """S_α of a batch of linear Grams [R, L, L], each zero outside its ``real`` rows and columns (``sizes`` of them),
     as :func:`gram_entropy` computes each one (the ``information_flow`` clamp and trace normalisation included).
 
-    The eigendecompositions run as one batched ``eigvalsh`` when the Grams fill most of L×L; when padding would
-    more than double the O(L³) work, each Gram is cut to its real rows and columns and diagonalised on its own."""
+    The eigendecompositions run as one batched ``eigvalsh`` when the Grams fill most of L×L; when padding would add
+    more than a quarter to the O(L³) work, each Gram is cut to its real rows and columns and diagonalised on its
+    own."""
     if variant == "information_flow":
         grams = grams.clamp(min=0)
         trace = grams.diagonal(dim1=-2, dim2=-1).sum(-1)
         ok = trace > 0
         grams = grams / torch.where(ok, trace, torch.ones_like(trace)).reshape(-1, 1, 1)
     n_rows, width = grams.shape[0], grams.shape[-1]
-    if real is None or 2 * float((sizes.double() ** 3).sum()) >= n_rows * float(width) ** 3:
-        raw = spectrum_entropies(serial_eigvalsh(grams), sizes, alpha)
+    if real is None or 1.25 * float((sizes.double() ** 3).sum()) >= n_rows * float(width) ** 3:
+        eig = serial_eigvalsh(grams)
     else:
-        raw = torch.cat([spectrum_entropies(serial_eigvalsh(g[r][:, r]).unsqueeze(0), sizes[i:i + 1], alpha)
-                         for i, (g, r) in enumerate(zip(grams, real))])
+        eig = grams.new_zeros((n_rows, int(sizes.max())))
+        for i, lam in enumerate(serial_eigvalsh([g[r][:, r] for g, r in zip(grams, real)])):
+            eig[i, : lam.shape[0]] = lam  # zeros after it: dropped as non-positive
+    raw = spectrum_entropies(eig, sizes, alpha)
     if variant == "information_flow":
         raw = torch.where(ok.to(raw.device), raw, torch.full_like(raw, _NAN))
     return raw
