@@ -65,18 +65,24 @@ class Condensation(Metric):
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.hidden is not None and batch.mask is not None
-        incl, excl = (v.cpu() for v in condensation_batch(batch.hidden, batch.mask, self.eps))
+        from repgeom_eval.functional.tokens import TokenBlock
+
+        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+
+    def update_tokens(self, index: torch.Tensor, block) -> None:
+        """:meth:`update` from a :class:`~repgeom_eval.functional.tokens.TokenBlock` (the pipeline's path: float64
+        sums one text at a time, no [B, T, d] float64 copy)."""
+        from repgeom_eval.functional.condensation import condensation_block, cosine_histogram_block
+
+        incl, excl = (v.cpu() for v in condensation_block(block, self.eps))
         ok_i, ok_e = ~torch.isnan(incl), ~torch.isnan(excl)
         self.sums = self.sums + torch.stack([incl[ok_i].sum(), excl[ok_e].sum()])
         self.counts = self.counts + torch.stack([ok_i.sum(), ok_e.sum()]).to(torch.float64)
         if self.bins:
-            for tokens in batch.token_vectors():
-                s = tokens.shape[0]
-                if s:
-                    self.hist = self.hist + cosine_histogram(tokens, self.bins, self.eps) / (s * s)
+            self.hist = self.hist + cosine_histogram_block(block, self.bins, self.eps)
         if self.per_text:
             self.values.append(incl)
-            self.index.append(batch.index.to(torch.float64))
+            self.index.append(index.to(torch.float64))
 
     def compute(self) -> dict[str, Any]:
         mean = [float(s / c) if c > 0 else _NAN for s, c in zip(self.sums, self.counts)]

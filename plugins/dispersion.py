@@ -97,7 +97,16 @@ class TokenDispersion(Metric):
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.hidden is not None and batch.mask is not None
-        values, _ = token_dispersion(batch.hidden, batch.mask)
+        from repgeom_eval.functional.tokens import TokenBlock
+
+        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+
+    def update_tokens(self, index: torch.Tensor, block) -> None:
+        """:meth:`update` from a :class:`~repgeom_eval.functional.tokens.TokenBlock` (the pipeline's path: the
+        captured activations as they are, float64 sums one text at a time, shared with other token metrics)."""
+        from repgeom_eval.functional.dispersion import token_dispersion_block
+
+        values, _ = token_dispersion_block(block)
         values = values.cpu()
         ok = ~torch.isnan(values)
         self.total = self.total + values[ok].sum()
@@ -105,7 +114,7 @@ class TokenDispersion(Metric):
         self.skipped = self.skipped + (~ok).sum()
         if self.per_text:
             self.values.append(values)
-            self.index.append(batch.index.to(torch.float64))
+            self.index.append(index.to(torch.float64))
 
     def compute(self) -> float:
         return float(self.total / self.count) if self.count > 0 else float("nan")

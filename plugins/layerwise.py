@@ -126,18 +126,25 @@ class PromptEntropy(Metric):
             self.add_state("index", [], "cat")
 
     def update(self, batch: LayerBatch) -> None:
-        rows = []
-        for tokens in batch.token_vectors():
-            r = prompt_entropy(tokens, self.alpha, self.variant)
-            rows.append([r[k] for k in ENTROPY_KEYS])
-        values = torch.tensor(rows, dtype=torch.float64).reshape(-1, len(ENTROPY_KEYS))
+        assert batch.hidden is not None and batch.mask is not None, "prompt_entropy consumes TOKENS"
+        from repgeom_eval.functional.tokens import TokenBlock
+
+        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+
+    def update_tokens(self, index: torch.Tensor, block) -> None:
+        """:meth:`update` from a :class:`~repgeom_eval.functional.tokens.TokenBlock`: the Grams of all prompts from one
+        batched product, their eigendecompositions in one batched call (:func:`~repgeom_eval.functional.entropy.
+        prompt_entropies`)."""
+        from repgeom_eval.functional.entropy import prompt_entropies
+
+        values = prompt_entropies(block, self.alpha, self.variant)  # columns in ENTROPY_KEYS order
         ok = ~torch.isnan(values[:, 0])
         self.sums = self.sums + values[ok].sum(0)
         self.count = self.count + ok.sum()
         self.skipped = self.skipped + (~ok).sum()
         if self.per_text:
             self.values.append(values[:, :2])
-            self.index.append(batch.index.to(torch.float64))
+            self.index.append(index.to(torch.float64))
 
     def compute(self) -> dict[str, float]:
         if self.count == 0:
@@ -248,8 +255,10 @@ class EffectiveRank(_GramAccumulator):
         found = self._gram()
         if found is None:
             return {"rankme": _NAN, "erank": _NAN, "exp_entropy": _NAN}
+        from repgeom_eval.functional.entropy import serial_eigvalsh
+
         g, n, d = found
-        return effective_rank_from_gram_eigenvalues(torch.linalg.eigvalsh(g), n, d)
+        return effective_rank_from_gram_eigenvalues(serial_eigvalsh(g), n, d)
 
 
 class Curvature(Metric):
@@ -281,18 +290,24 @@ class Curvature(Metric):
             self.add_state("index", [], "cat")
 
     def update(self, batch: LayerBatch) -> None:
-        rows = []
-        for tokens in batch.token_vectors():
-            r = curvature(tokens, self.variant)
-            rows.append([r["raw"], r["logD"]])
-        values = torch.tensor(rows, dtype=torch.float64).reshape(-1, 2)
+        assert batch.hidden is not None and batch.mask is not None, "curvature consumes TOKENS"
+        from repgeom_eval.functional.tokens import TokenBlock
+
+        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+
+    def update_tokens(self, index: torch.Tensor, block) -> None:
+        """:meth:`update` from a :class:`~repgeom_eval.functional.tokens.TokenBlock`: the angles of all prompts as a
+        few batched float64 operations (:func:`~repgeom_eval.functional.curvature.curvature_block`)."""
+        from repgeom_eval.functional.curvature import curvature_block
+
+        values = curvature_block(block, self.variant)  # columns raw, logD
         ok = ~torch.isnan(values[:, 0])
         self.sums = self.sums + values[ok].sum(0)
         self.count = self.count + ok.sum()
         self.skipped = self.skipped + (~ok).sum()
         if self.per_text:
             self.values.append(values[:, 0])
-            self.index.append(batch.index.to(torch.float64))
+            self.index.append(index.to(torch.float64))
 
     def compute(self) -> dict[str, float]:
         if self.count == 0:
@@ -332,10 +347,12 @@ class Vendi(_GramAccumulator):
         self._add_rows(unit(batch.pooled.double()))
 
     def compute(self) -> float:
+        from repgeom_eval.functional.entropy import serial_eigvalsh
+
         found = self._gram()
         if found is None:
             return _NAN
-        return float(torch.exp(spectrum_entropy(torch.linalg.eigvalsh(found[0]), 1.0)))
+        return float(torch.exp(spectrum_entropy(serial_eigvalsh(found[0]), 1.0)))
 
 
 @hookimpl

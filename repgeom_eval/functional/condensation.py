@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .tokens import TokenBlock
+
 CONDENSATION_EPS = 1e-3  # paper C's max-eps (not F.normalize's 1e-12)
 DEFAULT_BINS = 50
 
@@ -56,11 +58,15 @@ def condensation_batch(hidden: torch.Tensor, mask: torch.Tensor,
     Returns:
         (m_incl [B], m_excl [B]) float64; NaN where a text has too few tokens (0, resp. < 2).
     """
-    u = condensation_units(hidden, eps) * mask.unsqueeze(-1).to(torch.float64)
-    total = u.sum(1)
+    return condensation_block(TokenBlock(hidden, mask), eps)
+
+
+def condensation_block(block: TokenBlock, eps: float = CONDENSATION_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`condensation_batch` of a :class:`~repgeom_eval.functional.tokens.TokenBlock`: from its float64 sums of
+    max-eps unit vectors, Σu and Σ‖u‖², one text at a time (no [B, T, d] float64 copy)."""
+    total, q = block.unit_sums(eps)
     sq = (total * total).sum(-1)
-    q = (u * u).sum((1, 2))
-    n = mask.sum(1).to(torch.float64)
+    n = torch.tensor(block.lengths, dtype=torch.float64, device=sq.device)
     nan = torch.full_like(sq, float("nan"))
     incl = torch.where(n >= 1, sq / (n * n).clamp(min=1), nan)
     excl = torch.where(n >= 2, (sq - q) / (n * (n - 1)).clamp(min=1), nan)
@@ -96,3 +102,64 @@ def cosine_histogram(tokens: torch.Tensor, bins: int = DEFAULT_BINS, eps: float 
         idx = torch.bucketize(c.flatten(), inner, right=True)
         counts += torch.bincount(idx, minlength=bins).to(torch.float64).cpu()
     return counts
+
+
+def bin_index(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """The bin of each value in [−1, 1] (values outside are not allowed) for equal bins with these ``edges``: bin k holds [e_k, e_{k+1}), the last
+    also 1.0 — what ``torch.bucketize(values, edges[1:-1], right=True)`` gives, without its binary search per value.
+
+    The bin is first computed arithmetically, then moved by one where that lands on the wrong side of an actual
+    edge (the arithmetic is within one bin of the truth: the edges are equally spaced to rounding)."""
+    bins = edges.numel() - 1
+    lower = edges.to(device=values.device, dtype=values.dtype)
+    upper = lower.clone()
+    upper[-1] = float("inf")  # the last bin also holds 1.0
+    k = ((values + 1.0) * (bins / 2.0)).floor_().clamp_(0, bins - 1).long()
+    k -= (values < lower[k]).long()  # never below bin 0: values ≥ −1 = e_0
+    k += (values >= upper[k + 1]).long()
+    return k
+
+
+def cosine_histogram_block(block: TokenBlock, bins: int = DEFAULT_BINS, eps: float = CONDENSATION_EPS,
+                           max_elements: int = 1 << 22) -> torch.Tensor:
+    """Σ over the texts of a :class:`~repgeom_eval.functional.tokens.TokenBlock` of :func:`cosine_histogram` / S²
+    (float64 [bins], on the CPU): the summed per-text bin fractions of the condensation histogram.
+
+    The texts' Gram matrices X Xᵀ come from the block's Gram of centred tokens (one batched product shared with
+    ``prompt_entropy``, :meth:`~repgeom_eval.functional.tokens.TokenBlock.centered_gram`), scaled by
+    1/max(‖x_i‖, eps) on both sides and clipped to [−1, 1]: paper C's cosine matrix. Each text's S² entries are
+    counted exactly (integers: the diagonal once, the entries above it twice, the matrix being symmetric; the pad
+    entries are exactly 0 and taken back out of the bin of 0) and divided by S² once, as the per-text function
+    does. When the padded matrices would exceed ``max_elements`` entries each text
+    is done on its own, ``block`` rows at a time (:func:`cosine_histogram`).
+    """
+    edges = histogram_edges(bins)
+    out = torch.zeros(bins, dtype=torch.float64)
+    live = [i for i, k in enumerate(block.lengths) if k]
+    if not live:
+        return out
+    lo, hi = block.span
+    width = hi - lo
+    if len(block) * width * width > max_elements:
+        for i in live:
+            s = block.lengths[i]
+            out += cosine_histogram(block.row(i), bins, eps) / (s * s)
+        return out
+    g, a, m, real = block.centered_gram()
+    w = torch.where(real, 1.0 / block.norms()[:, lo:hi].clamp(min=eps), torch.zeros_like(a))
+    raw = (g + a.unsqueeze(2)).add_(a.unsqueeze(1)).add_(m.reshape(-1, 1, 1))  # X Xᵀ
+    cos = (raw * w.unsqueeze(2)).mul_(w.unsqueeze(1)).clamp_(-1.0, 1.0)  # exactly 0 at the pads (w = 0 there)
+    # the matrix is symmetric: count the diagonal once and the entries above it twice
+    upper = torch.triu_indices(width, width, offset=1, device=cos.device)
+    flat = cos.reshape(len(block), -1).index_select(1, upper[0] * width + upper[1])
+    offsets = torch.arange(len(block), device=cos.device).unsqueeze(1) * bins
+    size = len(block) * bins
+    counts = 2 * torch.bincount((bin_index(flat, edges) + offsets).flatten(), minlength=size)
+    counts += torch.bincount((bin_index(cos.diagonal(dim1=1, dim2=2), edges) + offsets).flatten(), minlength=size)
+    counts = counts.reshape(len(block), bins).cpu()
+    zero_bin = int(bin_index(torch.zeros(1, dtype=torch.float64), edges))
+    sizes = torch.tensor(block.lengths, dtype=torch.long)
+    counts[:, zero_bin] -= width * width - sizes * sizes  # the pad entries, all exactly 0
+    for i in live:
+        out += counts[i].to(torch.float64) / float(sizes[i] * sizes[i])
+    return out

@@ -78,3 +78,47 @@ def curvature(tokens: torch.Tensor, variant: str = "paper", normalize: bool | No
     else:
         raw = float(angles[defined].mean()) if bool(defined.any()) else float("nan")
     return {"raw": raw, "logD": raw / log_d}
+
+
+def curvature_block(block, variant: str = "paper") -> torch.Tensor:
+    """:func:`curvature` (default ``normalize``) of every text of a :class:`~repgeom_eval.functional.tokens.TokenBlock`
+    at once: float64 [B, 2] on the CPU, columns ``raw`` and ``logD``.
+
+    The differences, their norms and the cosines of all texts are a few batched float64 operations over the padded
+    block (the angles whose three tokens are not all real are masked out); a text whose real tokens are not
+    consecutive positions (neither right nor left padding) is computed on its own.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    b, d = len(block), block.dim
+    info = variant == "information_flow"
+    log_d = math.log(d) if d > 1 else float("nan")
+    out = torch.full((b, 2), float("nan"), dtype=torch.float64)
+    n = torch.tensor(block.lengths, dtype=torch.float64)
+    if block.hidden.shape[1] >= 3 and any(k >= 3 for k in block.lengths):
+        lo, hi = block.span
+        z = (block.centered_units() if info else block.x64)[:, lo:hi]
+        mask = block.mask[:, lo:hi]
+        v = z[:, 1:] - z[:, :-1]
+        nv = torch.linalg.vector_norm(v, dim=-1)
+        a, c = v[:, 1:], v[:, :-1]
+        na, nc = nv[:, 1:], nv[:, :-1]
+        real = mask[:, 2:] & mask[:, 1:-1] & mask[:, :-2]  # the angle at each interior position of a text
+        defined = real & (na > 0) & (nc > 0)
+        cos = (a * c).sum(-1) / torch.where(defined, na * nc, torch.ones_like(na))
+        if info:
+            cos = cos.abs()
+        angles = torch.where(defined, torch.arccos(cos.clamp(-1.0, 1.0)), torch.zeros_like(cos))
+        total = angles.sum(1).cpu()
+        count = (real if info else defined).sum(1).cpu().to(torch.float64)
+        raw = torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("nan")))
+        out[:, 0] = raw
+    if info:
+        out[n <= 2, 0] = 0.0
+    else:
+        out[n <= 2, 0] = float("nan")
+    for i, span in enumerate(block._spans):
+        if span is None and block.lengths[i] >= 3:  # not consecutive positions: its own computation
+            out[i, 0] = curvature(block.row(i), variant)["raw"]
+    out[:, 1] = out[:, 0] / log_d
+    return out

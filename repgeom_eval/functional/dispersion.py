@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .tokens import TokenBlock
+
 EPS = 1e-12  # torch.nn.functional.normalize's default
 
 
@@ -83,13 +85,18 @@ def token_dispersion(hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Te
     """Per-sequence dispersion of the non-pad token vectors.
 
     Args:
-        hidden: [B, T, d] token vectors.
+        hidden: [B, T, d] token vectors (any float dtype; the sums run in float64, one text at a time, see
+            :class:`~repgeom_eval.functional.tokens.TokenBlock`).
         mask: [B, T] bool, True at real tokens.
     Returns:
         (values [B] float64, NaN for sequences with fewer than 2 tokens; n_tokens [B]).
     """
-    u = unit(hidden.double()) * mask.unsqueeze(-1).to(torch.float64)
-    s = u.sum(1)
-    q = (u * u).sum((1, 2))
-    n = mask.sum(1)
+    return token_dispersion_block(TokenBlock(hidden, mask))
+
+
+def token_dispersion_block(block: TokenBlock) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_dispersion` of a :class:`~repgeom_eval.functional.tokens.TokenBlock` (its unit sums are cached
+    on the block, so metrics that share them compute them once)."""
+    s, q = block.unit_sums()
+    n = block.mask.sum(1)
     return dispersion_from_sums(s, q, n), n

@@ -40,6 +40,31 @@ def _safe_ratio(value: float, denominator: float) -> float:
     return value / denominator if denominator > 0 else _NAN
 
 
+def serial_eigvalsh(matrices: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """``torch.linalg.eigvalsh`` of one matrix, a batch [R, m, m], or a list of matrices, on one CPU thread.
+
+    On the CPU, LAPACK's ``syevd`` gains little or nothing from more threads at the sizes the metrics diagonalise
+    (Grams of up to D×D) and spends up to twice the CPU time synchronising them (2 cores: 8 Grams of 150×150 take
+    5.4 ms wall and 9.7 ms CPU on 2 threads, 4.2 ms both on one; one 576×576 Gram 12.7 ms wall and 24 ms CPU against
+    13.7 ms both). So the intra-op thread count is set to 1 for the call and restored after it (other threads of the
+    process that run torch meanwhile get one thread too). Spreading the matrices over Python threads instead was
+    slower inside the pipeline (OpenMP's waiting threads compete with them). Other devices run as they are."""
+    threads = torch.get_num_threads()
+    single = isinstance(matrices, torch.Tensor)
+    items = [matrices] if single else list(matrices)
+    if not items:
+        return []
+    if items[0].device.type != "cpu" or threads == 1:
+        out = [torch.linalg.eigvalsh(m) for m in items]
+    else:
+        torch.set_num_threads(1)
+        try:
+            out = [torch.linalg.eigvalsh(m) for m in items]
+        finally:
+            torch.set_num_threads(threads)
+    return out[0] if single else out
+
+
 def spectrum_entropy(eigenvalues: torch.Tensor, alpha: float = 1.0, rtol: float | None = None) -> torch.Tensor:
     """Rényi entropy S_α of a spectrum: p_i = λ_i / Σ λ_j over the positive λ only.
 
@@ -75,7 +100,7 @@ def renyi_entropy(K: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     indefinite K (B's clamped Gram) is handled the way repitl handles it. α = 1 is the von Neumann entropy.
     Cost O(m³) for an m×m matrix.
     """
-    return spectrum_entropy(torch.linalg.eigvalsh(K.double()), alpha)
+    return spectrum_entropy(serial_eigvalsh(K.double()), alpha)
 
 
 def repitl_alpha2_shortcut(K: torch.Tensor) -> torch.Tensor:
@@ -108,7 +133,7 @@ def gram_spectrum(Z: torch.Tensor) -> torch.Tensor:
     Both matrices have the same non-zero eigenvalues (the squared singular values of Z), so the result has
     min(N, D) entries. N ≤ D uses Z Zᵀ.
     """
-    return torch.linalg.eigvalsh(linear_gram(Z))
+    return serial_eigvalsh(linear_gram(Z))
 
 
 def center_and_unit(Z: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -132,7 +157,7 @@ def gram_entropy(K: torch.Tensor, alpha: float = 1.0, variant: str = "paper") ->
     _check_variant(variant)
     K = K.double()
     if variant == "paper":
-        return spectrum_entropy(torch.linalg.eigvalsh(K), alpha)
+        return spectrum_entropy(serial_eigvalsh(K), alpha)
     K = K.clamp(min=0)
     trace = torch.trace(K)
     if not trace > 0:
@@ -179,6 +204,106 @@ def prompt_entropy(tokens: torch.Tensor, alpha: float = 1.0, variant: str = "pap
     if n < 2:
         return {"raw": _NAN, "normalized": _NAN, "logN": _NAN, "logD": _NAN}
     return matrix_entropy(center_and_unit(tokens), alpha, variant)
+
+
+def spectrum_entropies(eigenvalues: torch.Tensor, sizes: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """:func:`spectrum_entropy` of each row of ``eigenvalues`` [R, M] at once (float64 [R]).
+
+    Row r holds the ``sizes[r]`` eigenvalues of an m×m matrix, padded with zeros to M (a block-diagonal padding
+    of the matrix adds exact zero eigenvalues, which the positive-only rule drops). The round-off floor is that of
+    the unpadded matrix, ``sizes[r] · eps · λ_max``, so each row gives what :func:`spectrum_entropy` gives for it.
+    """
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    lam = eigenvalues.double()
+    if lam.numel() == 0:
+        return torch.full((lam.shape[0],), _NAN, dtype=torch.float64, device=lam.device)
+    rtol = sizes.to(device=lam.device, dtype=torch.float64) * torch.finfo(torch.float64).eps
+    top = lam.max(1, keepdim=True).values
+    keep = (lam > 0) & (lam > rtol.unsqueeze(1) * top)
+    lam = torch.where(keep, lam, torch.zeros_like(lam))
+    p = lam / lam.sum(1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
+    logp = torch.log(torch.where(keep, p, torch.ones_like(p)))
+    if alpha == 1:
+        h = -(p * logp).sum(1)
+    else:
+        h = torch.log(torch.where(keep, torch.exp(alpha * logp), torch.zeros_like(p)).sum(1)) / (1.0 - alpha)
+    return torch.where(keep.any(1), h, torch.full_like(h, _NAN)) + 0.0
+
+
+def _ratios(raw: torch.Tensor, n: torch.Tensor, d: int) -> torch.Tensor:
+    """[R, 4] ``raw, normalized, logN, logD`` (:func:`entropy_result` for many rows; a zero denominator gives NaN)."""
+    log_n = torch.log(n.to(torch.float64))
+    log_d = torch.full_like(log_n, math.log(d) if d > 0 else _NAN)
+    nan = torch.full_like(raw, _NAN)
+
+    def ratio(den: torch.Tensor) -> torch.Tensor:
+        return torch.where(den > 0, raw / torch.where(den > 0, den, torch.ones_like(den)), nan)
+
+    return torch.stack([raw, ratio(torch.minimum(log_n, log_d)), ratio(log_n), ratio(log_d)], 1)
+
+
+def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, variant: str,
+                    real: torch.Tensor | None = None) -> torch.Tensor:
+    """S_α of a batch of linear Grams [R, L, L], each zero outside its ``real`` rows and columns (``sizes`` of them),
+    as :func:`gram_entropy` computes each one (the ``information_flow`` clamp and trace normalisation included).
+
+    The eigendecompositions run as one batched ``eigvalsh`` when the Grams fill most of L×L; when padding would add
+    more than a quarter to the O(L³) work, each Gram is cut to its real rows and columns and diagonalised on its
+    own."""
+    if variant == "information_flow":
+        grams = grams.clamp(min=0)
+        trace = grams.diagonal(dim1=-2, dim2=-1).sum(-1)
+        ok = trace > 0
+        grams = grams / torch.where(ok, trace, torch.ones_like(trace)).reshape(-1, 1, 1)
+    n_rows, width = grams.shape[0], grams.shape[-1]
+    if real is None or 1.25 * float((sizes.double() ** 3).sum()) >= n_rows * float(width) ** 3:
+        eig = serial_eigvalsh(grams)
+    else:
+        eig = grams.new_zeros((n_rows, int(sizes.max())))
+        for i, lam in enumerate(serial_eigvalsh([g[r][:, r] for g, r in zip(grams, real)])):
+            eig[i, : lam.shape[0]] = lam  # zeros after it: dropped as non-positive
+    raw = spectrum_entropies(eig, sizes, alpha)
+    if variant == "information_flow":
+        raw = torch.where(ok.to(raw.device), raw, torch.full_like(raw, _NAN))
+    return raw
+
+
+def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
+                     max_elements: int = 1 << 22) -> torch.Tensor:
+    """:func:`prompt_entropy` of every text of a :class:`~repgeom_eval.functional.tokens.TokenBlock` at once:
+    float64 [B, 4] on the CPU, columns ``raw``, ``normalized``, ``logN``, ``logD`` (NaN rows for texts with fewer
+    than 2 tokens).
+
+    Texts with N ≤ D tokens (the usual case) take their N×N Grams Z Zᵀ from the block's Gram of centred tokens
+    (:meth:`~repgeom_eval.functional.tokens.TokenBlock.centered_gram`, one batched product, shared with the
+    condensation histogram), scaled to unit rows, zero-padded (which adds exact zero eigenvalues only; the round-off
+    floor is that of each text's own N, see :func:`spectrum_entropies`) and diagonalised by one batched
+    ``eigvalsh``. Texts with N > D, and every text when the padded Grams would exceed ``max_elements`` entries, are
+    computed one at a time as :func:`prompt_entropy` does (a D×D Gram Zᵀ Z for N > D, paper B's branch rule).
+    """
+    _check_variant(variant)
+    b, d = len(block), block.dim
+    out = torch.full((b, 4), _NAN, dtype=torch.float64)
+    n = torch.tensor(block.lengths)
+    lo, hi = block.span
+    batched = b * (hi - lo) ** 2 <= max_elements
+    small = [i for i, k in enumerate(block.lengths) if 2 <= k <= d] if batched else []
+    alone = [i for i, k in enumerate(block.lengths) if k >= 2 and i not in set(small)]
+    if small:
+        g, _, _, real = block.centered_gram()
+        idx = torch.tensor(small, device=g.device)
+        g, real = (g, real) if len(small) == b else (g.index_select(0, idx), real.index_select(0, idx))
+        w = 1.0 / g.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().clamp(min=1e-12)  # 1/‖c_t‖, as unit() scales
+        w = torch.where(real, w, torch.zeros_like(w))
+        k = (g * w.unsqueeze(2)).mul_(w.unsqueeze(1))  # exactly 0 in the pad rows and columns (w = 0 there)
+        raw = _gram_entropies(k, n[small], alpha, variant, real).cpu()
+        out[small] = _ratios(raw, n[small], d)
+    for i in alone:
+        gi = linear_gram(center_and_unit(block.row(i)))
+        raw = _gram_entropies(gi.unsqueeze(0), torch.tensor([gi.shape[0]]), alpha, variant).cpu()
+        out[i] = _ratios(raw, n[i:i + 1], d)[0]
+    return out
 
 
 def prepare_pooled(pooled: torch.Tensor, centering: str = "global", batch_size: int = 2) -> torch.Tensor:

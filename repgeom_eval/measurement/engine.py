@@ -269,8 +269,8 @@ class _MeasureSink:
 
     def batch(self, addr, h, mask, items) -> None:
         state = self.run.state
-        state.add_energy(addr, h, mask, [r for r, it in enumerate(items) if it.view < 0])
-        self.feeder.feed(addr, h, mask, items, state.states[addr])
+        # the energy diagnostic reads the same raw mean-pooled vectors as mean-pooling metrics: pooled once
+        self.feeder.feed(addr, h, mask, items, state.states[addr], energy=state.energy.get(addr))
 
     def shard_done(self, shard_no: int, sp: ShardPlan) -> None:
         if self.feeder.pending_views():

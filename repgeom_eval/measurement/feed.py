@@ -1,7 +1,10 @@
 """From one address's captured batch to metric states: pool (each pooling once), preprocess, update.
 
 Pooling sums run in float64 (docs/metrics.md#conventions); a metric reads exactly the vectors of its kind (pooled
-originals, token vectors, or the pooled augmented views of each text once all of them have arrived).
+originals, token vectors, or the pooled augmented views of each text once all of them have arrived). All the metrics
+of an address share one float64 copy of the captured batch and the sums computed from it
+(:class:`~repgeom_eval.functional.tokens.TokenBlock`), instead of a copy and several full-size passes per kind of
+metric.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import torch
 
 from repgeom_eval.measurement.metric_specs import MetricSpec
 from repgeom_eval.measurement.plan import Item
-from repgeom_eval.measurement.pooling import pool
+from repgeom_eval.functional.tokens import TokenBlock, row_chunks
+from repgeom_eval.measurement.pooling import pool64
 from repgeom_eval.measurement.preprocess import Preprocessor, VectorStats
 from repgeom_eval.metric import Consumes, LayerBatch, Metric
 from repgeom_eval.modeling.addresses import Address
@@ -53,49 +57,97 @@ class Feeder:
         self.n_views = n_views
         self._view_poolings = view_poolings
         self.buffers: dict[tuple[Address, str], ViewBuffer] = {}
+        self._batch: tuple | None = None  # (items, mask, split_rows(items), block layouts) of the current batch
 
     def pending_views(self) -> int:
         """Texts whose views have not all arrived (zero at the end of every shard)."""
         return sum(len(b) for b in self.buffers.values())
 
     def feed(self, addr: Address, h: torch.Tensor, mask: torch.Tensor, items: list[Item],
-             metrics: list[tuple[MetricSpec, Metric]]) -> None:
-        """Pool one address's batch for each metric (each pooling computed once) and update the metric states."""
-        orig, views, text_index = split_rows(items)
+             metrics: list[tuple[MetricSpec, Metric]], energy: Metric | None = None) -> None:
+        """Pool one address's batch for each metric (each pooling computed once) and update the metric states;
+        ``energy`` (the energy diagnostic), if given, gets the raw mean-pooled vectors of the original texts.
+
+        Every metric of the address reads one :class:`~repgeom_eval.functional.tokens.TokenBlock` of the original
+        rows: a single float64 copy of the captured values, the token norms and the float64 sums computed once
+        and shared (mean pooling, the energy diagnostic, ``token_dispersion``, ``condensation``, the centred unit
+        vectors of ``prompt_entropy``). ``last``/``first`` pooling pick the vectors before converting them. A token
+        metric with an ``update_tokens(index, block)`` method reads the block; any other gets the documented padded
+        float64 ``LayerBatch.hidden`` (pads zero), built once per block. Batches whose float64 copy would exceed
+        :data:`~repgeom_eval.functional.tokens.BLOCK_ELEMENTS` are fed in several blocks of rows.
+        """
+        if self._batch is None or self._batch[0] is not items or self._batch[1] is not mask:
+            self._batch = (items, mask, split_rows(items), {})  # the same for every address of this batch
+        orig, views, text_index = self._batch[2]
+        layouts: dict[int, TokenBlock] = self._batch[3]
         name = str(addr)
         if len(orig):
-            o = orig.to(h.device)
-            pooled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-            tokens = None
-            for spec, metric in metrics:
-                if spec.consumes == Consumes.VIEWS:
-                    continue
-                if spec.consumes == Consumes.TOKENS:
-                    if tokens is None:
-                        m = mask[o]
-                        t = h[o].double()
-                        if self.prep.active:
-                            t[m] = self.prep(name, "tokens", t[m])
-                        tokens = t.masked_fill(~m.unsqueeze(-1), 0.0), m
-                    with spec.guard("update", name):
-                        metric.update(LayerBatch(name, text_index[orig], hidden=tokens[0], mask=tokens[1]))
-                    continue
-                if spec.pooling not in pooled:
-                    vecs, owner = pool(h[o].double(), mask[o], spec.pooling)
-                    vecs = self.prep(name, spec.pooling, vecs)
-                    pooled[spec.pooling] = vecs.cpu(), text_index[orig][owner.cpu()]
-                vecs, index = pooled[spec.pooling]
-                with spec.guard("update", name):
-                    metric.update(LayerBatch(name, index, pooled=vecs))
+            if len(orig) == h.shape[0]:  # no augmented views in this batch: every row is an original
+                ho, mo = h, mask
+            else:
+                o = orig.to(h.device)
+                ho, mo = h[o], mask[o]
+            index = text_index[orig]
+            for rows in row_chunks(ho.shape[0], ho.shape[1] * ho.shape[2]):  # one block unless the batch is huge
+                block = TokenBlock(ho[rows], mo[rows], like=layouts.get(rows.start))
+                layouts.setdefault(rows.start, block)
+                self._feed_block(name, block, index[rows], orig[rows], metrics, energy)
         if len(views):
             self._feed_views(addr, h, mask, items, views, metrics)
+
+    def _feed_block(self, name: str, block: TokenBlock, index: torch.Tensor, batch_rows: torch.Tensor,
+                    metrics: list[tuple[MetricSpec, Metric]], energy: Metric | None) -> None:
+        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def pooled_raw(method: str) -> tuple[torch.Tensor, torch.Tensor]:
+            if method not in raw:
+                raw[method] = pool64(block.hidden, block.mask, method, block)
+            return raw[method]
+
+        if energy is not None:
+            energy.update(LayerBatch(name, batch_rows, pooled=pooled_raw("mean")[0]))
+        pooled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        tokens: TokenBlock | None = None
+        for spec, metric in metrics:
+            if spec.consumes == Consumes.VIEWS:
+                continue
+            if spec.consumes == Consumes.TOKENS:
+                if tokens is None:
+                    tokens = self._token_block(name, block)
+                with spec.guard("update", name):
+                    fast = getattr(metric, "update_tokens", None)
+                    if fast is not None:
+                        fast(index, tokens)
+                    else:
+                        metric.update(LayerBatch(name, index, hidden=tokens.padded64(), mask=tokens.mask))
+                continue
+            if spec.pooling not in pooled:
+                vecs, owner = pooled_raw(spec.pooling)
+                vecs = self.prep(name, spec.pooling, vecs)
+                pooled[spec.pooling] = vecs.cpu(), index[owner.cpu()]
+            vecs, idx = pooled[spec.pooling]
+            with spec.guard("update", name):
+                metric.update(LayerBatch(name, idx, pooled=vecs))
+
+    def _token_block(self, name: str, block: TokenBlock) -> TokenBlock:
+        """The token vectors the TOKENS metrics see: the captured ones, or with preprocessing their transform
+        (float64, pads zero)."""
+        if not self.prep.active:
+            return block
+        t = block.hidden.to(torch.float64, copy=True)
+        m = block.mask
+        t[m] = self.prep(name, "tokens", t[m])
+        return TokenBlock(t.masked_fill(~m.unsqueeze(-1), 0.0), m)
 
     def _feed_views(self, addr: Address, h: torch.Tensor, mask: torch.Tensor, items: list[Item],
                     views: torch.Tensor, metrics: list[tuple[MetricSpec, Metric]]) -> None:
         v = views.to(h.device)
+        hv, mv = h[v], mask[v]
+        blocks = [TokenBlock(hv[r], mv[r]) for r in row_chunks(hv.shape[0], hv.shape[1] * hv.shape[2])]
         for method in self._view_poolings:
             buffer = self.buffers.setdefault((addr, method), ViewBuffer(self.n_views))
-            vecs = self.prep(str(addr), f"views:{method}", pool(h[v].double(), mask[v], method)[0])
+            vecs = torch.cat([pool64(b.hidden, b.mask, method, b)[0] for b in blocks])
+            vecs = self.prep(str(addr), f"views:{method}", vecs)
             for row, vec in zip(views.tolist(), vecs.cpu()):
                 buffer.add(items[row].text, items[row].view, vec)
             done = buffer.pop_complete()
@@ -125,5 +177,5 @@ class StatsCollector:
             if kind == "tokens":
                 x = h[rows][mask[rows]]
             else:
-                x = pool(h[rows].double(), mask[rows], kind.removeprefix("views:"))[0]
+                x = pool64(h[rows], mask[rows], kind.removeprefix("views:"))[0]
             self.stats.setdefault(Preprocessor.key(str(addr), kind), VectorStats(self.full)).update(x)

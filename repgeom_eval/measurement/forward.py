@@ -114,8 +114,11 @@ def model_inputs(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: t
 def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None, ids: Sequence[Any]) -> None:
     """Raise :class:`NonFiniteError` naming the address and the first affected text if a real token's vector holds a
     NaN or inf (pad positions may legitimately hold anything)."""
-    if bool(torch.isfinite(h).all()):
-        return  # the common case: one reduction, no [B, T] temporaries
+    # The common case costs one reduction with no temporary: a sum is finite only if every term is (a NaN or an inf
+    # anywhere makes it NaN or inf). A finite-valued tensor whose sum overflows, or a NaN at a pad position, falls
+    # through to the exact check below, which decides.
+    if bool(torch.isfinite(h.sum())):
+        return
     bad = (~torch.isfinite(h)).any(-1)
     if mask is not None:
         bad &= mask.to(bad.device)

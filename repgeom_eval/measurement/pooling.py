@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from repgeom_eval.errors import RepgeomError, UnknownNameError
+from repgeom_eval.functional.tokens import TokenBlock
 
 POOLINGS = ("last", "mean", "first", "tokens")
 POOLING_ALIASES = {"cls": "first"}
@@ -40,3 +41,19 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, method: str) -> tuple[torch.T
         return (hidden * m).sum(1) / m.sum(1).clamp(min=1), rows
     owner = rows.unsqueeze(1).expand(b, t)[mask]
     return hidden[mask], owner
+
+
+def pool64(hidden: torch.Tensor, mask: torch.Tensor, method: str,
+           block: TokenBlock | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pool` of ``hidden.double()``, without converting the whole [B, T, D] tensor to float64.
+
+    ``last``/``first``/``tokens`` pick the vectors first and convert only those (exactly the same numbers);
+    ``mean`` sums each text's real tokens in float64, one text at a time (:meth:`TokenBlock.mean`; the same numbers
+    up to the order of the additions). Pass the ``block`` of ``hidden``/``mask`` to share its cached mean.
+    """
+    method = check_pooling(method)
+    if method == "mean":
+        block = block if block is not None else TokenBlock(hidden, mask)
+        return block.mean(), torch.arange(hidden.shape[0], device=hidden.device)
+    vecs, owner = pool(hidden, mask, method)
+    return vecs.to(torch.float64), owner

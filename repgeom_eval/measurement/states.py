@@ -15,7 +15,7 @@ import torch
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.metric_specs import MetricSpec
 from repgeom_eval.measurement.plan import ShardPlan
-from repgeom_eval.measurement.pooling import pool
+from repgeom_eval.measurement.pooling import pool64
 from repgeom_eval.metric import Metric
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.plugin_system.host import PluginHost
@@ -63,7 +63,7 @@ class RunState:
         from repgeom_eval.metric import LayerBatch
 
         sel = torch.tensor(original_rows, device=h.device)
-        vecs = pool(h[sel].double(), mask[sel], "mean")[0]
+        vecs = pool64(h[sel], mask[sel], "mean")[0]
         self.energy[addr].update(LayerBatch(str(addr), torch.tensor(original_rows), pooled=vecs))
 
     def count_shard(self, shard_no: int, sp: ShardPlan) -> None:

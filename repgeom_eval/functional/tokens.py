@@ -1,0 +1,181 @@
+"""The token vectors of one batch at one layer, read the way the token-level metrics need them.
+
+A captured activation tensor is [B, T, D] float32 (float64 for a float64 model), with pad positions that may hold
+anything. The pipeline used to give every kind of metric its own float64 copy of the whole tensor (``h.double()`` for
+the token metrics, again for each pooling, again for the energy diagnostic) and then normalise, mask and sum it in
+several more full-size passes, and the per-text metrics ran a dozen small operations per text. A :class:`TokenBlock`
+is shared by every metric of one address and batch instead:
+
+* one float64 copy of the batch (:attr:`TokenBlock.x64`; none for a float64 input whose pads are already zero),
+  with the pads zeroed only when they hold a non-finite value;
+* the per-token float64 norms, computed once (:meth:`TokenBlock.norms`);
+* float64 sums over each text's real tokens as one batched matrix product with per-token weights (zero at the
+  pads): the sums of the unit vectors and of their squared norms for ``token_dispersion`` and ``condensation``
+  (:meth:`TokenBlock.unit_sums`), the plain sums for mean pooling and the energy diagnostic (:meth:`TokenBlock.mean`);
+* each text's Gram of centred tokens from one batched product (:meth:`TokenBlock.centered_gram`), which gives both
+  ``prompt_entropy``'s Gram and the raw cosines of the condensation histogram, and the centred unit vectors
+  (:meth:`TokenBlock.centered_units`) for the ``information_flow`` curvature.
+
+Everything stays float64 and the formulas are those of the per-text functions; only the order of some additions
+differs, so the numbers agree with the per-text computation to rounding (~1e-15 relative). Callers bound the size
+of a block with :func:`row_chunks` (the pipeline keeps a block's float64 copy to ~32 MB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+#: float64 elements of one block's copy (32 MB); :func:`row_chunks` splits a batch into blocks below it
+BLOCK_ELEMENTS = 1 << 22
+
+
+def row_chunks(n_rows: int, row_elements: int, limit: int = BLOCK_ELEMENTS) -> Iterator[slice]:
+    """Consecutive row slices of a batch whose float64 copies stay below ``limit`` elements (at least 1 row)."""
+    step = max(1, limit // max(1, row_elements))
+    for lo in range(0, n_rows, step):
+        yield slice(lo, min(n_rows, lo + step))
+
+
+class TokenBlock:
+    """The real tokens of the B texts of ``hidden`` [B, T, D] under ``mask`` [B, T] (bool, True at real tokens).
+
+    Rows with no real token are empty: their sums and mean are zero.
+    """
+
+    def __init__(self, hidden: torch.Tensor, mask: torch.Tensor, like: "TokenBlock | None" = None):
+        """``like``: a block over the same mask (another address of the same batch), whose layout is reused."""
+        if like is not None and like.mask.shape == mask.shape[:2]:
+            self.hidden, self.mask = hidden, like.mask
+            self.n, self.lengths, self._spans, self.span = like.n, like.lengths, like._spans, like.span
+        else:
+            self._layout(hidden, mask)
+        self._x64: torch.Tensor | None = None
+        self._norms: torch.Tensor | None = None
+        self._cache: dict[object, object] = {}
+
+    def _layout(self, hidden: torch.Tensor, mask: torch.Tensor) -> None:
+        mask = mask.to(hidden.device).bool()
+        b, t = mask.shape
+        self.hidden, self.mask = hidden, mask
+        self.n = mask.sum(1)  # [B] long, on the device
+        self.lengths: list[int] = self.n.tolist()
+        pos = torch.arange(t, device=mask.device)
+        lo = torch.where(mask, pos, t).min(1).values if t else torch.zeros(b, dtype=torch.long)
+        hi = torch.where(mask, pos, -1).max(1).values + 1 if t else torch.zeros(b, dtype=torch.long)
+        contiguous = (hi - lo == self.n) | (self.n == 0)
+        self._spans = [(int(a), int(z)) if ok else None for a, z, ok in
+                       zip(lo.tolist(), hi.tolist(), contiguous.tolist())]
+        real = [s for s, n in zip(self._spans, self.lengths) if n]
+        # the positions any text uses: Grams over [lo, hi) only (right padding: [0, longest))
+        self.span = (min(s[0] for s in real), max(s[1] for s in real)) if real and None not in real else (0, t)
+
+    @classmethod
+    def padded(cls, hidden: torch.Tensor, mask: torch.Tensor) -> "TokenBlock":
+        """A block over a padded batch as :class:`~repgeom_eval.metric.LayerBatch` carries it."""
+        return cls(hidden, mask)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def dim(self) -> int:
+        return int(self.hidden.shape[-1])
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether every text's real tokens are consecutive positions (right or left padding)."""
+        return None not in self._spans
+
+    # -- per text ------------------------------------------------------------------------------------------------------
+    def row(self, b: int) -> torch.Tensor:
+        """Text ``b``'s real token vectors [n_b, D], in the captured dtype (a view when they are contiguous)."""
+        span = self._spans[b]
+        if span is None:
+            return self.hidden[b][self.mask[b]]
+        return self.hidden[b, span[0]:span[1]] if self.lengths[b] else self.hidden[b, :0]
+
+    def rows(self) -> Iterator[torch.Tensor]:
+        """Every text's real token vectors, in batch order (see :meth:`row`)."""
+        for b in range(len(self)):
+            yield self.row(b)
+
+    # -- shared float64 quantities -----------------------------------------------------------------------------------
+    @property
+    def x64(self) -> torch.Tensor:
+        """[B, T, D] float64: the captured values (exact), pads finite (zeroed where they were not)."""
+        if self._x64 is None:
+            x = self.hidden
+            owned = x.dtype != torch.float64
+            x = x.to(torch.float64)
+            norms = torch.linalg.vector_norm(x, dim=-1)
+            if not bool(torch.isfinite(norms).all()):  # a NaN/inf at a pad (or a real token: it stays NaN below)
+                pads = ~self.mask
+                if bool((pads & ~torch.isfinite(norms)).any()):
+                    x = x.masked_fill_(pads.unsqueeze(-1), 0.0) if owned else x.masked_fill(pads.unsqueeze(-1), 0.0)
+                    norms = torch.linalg.vector_norm(x, dim=-1)
+            self._x64, self._norms = x, norms.masked_fill(~self.mask, 0.0)
+        return self._x64
+
+    def norms(self) -> torch.Tensor:
+        """[B, T] float64 token norms, zero at the pads."""
+        if self._norms is None:
+            self.x64  # noqa: B018  (computes both)
+        return self._norms  # type: ignore[return-value]
+
+    def weighted_sums(self, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_t w[b, k, t] · x[b, t] for weights [B, K, T] (zero at the pads): [B, K, D] float64, one batched product."""
+        return torch.bmm(weights, self.x64)
+
+    def unit_sums(self, eps: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(S [B, D], Q [B])`` float64: per text S = Σ u_t and Q = Σ ‖u_t‖² over its real tokens, with
+        u_t = x_t / max(‖x_t‖, eps) (``F.normalize``'s rule for eps = 1e-12; paper C's max-eps for 1e-3)."""
+        key = ("unit", float(eps))
+        if key not in self._cache:
+            norms = self.norms()
+            w = torch.where(self.mask, 1.0 / norms.clamp(min=eps), torch.zeros_like(norms))
+            s = self.weighted_sums(w.unsqueeze(1)).squeeze(1)
+            self._cache[key] = (s, ((norms * w) ** 2).sum(1))
+        return self._cache[key]  # type: ignore[return-value]
+
+    def mean(self) -> torch.Tensor:
+        """[B, D] float64: each text's mean token vector, summed in float64 (zero for an empty text)."""
+        if "mean" not in self._cache:
+            total = self.weighted_sums(self.mask.to(torch.float64).unsqueeze(1)).squeeze(1)
+            self._cache["mean"] = total / self.n.clamp(min=1).to(torch.float64).unsqueeze(1)
+        return self._cache["mean"]  # type: ignore[return-value]
+
+    def centered_units(self, eps: float = 1e-12) -> torch.Tensor:
+        """[B, T, D] float64: each text's tokens minus the text's mean, scaled to unit length
+        (:func:`~repgeom_eval.functional.entropy.center_and_unit` of every text at once); zero at the pads."""
+        key = ("centered", float(eps))
+        if key not in self._cache:
+            c = self.x64 - self.mean().unsqueeze(1)
+            c = c / torch.linalg.vector_norm(c, dim=-1, keepdim=True).clamp(min=eps)
+            self._cache[key] = c.masked_fill_(~self.mask.unsqueeze(-1), 0.0)
+        return self._cache[key]  # type: ignore[return-value]
+
+    def centered_gram(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(G, a, m, real)`` over the positions any text uses (:attr:`span`, length L), float64:
+        G [B, L, L] = C Cᵀ of each text's centred tokens c_t = x_t − μ (one batched product), a [B, L] = c_t·μ and
+        m [B] = ‖μ‖², and ``real`` [B, L], the mask over those positions. Rows and columns of G and entries of a at
+        pad positions hold finite values of no meaning: scale them by a weight that is zero there.
+
+        The centred Gram is what ``prompt_entropy`` diagonalises (scaled to unit rows); the raw Gram X Xᵀ that the
+        condensation histogram needs follows without a second product as G + a_i + a_j + m (adding terms of the
+        raw Gram's own size, so no precision is lost; the reverse, centring a raw Gram, would cancel digits)."""
+        if "gram" not in self._cache:
+            lo, hi = self.span
+            real = self.mask[:, lo:hi]
+            mu = self.mean()
+            c = self.x64[:, lo:hi] - mu.unsqueeze(1)
+            self._cache["gram"] = (c @ c.transpose(1, 2), (c @ mu.unsqueeze(-1)).squeeze(-1), (mu * mu).sum(-1), real)
+        return self._cache["gram"]  # type: ignore[return-value]
+
+    def padded64(self) -> torch.Tensor:
+        """[B, T, D] float64 with pad positions zero: the documented ``LayerBatch.hidden`` of a TOKENS metric, for
+        metrics without a :class:`TokenBlock` path (built once per block, only when one of them asks)."""
+        if "padded64" not in self._cache:
+            self._cache["padded64"] = self.x64.masked_fill(~self.mask.unsqueeze(-1), 0.0)
+        return self._cache["padded64"]  # type: ignore[return-value]
