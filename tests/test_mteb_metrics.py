@@ -137,7 +137,8 @@ def test_each_distinct_text_counts_once(tiny_model_dir, tmp_path):
 
 
 def test_view_metric_takes_extra_passes_and_equals_measure(tiny_model_dir, specs, tmp_path):
-    pytest.importorskip("nlpaug")
+    import nlpaug  # noqa: F401 - dev extra: missing must fail, not skip
+
     model = tiny_model_dir("gpt2")
     with pytest.warns(UserWarning, match="augmented views of every text"):
         result = run_layers(model, fresh_tasks(specs, ["PydocSTS"]), [1, "final"], pooling="mean", dtype="float64",
