@@ -48,7 +48,7 @@ from repgeom_eval.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
 from repgeom_eval.errors import RepgeomError  # noqa: E402
 from repgeom_eval.metric import Consumes, LayerBatch  # noqa: E402
 from repgeom_eval.modeling.loading import load_model  # noqa: E402
-from repgeom_eval.measurement.engine import _context_length  # noqa: E402  (private: the same context as measure())
+from repgeom_eval.measurement.forward import context_length  # noqa: E402  (the same context as measure())
 from repgeom_eval.plugin_system.host import get_host  # noqa: E402
 from repgeom_eval.measurement.pooling import pool  # noqa: E402
 from repgeom_eval.testing import make_tiny_model  # noqa: E402
@@ -204,7 +204,7 @@ def main() -> None:
         loaded = load(args.tiny, tmpdir)
         n_layers = loaded.info.n_layers
         points = resolve(parse_layers("resid_post:*", n_layers), loaded)
-        context = _context_length(loaded, max_length)
+        context = context_length(loaded, max_length)
         texts = python_doc_paragraphs(n_sample)
         views = [Augmenter(seed=0).view(t, i, 0) for i, t in enumerate(texts)]
         orig_b, view_b = encode(loaded, texts, batch_size, context), encode(loaded, views, batch_size, context)
