@@ -14,7 +14,9 @@ run in fresh processes, back to back, alternating which goes first, ``--repeats`
   are computed from the returned logits after the timer stops and compared with ``ppl-bins --per-chunk``.
 
 Printed per repeat and as medians: the ratio of the two forward times, the whole-process CPU and wall ratios and
-peak memory, and the largest relative difference of the per-chunk perplexities.
+peak memory, and the largest relative difference of the per-chunk perplexities (a few 1e-4 in float32: ``ppl-bins``
+passes the attention mask and position ids, the plain call the ids alone, so the attention kernels differ in their
+last bits; chunks that were not the same would differ by tens of percent; above 1e-3 the script stops).
 
 ``--compare-dtypes`` instead runs ``ppl-bins`` once per dtype (default float32 and bfloat16) on a larger sample of
 chunks (``--n-chunks 240 --group-size 20`` by default: 12 groups) and prints how bfloat16 moves the per-chunk
@@ -161,7 +163,7 @@ def parity(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         theirs = json.loads(plain_out.read_text())["ppl"]
         diff = max(abs(a - b) / b for a, b in zip(mine, theirs))
         print(f"    per-chunk perplexity: max relative difference {diff:.1e} over {len(mine)} chunks", flush=True)
-        if len(mine) != len(theirs) or diff > 1e-4:
+        if len(mine) != len(theirs) or diff > 1e-3:
             sys.exit("perplexities differ: the two sides did not measure the same chunks")
         rows.append({"fwd": fwd["ppl-bins"] / fwd["plain"],
                      "cpu": usage["ppl-bins"]["cpu"] / usage["plain"]["cpu"],
