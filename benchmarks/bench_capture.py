@@ -47,7 +47,9 @@ from repgeom_eval.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
 from repgeom_eval.errors import RepgeomError  # noqa: E402
 from repgeom_eval.metric import LayerBatch  # noqa: E402
 from repgeom_eval.modeling.loading import load_model  # noqa: E402
-from repgeom_eval.measurement.engine import _check_finite, _context_length, measure  # noqa: E402  (private: same as measure)
+from repgeom_eval.measurement.engine import measure  # noqa: E402
+from repgeom_eval.measurement.forward import check_finite as _check_finite  # noqa: E402  (what measure runs)
+from repgeom_eval.measurement.forward import context_length as _context_length  # noqa: E402
 from repgeom_eval.plugins.dispersion import Dispersion  # noqa: E402
 from repgeom_eval.measurement.pooling import pool  # noqa: E402
 from repgeom_eval.testing import make_tiny_model  # noqa: E402
