@@ -244,3 +244,69 @@ def test_bin_index_is_bucketize_on_the_edges_themselves():
                             torch.nextafter(edges, torch.full_like(edges, -2.0)), torch.rand(5000, dtype=torch.float64) * 2 - 1])
         values = values.clamp(-1.0, 1.0)
         assert torch.equal(bin_index(values, edges), torch.bucketize(values, edges[1:-1], right=True)), bins
+
+
+# -- the metric work of a batch spread over threads ------------------------------------------------------------------
+LAYERWISE = ["dispersion", "token_dispersion", "prompt_entropy", "dataset_entropy", "effective_rank", "curvature",
+             "vendi", "condensation"]
+
+
+def test_threaded_metric_work_gives_what_one_address_at_a_time_gives(tiny_model_dir, texts, monkeypatch):
+    from repgeom_eval.measurement import engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kw = dict(layers="all", metrics=LAYERWISE, progress=False, batch_size=4, per_text=True)
+        calls = []
+        original = engine.MeasureRun._feed_addresses
+
+        def spy(self, *a):
+            calls.append(self._feed_workers)
+            return original(self, *a)
+
+        monkeypatch.setattr(engine.MeasureRun, "_feed_addresses", spy)
+        threaded = measure(tiny_model_dir("llama", n_layers=3), texts[:13], **kw)
+        assert calls and set(calls) == {2}
+        monkeypatch.setattr(engine.MeasureRun, "_metric_threads", lambda self, host: 1)
+        serial = measure(tiny_model_dir("llama", n_layers=3), texts[:13], **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert threaded.results.keys() == serial.results.keys() and len(threaded.results) == 4
+    for addr in threaded.results:
+        for name, value in threaded.results[addr].items():
+            other = serial.results[addr][name]
+            if isinstance(value, dict):
+                for key, v in value.items():
+                    if isinstance(v, float):
+                        assert v == pytest.approx(other[key], rel=1e-12, abs=1e-12), (addr, name, key)
+            else:
+                assert value == pytest.approx(other, rel=1e-12, abs=1e-12), (addr, name)
+    for a, b in zip(threaded.per_text, serial.per_text, strict=True):
+        for addr, scores in a["scores"].items():
+            assert scores == pytest.approx(b["scores"][addr], rel=1e-12, abs=1e-12, nan_ok=True)
+
+
+def test_third_party_metrics_keep_the_sequential_path(tiny_model_dir, texts, monkeypatch):
+    from repgeom_eval.measurement import engine
+
+    seen = []
+    original = engine.MeasureRun._feed_addresses
+    monkeypatch.setattr(engine.MeasureRun, "_feed_addresses",
+                        lambda self, *a: (seen.append(self._feed_workers), original(self, *a))[1])
+
+    @rg.hookimpl
+    def repgeom_register_metrics(registry):
+        registry.add(PaddedTokens)
+
+    module = types.ModuleType("padded_plugin")
+    module.repgeom_register_metrics = repgeom_register_metrics
+    host = PluginHost(extra_plugins=[("padded_plugin", module)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        measure(tiny_model_dir("llama"), texts[:5], layers="all", progress=False, host=host,
+                metrics=["padded_tokens", "dispersion"])
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {1}

@@ -105,8 +105,9 @@ def cosine_histogram(tokens: torch.Tensor, bins: int = DEFAULT_BINS, eps: float 
 
 
 def bin_index(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """The bin of each value in [−1, 1] (values outside are not allowed) for equal bins with these ``edges``: bin k holds [e_k, e_{k+1}), the last
-    also 1.0 — what ``torch.bucketize(values, edges[1:-1], right=True)`` gives, without its binary search per value.
+    """The bin of each value in [−1, 1] (values outside are not allowed) for equal bins with these ``edges``: bin k
+    holds [e_k, e_{k+1}), the last also 1.0 — what ``torch.bucketize(values, edges[1:-1], right=True)`` gives,
+    without its binary search per value.
 
     The bin is first computed arithmetically, then moved by one where that lands on the wrong side of an actual
     edge (the arithmetic is within one bin of the truth: the edges are equally spaced to rounding)."""
@@ -160,6 +161,5 @@ def cosine_histogram_block(block: TokenBlock, bins: int = DEFAULT_BINS, eps: flo
     zero_bin = int(bin_index(torch.zeros(1, dtype=torch.float64), edges))
     sizes = torch.tensor(block.lengths, dtype=torch.long)
     counts[:, zero_bin] -= width * width - sizes * sizes  # the pad entries, all exactly 0
-    for i in live:
-        out += counts[i].to(torch.float64) / float(sizes[i] * sizes[i])
-    return out
+    rows = torch.tensor(live)
+    return out + (counts[rows].to(torch.float64) / (sizes[rows] * sizes[rows]).to(torch.float64).unsqueeze(1)).sum(0)

@@ -244,13 +244,13 @@ def _ratios(raw: torch.Tensor, n: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, variant: str,
-                    real: torch.Tensor | None = None) -> torch.Tensor:
+                    real: torch.Tensor | None = None, spans: list | None = None) -> torch.Tensor:
     """S_α of a batch of linear Grams [R, L, L], each zero outside its ``real`` rows and columns (``sizes`` of them),
     as :func:`gram_entropy` computes each one (the ``information_flow`` clamp and trace normalisation included).
 
     The eigendecompositions run as one batched ``eigvalsh`` when the Grams fill most of L×L; when padding would add
-    more than a quarter to the O(L³) work, each Gram is cut to its real rows and columns and diagonalised on its
-    own."""
+    more than a quarter to the O(L³) work, each Gram is cut to its real rows and columns (a view where ``spans``
+    gives them as consecutive ``(start, stop)``) and diagonalised on its own."""
     if variant == "information_flow":
         grams = grams.clamp(min=0)
         trace = grams.diagonal(dim1=-2, dim2=-1).sum(-1)
@@ -260,8 +260,10 @@ def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, vari
     if real is None or 1.25 * float((sizes.double() ** 3).sum()) >= n_rows * float(width) ** 3:
         eig = serial_eigvalsh(grams)
     else:
+        spans = spans or [None] * n_rows
+        cut = [g[s[0]:s[1], s[0]:s[1]] if s is not None else g[r][:, r] for g, r, s in zip(grams, real, spans)]
         eig = grams.new_zeros((n_rows, int(sizes.max())))
-        for i, lam in enumerate(serial_eigvalsh([g[r][:, r] for g, r in zip(grams, real)])):
+        for i, lam in enumerate(serial_eigvalsh(cut)):
             eig[i, : lam.shape[0]] = lam  # zeros after it: dropped as non-positive
     raw = spectrum_entropies(eig, sizes, alpha)
     if variant == "information_flow":
@@ -297,7 +299,8 @@ def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
         w = 1.0 / g.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().clamp(min=1e-12)  # 1/‖c_t‖, as unit() scales
         w = torch.where(real, w, torch.zeros_like(w))
         k = (g * w.unsqueeze(2)).mul_(w.unsqueeze(1))  # exactly 0 in the pad rows and columns (w = 0 there)
-        raw = _gram_entropies(k, n[small], alpha, variant, real).cpu()
+        spans = block.local_spans()
+        raw = _gram_entropies(k, n[small], alpha, variant, real, [spans[i] for i in small]).cpu()
         out[small] = _ratios(raw, n[small], d)
     for i in alone:
         gi = linear_gram(center_and_unit(block.row(i)))

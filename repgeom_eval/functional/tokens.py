@@ -88,6 +88,12 @@ class TokenBlock:
         """Whether every text's real tokens are consecutive positions (right or left padding)."""
         return None not in self._spans
 
+    def local_spans(self) -> list[tuple[int, int] | None]:
+        """Each text's real positions as ``(start, stop)`` relative to :attr:`span` (None where not consecutive)."""
+        lo = self.span[0]
+        return [None if s is None else (s[0] - lo, s[1] - lo) if n else (0, 0)
+                for s, n in zip(self._spans, self.lengths)]
+
     # -- per text ------------------------------------------------------------------------------------------------------
     def row(self, b: int) -> torch.Tensor:
         """Text ``b``'s real token vectors [n_b, D], in the captured dtype (a view when they are contiguous)."""
