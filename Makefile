@@ -32,6 +32,7 @@ bench: venv
 	$(VENV)/bin/python benchmarks/bench_startup.py
 	$(VENV)/bin/python benchmarks/bench_startup_hook.py
 	$(VENV)/bin/python benchmarks/bench_vs_script.py
+	$(VENV)/bin/python benchmarks/bench_ppl_bins.py
 	$(VENV)/bin/python benchmarks/bench_gap_series.py --n 3 --params small  # the full series: --n 10 (22 GB of disk)
 
 clean:

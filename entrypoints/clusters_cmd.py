@@ -10,7 +10,7 @@ from .ppl_bins_cmd import add_output_args, guard_outputs, plot_dir, plot_files, 
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.analyses import clusters as c
+    from repgeom_eval import defaults as d
 
     p.add_argument("--model", "-m", required=True, nargs="+",
                    help="one model, or a series of checkpoints sharing a tokenizer (measured on the same contexts)")
@@ -20,16 +20,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", "-d", required=True, help=".jsonl with a text field per line, or .txt, one text a line")
     p.add_argument("--text-field", default="text", help="field of each .jsonl record to read (default: text)")
     p.add_argument("--layers", "-l", nargs="+", default=["all"], help="layer addresses (default: all)")
-    p.add_argument("--ngram", type=positive_int, default=c.DEFAULT_NGRAM,
-                   help=f"length of the shared continuation (default: {c.DEFAULT_NGRAM})")
-    p.add_argument("--min-count", type=positive_int, default=c.DEFAULT_MIN_COUNT,
-                   help=f"occurrences an n-gram needs to form a cluster (default: {c.DEFAULT_MIN_COUNT})")
-    p.add_argument("--contexts", type=positive_int, default=c.DEFAULT_CONTEXTS,
-                   help=f"contexts sampled per cluster (default: {c.DEFAULT_CONTEXTS})")
-    p.add_argument("--context-len", type=positive_int, default=c.DEFAULT_CONTEXT_LEN,
-                   help=f"tokens of left context (default: {c.DEFAULT_CONTEXT_LEN})")
-    p.add_argument("--clusters", type=positive_int, default=c.DEFAULT_CLUSTERS,
-                   help=f"most frequent n-grams kept (default: {c.DEFAULT_CLUSTERS})")
+    p.add_argument("--ngram", type=positive_int, default=d.CLUSTERS_NGRAM,
+                   help=f"length of the shared continuation (default: {d.CLUSTERS_NGRAM})")
+    p.add_argument("--min-count", type=positive_int, default=d.CLUSTERS_MIN_COUNT,
+                   help=f"occurrences an n-gram needs to form a cluster (default: {d.CLUSTERS_MIN_COUNT})")
+    p.add_argument("--contexts", type=positive_int, default=d.CLUSTERS_CONTEXTS,
+                   help=f"contexts sampled per cluster (default: {d.CLUSTERS_CONTEXTS})")
+    p.add_argument("--context-len", type=positive_int, default=d.CLUSTERS_CONTEXT_LEN,
+                   help=f"tokens of left context (default: {d.CLUSTERS_CONTEXT_LEN})")
+    p.add_argument("--clusters", type=positive_int, default=d.CLUSTERS_CLUSTERS,
+                   help=f"most frequent n-grams kept (default: {d.CLUSTERS_CLUSTERS})")
     p.add_argument("--seed", type=int, default=0, help="seed of the context sampling (default: 0)")
     p.add_argument("--batch-size", "-b", type=positive_int, default=16)
     add_output_args(p)

@@ -10,8 +10,7 @@ from .ppl_bins_cmd import add_output_args, guard_outputs, plot_dir, plot_files, 
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.analyses.condensation import DEFAULT_MAX_LENGTH
-    from repgeom_eval.functional.condensation import DEFAULT_BINS
+    from repgeom_eval.defaults import CONDENSATION_BINS as DEFAULT_BINS, CONDENSATION_MAX_LENGTH as DEFAULT_MAX_LENGTH
 
     p.add_argument("--model", "-m", required=True, nargs="+",
                    help="one or more models (hub ids, directories, .gguf files), shown side by side")

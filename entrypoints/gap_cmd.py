@@ -17,7 +17,9 @@ from .ppl_bins_cmd import positive_int  # one argparse type for every command
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.analyses.gap import DEFAULT_DOMAIN, DEFAULT_REFERENCE, DEFAULT_SEED, DEFAULT_SIZE, DISTANCES
+    from repgeom_eval.defaults import (GAP_DISTANCES as DISTANCES, GAP_DOMAIN as DEFAULT_DOMAIN,
+                                       GAP_REFERENCE as DEFAULT_REFERENCE, GAP_SEED as DEFAULT_SEED,
+                                       GAP_SIZE as DEFAULT_SIZE)
 
     p.add_argument("--models", "-m", nargs="+", required=True, metavar="MODEL",
                    help="model directories (safetensors, sharded or not), .gguf files, or cached hub ids; they must "

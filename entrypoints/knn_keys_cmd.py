@@ -9,7 +9,8 @@ from .ppl_bins_cmd import add_corpus_args, add_output_args, guard_outputs, plot_
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.analyses.knn_keys import DEFAULT_CANDIDATES, DEFAULT_NS, DEFAULT_SEEDS
+    from repgeom_eval.defaults import (KNN_KEYS_CANDIDATES as DEFAULT_CANDIDATES, KNN_KEYS_NS as DEFAULT_NS,
+                                       KNN_KEYS_SEEDS as DEFAULT_SEEDS)
 
     add_model_args(p)
     add_corpus_args(p)

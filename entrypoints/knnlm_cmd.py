@@ -11,7 +11,8 @@ from .ppl_bins_cmd import add_output_args, guard_outputs, positive_int, progress
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.analyses.knnlm import DEFAULT_K, DEFAULT_LAMBDA, DEFAULT_TEMPERATURE, IVF_THRESHOLD
+    from repgeom_eval.defaults import (KNNLM_IVF_THRESHOLD as IVF_THRESHOLD, KNNLM_K as DEFAULT_K,
+                                       KNNLM_LAMBDA as DEFAULT_LAMBDA, KNNLM_TEMPERATURE as DEFAULT_TEMPERATURE)
 
     add_model_args(p)
     p.add_argument("--key", "-k", nargs="+", default=["resid_mid:-1"], metavar="ADDRESS",

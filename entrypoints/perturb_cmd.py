@@ -10,20 +10,20 @@ from .ppl_bins_cmd import add_output_args, guard_outputs, plot_dir, plot_files, 
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.analyses import perturb as pt
+    from repgeom_eval import defaults as d
 
     add_model_args(p)
     p.add_argument("--data", "-d", required=True, help=".jsonl with a text field per line, or .txt, one text a line")
     p.add_argument("--text-field", default="text", help="field of each .jsonl record to read (default: text)")
     p.add_argument("--layers", "-l", nargs="+", default=["all"], help="layer addresses (default: all)")
-    p.add_argument("--sweeps", nargs="+", choices=list(pt.SWEEPS), default=list(pt.SWEEPS),
+    p.add_argument("--sweeps", nargs="+", choices=list(d.PERTURB_SWEEPS), default=list(d.PERTURB_SWEEPS),
                    help="which perturbations to run (default: all three)")
-    p.add_argument("--p", dest="ps", type=float, nargs="+", default=list(pt.DEFAULT_PS), metavar="P",
+    p.add_argument("--p", dest="ps", type=float, nargs="+", default=list(d.PERTURB_PS), metavar="P",
                    help="replacement probabilities of the repetition and random sweeps (default: 0 .25 .5 .75 1)")
-    p.add_argument("--lengths", type=positive_int, nargs="+", default=list(pt.DEFAULT_LENGTHS), metavar="L",
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=list(d.PERTURB_LENGTHS), metavar="L",
                    help="prompt lengths in tokens (default: 16 32 64 128); the longest is the prompt size")
-    p.add_argument("--n-prompts", type=positive_int, default=pt.DEFAULT_PROMPTS,
-                   help=f"prompts (default: {pt.DEFAULT_PROMPTS})")
+    p.add_argument("--n-prompts", type=positive_int, default=d.PERTURB_PROMPTS,
+                   help=f"prompts (default: {d.PERTURB_PROMPTS})")
     p.add_argument("--seed", type=int, default=0, help="seed of the perturbations (default: 0)")
     p.add_argument("--batch-size", "-b", type=positive_int, default=8)
     add_output_args(p)

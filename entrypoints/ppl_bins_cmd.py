@@ -86,7 +86,8 @@ def progress(args: argparse.Namespace) -> bool:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.analyses.ppl_bins import DEFAULT_BINS, DEFAULT_CONFOUND_RATIO, DEFAULT_GROUP_SIZE, DEFAULT_SEED
+    from repgeom_eval.defaults import (PPL_BINS_BINS as DEFAULT_BINS, PPL_BINS_CONFOUND_RATIO as DEFAULT_CONFOUND_RATIO,
+                                       PPL_BINS_GROUP_SIZE as DEFAULT_GROUP_SIZE, PPL_BINS_SEED as DEFAULT_SEED)
 
     add_model_args(p)
     add_corpus_args(p)

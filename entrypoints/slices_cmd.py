@@ -11,7 +11,7 @@ from .ppl_bins_cmd import positive_int  # one argparse type for every command
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.analyses.slices import SEEDS, SLICE_SIZE
+    from repgeom_eval.defaults import SLICES_SEEDS as SEEDS, SLICES_SLICE_SIZE as SLICE_SIZE
 
     p.add_argument("source", metavar="SAMPLES",
                    help="lm-eval --log_samples output of a repgeom_hardness_* task (a samples_*.jsonl file or the "

@@ -202,3 +202,32 @@ def test_a_command_whose_configure_fails_breaks_only_itself(monkeypatch, capsys)
                    "named 'heavy_dependency'\n")
     parser = cli.build_parser(test_host)
     assert "--x" in cli.command_parser(parser, "fine-cmd").format_help()
+
+
+def test_every_command_help_imports_no_torch():
+    """``repgeom COMMAND --help`` for every command: the defaults it prints come from ``repgeom_eval.defaults``."""
+    from repgeom_eval.plugin_system.host import get_host
+
+    probe_all = r"""
+import contextlib, io, json, sys
+from repgeom_eval.entrypoints.cli import main
+from repgeom_eval.plugin_system.host import get_host
+heavy = ("torch", "transformers", "numpy")
+bad = {}
+for name in sorted(get_host().commands):
+    if name == "lm-eval":  # prints lm-eval's own help, which imports lm-eval
+        continue
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            main([name, "--help"])
+        except SystemExit:
+            pass
+    loaded = [m for m in sys.modules if m.split(".")[0] in heavy]
+    if loaded or "usage" not in out.getvalue():
+        bad[name] = sorted(loaded)[:3] or "no usage"
+print(json.dumps(bad))
+"""
+    proc = subprocess.run([sys.executable, "-c", probe_all], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {}
+    assert len(get_host().commands) >= 15

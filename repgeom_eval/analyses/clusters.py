@@ -36,11 +36,13 @@ from .knn_keys import last_token_vectors
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "clusters"
-DEFAULT_NGRAM = 10
-DEFAULT_MIN_COUNT = 100
-DEFAULT_CONTEXTS = 100
-DEFAULT_CONTEXT_LEN = 100
-DEFAULT_CLUSTERS = 500
+from ..defaults import (  # this module's defaults (torch-free, for --help)
+    CLUSTERS_NGRAM as DEFAULT_NGRAM,
+    CLUSTERS_MIN_COUNT as DEFAULT_MIN_COUNT,
+    CLUSTERS_CONTEXTS as DEFAULT_CONTEXTS,
+    CLUSTERS_CONTEXT_LEN as DEFAULT_CONTEXT_LEN,
+    CLUSTERS_CLUSTERS as DEFAULT_CLUSTERS,
+)
 
 
 @dataclass(frozen=True)

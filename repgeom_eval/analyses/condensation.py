@@ -21,7 +21,7 @@ from repgeom_eval.modeling.loading import LoadedModel
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "condensation"
-DEFAULT_MAX_LENGTH = 512
+from ..defaults import CONDENSATION_MAX_LENGTH as DEFAULT_MAX_LENGTH  # noqa: F401
 
 
 def _label(model: str | LoadedModel) -> str:

@@ -31,10 +31,12 @@ from repgeom_eval.measurement.pooling import pool
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "knn-keys"
-DEFAULT_CANDIDATES = ("resid_mid:-1", "resid_post:-1", "mlp_in:-1")
-DEFAULT_NS = (10, 50, 100)
-DEFAULT_SEEDS = 10
-DEFAULT_CHUNK_LEN = 512
+from ..defaults import (  # this module's defaults (torch-free, for --help)
+    KNN_KEYS_CANDIDATES as DEFAULT_CANDIDATES,
+    KNN_KEYS_NS as DEFAULT_NS,
+    KNN_KEYS_SEEDS as DEFAULT_SEEDS,
+    KNN_KEYS_CHUNK_LEN as DEFAULT_CHUNK_LEN,
+)
 PAPER_EXPECTATION = "resid_mid (h_att) more dispersed than resid_post (h_ffn) on every GPT-2 size (paper A Table 1)"
 
 

@@ -37,11 +37,13 @@ from repgeom_eval.measurement.forward import Forward, batches, next_token_logpro
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "knnlm"
-DEFAULT_K = 1024
-DEFAULT_LAMBDA = 0.25
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_CHUNK_LEN = 512
-IVF_THRESHOLD = 100_000
+from ..defaults import (  # this module's defaults (torch-free, for --help)
+    KNNLM_K as DEFAULT_K,
+    KNNLM_LAMBDA as DEFAULT_LAMBDA,
+    KNNLM_TEMPERATURE as DEFAULT_TEMPERATURE,
+    KNNLM_CHUNK_LEN as DEFAULT_CHUNK_LEN,
+    KNNLM_IVF_THRESHOLD as IVF_THRESHOLD,
+)
 INDEX_KINDS = ("auto", "flat", "ivf")
 _ADD_BLOCK = 65536
 _SEARCH_BLOCK = 2048

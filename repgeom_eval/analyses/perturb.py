@@ -35,10 +35,12 @@ from repgeom_eval.measurement.pooling import pool
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "perturb"
-SWEEPS = ("repetition", "random", "length")
-DEFAULT_PS = (0.0, 0.25, 0.5, 0.75, 1.0)
-DEFAULT_LENGTHS = (16, 32, 64, 128)
-DEFAULT_PROMPTS = 32
+from ..defaults import (  # this module's defaults (torch-free, for --help)
+    PERTURB_SWEEPS as SWEEPS,
+    PERTURB_PS as DEFAULT_PS,
+    PERTURB_LENGTHS as DEFAULT_LENGTHS,
+    PERTURB_PROMPTS as DEFAULT_PROMPTS,
+)
 
 
 def repeat_tokens(ids: Sequence[int], p: float, rng: np.random.Generator) -> list[int]:

@@ -46,11 +46,13 @@ from repgeom_eval.measurement.forward import Forward, next_token_logprobs, parse
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "ppl-bins"
-DEFAULT_CHUNK_LEN = 512
-DEFAULT_GROUP_SIZE = 100
-DEFAULT_BINS = 100
-DEFAULT_SEED = 42  # paper A: random.seed(42)
-DEFAULT_CONFOUND_RATIO = 2.0
+from ..defaults import (  # this module's defaults (torch-free, for --help)
+    PPL_BINS_CHUNK_LEN as DEFAULT_CHUNK_LEN,
+    PPL_BINS_GROUP_SIZE as DEFAULT_GROUP_SIZE,
+    PPL_BINS_BINS as DEFAULT_BINS,
+    PPL_BINS_SEED as DEFAULT_SEED,
+    PPL_BINS_CONFOUND_RATIO as DEFAULT_CONFOUND_RATIO,
+)
 MIN_GROUPS = 3  # fewer points make a correlation meaningless
 
 

@@ -27,8 +27,7 @@ from repgeom_eval.functional.stats import spearman
 
 FRACTIONS = tuple(round(i / 10, 1) for i in range(11))
 DENSE_FRACTIONS = tuple(round(i / 50, 2) for i in range(51))
-SLICE_SIZE = 100
-SEEDS = 10
+from ..defaults import SLICES_SLICE_SIZE as SLICE_SIZE, SLICES_SEEDS as SEEDS  # noqa: F401
 REGRESSORS = ("isotonic", "linear", "poly2", "poly3")
 CALIBRATION_SPLIT = (0.2, 0.1, 0.7)
 

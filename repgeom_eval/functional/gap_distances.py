@@ -20,7 +20,7 @@ import torch
 from ..errors import RepgeomError
 from .dispersion import cross_dispersion, dispersion
 
-DISTANCES = ("cosine", "euclidean")
+from ..defaults import GAP_DISTANCES as DISTANCES  # noqa: F401
 SIGN = "G = within(T) + between(T, T̄)"
 
 

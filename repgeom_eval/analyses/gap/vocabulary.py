@@ -33,10 +33,12 @@ from typing import Any
 
 from ...errors import RepgeomError, UnknownNameError
 
-DEFAULT_DOMAIN = "digits"
-DEFAULT_REFERENCE = "general"
-DEFAULT_SIZE = 1000
-DEFAULT_SEED = 0
+from ...defaults import (  # this module's defaults (torch-free, for --help)
+    GAP_DOMAIN as DEFAULT_DOMAIN,
+    GAP_REFERENCE as DEFAULT_REFERENCE,
+    GAP_SIZE as DEFAULT_SIZE,
+    GAP_SEED as DEFAULT_SEED,
+)
 WORD_BOUNDARY_MARKERS = ("Ġ", "▁")  # byte-level BPE (GPT-2, Llama-3, SmolLM) and SentencePiece (Llama-2, T5)
 
 
