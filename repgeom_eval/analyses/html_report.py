@@ -68,9 +68,10 @@ def result_files(paths: Sequence[str | Path]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.glob("*.json"))
+            # a folder of results, or the gallery's layout (experiments/NAME/results/result.json)
+            found = sorted(p.glob("*.json")) or sorted(p.glob("*/results/result.json"))
             if not found:
-                raise RepgeomError(f"directory {str(p)!r} holds no .json file")
+                raise RepgeomError(f"directory {str(p)!r} holds no .json file (nor */results/result.json)")
             files.extend(found)
         elif p.exists():
             files.append(p)
@@ -279,6 +280,23 @@ def _perturb(doc: dict[str, Any]) -> list[str]:
             figure(plots.figure_perturb(doc), "prompt perturbations")]
 
 
+def _experiment(doc: dict[str, Any], folder: Path) -> list[str]:
+    """A finding of the reproduction gallery (experiments/*/results/result.json): its summary, figures (read from
+    the result's folder) and tables."""
+    blocks = [para(f"Mirrors {doc['mirrors']}." + (" Smoke run (tiny size)." if doc.get("smoke") else ""))]
+    blocks.append("<ul>" + "".join(f"<li>{esc(line)}</li>" for line in doc["summary"]) + "</ul>")
+    for fig in doc.get("figures") or []:
+        png = folder / fig["file"]
+        blocks.append(png_file(png, fig["caption"]) if png.is_file() else para(f"(figure {png} is missing)"))
+        blocks.append(f'<p class="meta">{esc(fig["caption"])}</p>')
+    for t in doc.get("tables") or []:
+        blocks += [f"<h3>{esc(t['title'])}</h3>", table(t["header"], t["rows"])]
+    for note in doc.get("notes") or []:
+        blocks.append(para(note))
+    blocks.append(f'<p class="meta">{esc(doc["command"])} · {fmt(float(doc["seconds"]), 1)} s</p>')
+    return blocks
+
+
 def _generic(doc: dict[str, Any]) -> list[str]:
     shown = {k: doc.get(k) for k in ("config", "results") if k in doc}
     text = json.dumps(shown, indent=1, default=str)
@@ -292,12 +310,15 @@ def _generic(doc: dict[str, Any]) -> list[str]:
 def section(path: Path, doc: dict[str, Any]) -> Section:
     kind = classify(doc)
     title = f"{kind}: {_model_name(doc)}" if kind != "unknown" else path.name
-    version = doc.get("repgeom_version") or ((doc.get("config") or {}).get("versions") or {}).get("repgeom_eval", "?")
+    versions = (doc.get("config") or {}).get("versions") or doc.get("versions") or {}
+    version = doc.get("repgeom_version") or versions.get("repgeom_eval", "?")
     blocks = [f'<p class="meta">{esc(path.name)} · written by repgeom-eval {esc(version)}</p>']
     for w in doc.get("warnings") or []:
         blocks.append(f'<div class="warn">{esc(w)}</div>')
+    if kind == "experiment":
+        title = f"{doc.get('title', path.parent.parent.name)} (experiment)"
     try:
-        blocks += RENDERERS.get(kind, _generic)(doc)
+        blocks += _experiment(doc, path.parent) if kind == "experiment" else RENDERERS.get(kind, _generic)(doc)
     except (KeyError, TypeError, IndexError, ValueError) as exc:
         raise RepgeomError(f"{path} looks like a {kind} result but lacks what its section needs ({exc!r}); was it "
                            "written by another repgeom version?") from None
