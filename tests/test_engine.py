@@ -110,6 +110,24 @@ def test_an_address_that_reads_an_aliased_tensor_is_reported_under_the_alias_eve
         assert [str(a) for a in parse_addresses(gpt2, "final,resid_post:-1")] == ["resid_post:1", "final"]
 
 
+def test_bare_hidden_state_indices_are_named_in_the_warning_and_the_results(tiny_model_dir, texts):
+    """``--layers 2`` reads hidden_states[2] = resid_post:1; the last index is ``final``: the run says both, in a
+    warning and in ``config.layers_reported_as``, so that no one has to redo the arithmetic."""
+    llama = load_model(tiny_model_dir("llama"))  # 2 blocks: hidden states 0, 1, 2
+    with pytest.warns(UserWarning, match=r"0 → embed, 1 → resid_post:0, 2 → final; 2 is the last hidden state, "
+                                         r"which is `final`.*resid_post:1\)"):
+        r = measure(llama, texts[:4], layers="0,1,2", progress=False)
+    assert list(r.results) == ["embed", "resid_post:0", "final"]
+    assert r.config["layers_reported_as"] == {"0": "embed", "1": "resid_post:0", "2": "final"}
+    assert r.config["layer_spec"] == "0,1,2"
+    with pytest.warns(UserWarning, match=r"-1 → final"):
+        assert [str(a) for a in parse_addresses(llama, "-1")] == ["final"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no bare index, no alias: nothing to say
+        plain = measure(llama, texts[:4], layers="resid_post:0,final", progress=False)
+    assert plain.config["layers_reported_as"] == {}
+
+
 # -- no copies of the engine's steps -----------------------------------------------------------------------------------
 
 def _modules_containing(text: str) -> list[str]:

@@ -288,7 +288,8 @@ class MeasureRun:
                if dist.is_main else None)
         t_metrics = self.timer["metrics"] + time.perf_counter() - t0
         config = cfg.config_block({
-            "layers": [str(a) for a in self.addresses], "metrics": state.metric_configs(), "plugins": self.plugins,
+            "layers": [str(a) for a in self.addresses], "layers_reported_as": dict(self.plan.reported_as),
+            "metrics": state.metric_configs(), "plugins": self.plugins,
             "max_length": self.context, "dtype": self.loaded.info.dtype, "device": str(self.loaded.device),
             "resumed_from_shard": state.resumed_from,
             "distributed": dist.config() | {"sequences_by_rank": state.processed_by_rank},

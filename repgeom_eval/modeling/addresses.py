@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -250,6 +250,9 @@ class LayerPlan:
 
     addresses: tuple[Address, ...]
     points: dict[Address, HookPoint]
+    # request items reported under another name: bare hidden-state indices ("12" → "resid_post:11", "30" → "final")
+    # and aliases ("resid_pre:0" → "embed"); written into results so that nobody has to redo the arithmetic
+    reported_as: dict[str, str] = field(default_factory=dict)
 
 
 def resolve_request(request: str | Sequence[str], loaded: "LoadedModel", host: Any = None) -> LayerPlan:
@@ -274,5 +277,23 @@ def resolve_request(request: str | Sequence[str], loaded: "LoadedModel", host: A
     for name, others in renamed.items():
         warnings.warn(f"{', '.join(others)} and {name} are the same tensor on this {loaded.info.model_type} model; "
                       f"reporting it once, as {name}", stacklevel=3)
-    kept.sort(key=lambda a: a.depth_key(loaded.info.n_layers))
-    return LayerPlan(tuple(kept), {a: points[a] for a in kept})
+    reported_as = {str(addr): str(name) for name, others in renamed.items() for addr in others}
+    n_layers = loaded.info.n_layers
+    bare = {item: alias_of.get(points[a], a) for item, a in bare_indices(request, n_layers).items()}
+    if bare:
+        reported_as |= {item: str(a) for item, a in bare.items()}
+        last = [item for item, a in bare.items() if str(a) == "final"]
+        warnings.warn(
+            "hidden-state indices are reported under their addresses (hidden_states[k] is the output of block k-1): "
+            + ", ".join(f"{item} → {a}" for item, a in bare.items())
+            + (f"; {', '.join(last)} is the last hidden state, which is `final` (after the final norm where the model "
+               f"has one; the last block's own output is resid_post:{n_layers - 1})" if last else ""),
+            stacklevel=3)
+    kept.sort(key=lambda a: a.depth_key(n_layers))
+    return LayerPlan(tuple(kept), {a: points[a] for a in kept}, reported_as)
+
+
+def bare_indices(request: str | Sequence[str], n_layers: int) -> dict[str, Address]:
+    """The bare hidden-state indices of a request (``"12"``, ``"-1"``) and the canonical address of each."""
+    return {item: hidden_state_address(int(item), n_layers)
+            for item in _split_items(request) if re.fullmatch(r"[+-]?\d+", item)}
