@@ -67,6 +67,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def depth_profile_line(layers: list[str], correlation: dict) -> str:
+    """One line on the whole depth profile, not only ``final``: where the correlation is negative, its strongest
+    negative layer, and what paper A predicts (a newcomer who sees only the last layer's sign reads a positive value
+    as the tool or the paper being wrong)."""
+    import math
+
+    pearson = {a: correlation[a]["pearson"] for a in layers if not math.isnan(correlation[a]["pearson"])}
+    negative = [a for a in layers if pearson.get(a, 0.0) < 0]
+    line = ("paper A predicts a negative correlation (harder, higher-perplexity text has less dispersed hidden "
+            "states); ")
+    if not negative:
+        return line + f"here it is positive at every one of the {len(layers)} depths (see ppl_bins_by_depth.png)."
+    strongest = min(negative, key=pearson.__getitem__)
+    c = correlation[strongest]
+    return (line + f"here it is negative at {len(negative)} of {len(layers)} depths, most strongly at {strongest} "
+            f"(Pearson {c['pearson']:+.3f}, Spearman {c['spearman']:+.3f}); the whole profile: ppl_bins_by_depth.png.")
+
+
 def _analyses(args: argparse.Namespace, loaded, texts: list[str], out: Path, console) -> None:
     """Steps 2-4 on the same model, loaded once: the perplexity-vs-dispersion law, condensation, the report."""
     import sys
@@ -101,6 +119,7 @@ def _analyses(args: argparse.Namespace, loaded, texts: list[str], out: Path, con
     console.print(f"{pooled['n_selected']} perplexity groups; at {last}: Pearson {c['pearson']:+.3f}, "
                   f"Spearman {c['spearman']:+.3f} between group perplexity and token dispersion "
                   f"({law.timings['total_s']:.0f}s)")
+    console.print(depth_profile_line(law.results["layers"], pooled["correlation"]))
 
     console.print(f"\n[bold]condensation[/bold] (paper C): cosine histograms of {len(texts)} paragraphs, every layer")
     cond = condensation([loaded], texts, max_length=args.max_length, batch_size=args.batch_size, progress=show)

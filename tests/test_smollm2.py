@@ -98,3 +98,15 @@ def test_demo_command_runs_end_to_end(tmp_path):
     page = (out / "report.html").read_text()
     assert page.count("<section") == 3 and page.count("data:image/png;base64,") == 4
     assert "final" in proc.stdout and "Spearman" in proc.stdout and "report.html" in proc.stdout
+    assert "paper A predicts a negative correlation" in " ".join(proc.stdout.split())
+
+
+def test_demo_depth_profile_line_names_the_strongest_negative_layer():
+    from repgeom_eval.entrypoints.demo_cmd import depth_profile_line
+
+    corr = {"embed": {"pearson": 0.1, "spearman": 0.2}, "resid_post:0": {"pearson": -0.4, "spearman": -0.5},
+            "resid_post:1": {"pearson": -0.7, "spearman": -0.6}, "final": {"pearson": 0.29, "spearman": 0.3}}
+    line = depth_profile_line(list(corr), corr)
+    assert "negative at 2 of 4 depths, most strongly at resid_post:1 (Pearson -0.700, Spearman -0.600)" in line
+    positive = {a: {"pearson": 0.3, "spearman": float("nan")} for a in corr}
+    assert "positive at every one of the 4 depths" in depth_profile_line(list(corr), positive)
