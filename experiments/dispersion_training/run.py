@@ -45,6 +45,9 @@ def configure(p) -> None:
     p.add_argument("--parallel", type=int, default=2, help="runs at the same time (default 2: one per core)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds per variant (default 0 1 2; smoke: 0)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the runs already finished in the work folder (same settings assumed) and train only "
+                        "the missing ones")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every run (as repgeom train --set)")
 
@@ -92,8 +95,11 @@ def main(argv: list[str] | None = None) -> None:
     (exp.workdir / "config.yaml").write_text((HERE / "config.yaml").read_text(encoding="utf-8"), encoding="utf-8")
     extra = (SMOKE if exp.smoke else FULL) + args.overrides
     jobs = [(v, s) for s in seeds for v in args.variants]  # seed-major: an early stop still has whole seeds
-    with exp.step(f"train {len(jobs)} runs, {args.parallel} at a time"):
-        pending, running, failed = list(jobs), [], []
+    done = {(v, s) for v, s in jobs if args.reuse and (exp.workdir / "runs" / f"{v}-s{s}" / "results.json").is_file()}
+    if done:
+        print(f"[{exp.name}] reusing {len(done)} finished run(s): {sorted(done)}", flush=True)
+    with exp.step(f"train {len(jobs) - len(done)} runs, {args.parallel} at a time"):
+        pending, running, failed = [j for j in jobs if j not in done], [], []
         while pending or running:
             while pending and len(running) < max(args.parallel, 1):
                 v, s = pending.pop(0)
