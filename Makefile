@@ -7,13 +7,16 @@ export HF_HUB_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS = 1
 
-.PHONY: test demo venv bench clean
+.PHONY: test demo venv bench clean reproduce-smoke
 
 venv:
 	bash scripts/bootstrap.sh dev
 
 test: venv
 	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+reproduce-smoke: venv  # every gallery experiment at a tiny size (experiments/README.md)
+	$(VENV)/bin/python -m pytest -n 2 --dist load -m "reproduce or not reproduce" tests/test_experiments.py $(PYTEST_ARGS)
 
 demo:
 	bash scripts/bootstrap.sh demo

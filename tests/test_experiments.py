@@ -1,0 +1,132 @@
+"""The reproduction gallery (experiments/) keeps working.
+
+Cheap checks run with every ``make test``: the shared module's text sources and its one-line stop when a Debian
+package is missing, the result files, the gallery section of experiments/README.md, and ``repgeom report`` on the
+gallery layout. Every experiment's ``run.py --smoke`` (tiny size, real models) runs here too when it is cheap;
+the others carry the ``reproduce`` marker and run with ``make reproduce-smoke``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+
+import gallery  # noqa: E402
+
+RUNS = sorted(p.parent.name for p in EXPERIMENTS.glob("*/run.py"))
+CHEAP = {"dispersion_training"}  # smoke runs under a minute: part of make test
+
+
+def test_every_finding_has_a_run_script_and_committed_results():
+    assert len(RUNS) >= 1
+    for name in RUNS:
+        assert (EXPERIMENTS / name / "run.py").is_file()
+        result = EXPERIMENTS / name / "results" / "result.json"
+        if result.is_file():  # committed full-size results: complete, and not a smoke run
+            doc = json.loads(result.read_text(encoding="utf-8"))
+            assert doc["kind"] == "experiment" and doc["name"] == name and not doc["smoke"]
+            assert len(doc["summary"]) == 3 and doc["mirrors"] and doc["seconds"] > 0
+            for fig in doc["figures"]:
+                assert (result.parent / fig["file"]).is_file(), fig
+            assert (result.parent / "result.md").is_file()
+
+
+def test_the_gallery_readme_section_is_up_to_date():
+    """experiments/README.md shows what the committed results say (rewrite with `python experiments/gallery.py
+    readme`)."""
+    text = (EXPERIMENTS / "README.md").read_text(encoding="utf-8")
+    start = text.index(gallery.GALLERY_START)
+    end = text.index(gallery.GALLERY_END) + len(gallery.GALLERY_END)
+    assert text[start:end] == gallery.gallery_section(EXPERIMENTS)
+
+
+def test_text_sources_read_what_is_installed():
+    paragraphs = gallery.pydoc_paragraphs()
+    assert len(paragraphs) > 500 and all(len(p) >= 80 for p in paragraphs[:50])
+    code = gallery.stdlib_sources()
+    assert len(code) > 200 and any("def " in c for c in code[:20])
+
+
+@pytest.mark.parametrize("reader, package, attr, value", [
+    ("fortunes", "fortunes", "FORTUNES_DIR", Path("/nonexistent/fortunes")),
+    ("wordnet_synsets", "wordnet", "WORDNET_DIR", Path("/nonexistent/wordnet")),
+    ("bible_books", "bible-kjv", "BIBLE", "no-such-bible-command"),
+])
+def test_a_missing_debian_package_stops_with_the_line_that_installs_it(monkeypatch, reader, package, attr, value):
+    monkeypatch.setattr(gallery, attr, value)
+    with pytest.raises(SystemExit) as exc:
+        getattr(gallery, reader)()
+    assert str(exc.value).endswith(f"sudo apt-get install -y {package}")
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.skipif(not gallery.WORDNET_DIR.is_dir(), reason="Debian package wordnet not installed")
+def test_wordnet_synsets_parse():
+    synsets = gallery.wordnet_synsets()
+    assert len(synsets) > 50_000
+    s = next(s for s in synsets if "dog" in s.words)
+    assert s.pos == "noun" and s.definition and '"' not in s.definition
+
+
+def _fake_result(tmp_path: Path, name: str = "demo_finding") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    exp = gallery.Experiment(name, "A finding", "paper A Fig. 0", argv=["--workdir", str(tmp_path / "work"),
+                                                                     "--out", str(tmp_path / name / "results")])
+    with exp.step("compute"):
+        fig, ax = plt.subplots()
+        ax.plot([0, 1], [1, 0])
+        exp.figure(fig, "curve", "a falling line")
+    exp.table("numbers", ["layer", "r"], [["final", -0.5], ["embed", float("nan")]])
+    exp.warn("a warning | with a pipe")
+    return exp.finish(["line one", "line two", "line three"], {"x": 1}, ["a note"])
+
+
+def test_results_files_markdown_and_gallery_section(tmp_path):
+    path = _fake_result(tmp_path)
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    assert doc["kind"] == "experiment" and doc["figures"] == [{"file": "curve.png", "caption": "a falling line"}]
+    assert doc["steps"][0]["step"] == "compute" and doc["versions"]["repgeom_eval"]
+    md = (path.parent / "result.md").read_text(encoding="utf-8")
+    assert "| final | -0.5 |" in md and "| embed | nan |" in md and "- a warning | with a pipe" in md
+    assert "![a falling line](curve.png)" in md and "Mirrors: paper A Fig. 0." in md
+    section = gallery.gallery_section(tmp_path)
+    assert "### [A finding](demo_finding/results/result.md)" in section
+    assert "![a falling line](demo_finding/results/curve.png)" in section and "- line three" in section
+
+
+def test_report_renders_the_gallery_layout(tmp_path):
+    _fake_result(tmp_path, "one")
+    _fake_result(tmp_path, "two")
+    out = tmp_path / "gallery.html"
+    proc = subprocess.run([sys.executable, "-m", "repgeom_eval", "report", str(tmp_path), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    page = out.read_text(encoding="utf-8")
+    assert page.count("<section") == 2 and page.count("data:image/png;base64,") == 2
+    assert "A finding (experiment)" in page and "line two" in page and "paper A Fig. 0" in page
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in CHEAP else [pytest.mark.reproduce]) for n in RUNS])
+def test_smoke_run(name, tmp_path):
+    """``run.py --smoke``: the whole pipeline at a tiny size, results written where the flags say."""
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / name / "run.py"), "--smoke", "--workdir",
+                           str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "result.json").read_text(encoding="utf-8"))
+    assert doc["kind"] == "experiment" and doc["name"] == name and doc["smoke"] is True
+    assert len(doc["summary"]) == 3 and doc["figures"] and doc["tables"]
+    for fig in doc["figures"]:
+        assert (out / fig["file"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
