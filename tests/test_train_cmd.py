@@ -208,3 +208,14 @@ def test_intermediate_checkpoints_are_model_folders_with_the_tokenizer(two_domai
     assert result.vocabulary["shared"] and len(result.rows) == 2
     # a training run with no intermediate saves still refuses a rerun into the same output_dir
     assert main(args) == 2
+
+
+def test_overwrite_removes_the_earlier_runs_checkpoints(two_domains):
+    (two_domains / "train.yaml").write_text(SCRATCH)
+    base = ["train", "--config", str(two_domains / "train.yaml"), "--no-progress", "--set", "aux_losses=[]",
+            "--set", "training.save_strategy=steps", "--set", "training.save_steps=2", "--set", "save_model=false"]
+    assert main(base) == 0
+    trainer = two_domains / "out" / "trainer"
+    assert sorted(p.name for p in trainer.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert main(base + ["--overwrite", "--set", "training.max_steps=2"]) == 0
+    assert sorted(p.name for p in trainer.iterdir()) == ["checkpoint-2"]  # not checkpoint-4 of the earlier run

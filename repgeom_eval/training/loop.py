@@ -475,6 +475,8 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None, overwrite: 
                              aux_losses=losses, dispersion_layer=cfg.dispersion_layer, host=host,
                              callbacks=[EvaluateAtSteps(steps)] if eval_sets else None)  # checks the addresses
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    if overwrite:  # the earlier run's checkpoints go: a later checkpoint-N of it would pass for one of this run
+        shutil.rmtree(cfg.output_dir / "trainer", ignore_errors=True)
     # The Trainer prints every log dict (PrinterCallback) or writes it under its bar (ProgressCallback); one bar
     # with the running CE / aux / dispersion says the same without flooding the terminal.
     trainer.remove_callback(transformers.PrinterCallback)
