@@ -174,3 +174,48 @@ def test_relative_paths_are_taken_from_the_config_file(tmp_path):
     hub = parse_config({"model": "org/name", "data": {"domains": {"a": "t.jsonl"}}, "training": {"max_steps": 1},
                         "output_dir": "o"}, tmp_path)
     assert hub.model == "org/name"
+
+
+def test_intermediate_checkpoints_are_model_folders_with_the_tokenizer(two_domains):
+    """training.save_strategy: steps writes output_dir/trainer/checkpoint-N; each loads on its own (weights and the
+    tokenizer trained from scratch), so `repgeom gap` can screen them; the last one is the final model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from repgeom_eval.analyses.gap import screen
+
+    (two_domains / "train.yaml").write_text(SCRATCH)
+    sets = ["training.save_strategy=steps", "training.save_steps=2", "training.save_only_model=true",
+            "aux_losses=[]"]
+    args = ["train", "--config", str(two_domains / "train.yaml"), "--no-progress"]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    out = two_domains / "out"
+    checkpoints = sorted((out / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert [p.name for p in checkpoints] == ["checkpoint-2", "checkpoint-4"]
+    final_tok = AutoTokenizer.from_pretrained(out / "model")
+    final = AutoModelForCausalLM.from_pretrained(out / "model")
+    for ckpt in checkpoints:
+        tok = AutoTokenizer.from_pretrained(ckpt)
+        assert tok.get_vocab() == final_tok.get_vocab() and len(tok) == 320
+        model = AutoModelForCausalLM.from_pretrained(ckpt)
+        ids = tok("def f(x): return x", return_tensors="pt")["input_ids"]
+        assert torch.isfinite(model(ids).logits).all()
+    last = AutoModelForCausalLM.from_pretrained(checkpoints[-1])
+    assert torch.equal(last.get_output_embeddings().weight, final.get_output_embeddings().weight)
+    first = AutoModelForCausalLM.from_pretrained(checkpoints[0])
+    assert not torch.equal(first.get_output_embeddings().weight, final.get_output_embeddings().weight)
+    result = screen([str(p) for p in checkpoints], domain="digits", reference="general", size=20)
+    assert result.vocabulary["shared"] and len(result.rows) == 2
+    # a training run with no intermediate saves still refuses a rerun into the same output_dir
+    assert main(args) == 2
+
+
+def test_overwrite_removes_the_earlier_runs_checkpoints(two_domains):
+    (two_domains / "train.yaml").write_text(SCRATCH)
+    base = ["train", "--config", str(two_domains / "train.yaml"), "--no-progress", "--set", "aux_losses=[]",
+            "--set", "training.save_strategy=steps", "--set", "training.save_steps=2", "--set", "save_model=false"]
+    assert main(base) == 0
+    trainer = two_domains / "out" / "trainer"
+    assert sorted(p.name for p in trainer.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert main(base + ["--overwrite", "--set", "training.max_steps=2"]) == 0
+    assert sorted(p.name for p in trainer.iterdir()) == ["checkpoint-2"]  # not checkpoint-4 of the earlier run

@@ -466,10 +466,17 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None, overwrite: 
     train_ds = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
 
     steps = [s for s in cfg.evaluate_at if args.max_steps <= 0 or s <= args.max_steps]
+    # processing_class: the Trainer saves the tokenizer into every checkpoint it writes (training.save_strategy:
+    # steps), so each output_dir/trainer/checkpoint-N is a model folder that loads on its own (repgeom gap, lm_eval).
+    # The collator is named because a tokenizer would otherwise make the Trainer pad with DataCollatorWithPadding;
+    # the blocks are already of equal length, and default_data_collator is what it used without a tokenizer.
     trainer = AuxLossTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_sets or None,
+                             processing_class=tokenizer, data_collator=transformers.default_data_collator,
                              aux_losses=losses, dispersion_layer=cfg.dispersion_layer, host=host,
                              callbacks=[EvaluateAtSteps(steps)] if eval_sets else None)  # checks the addresses
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    if overwrite:  # the earlier run's checkpoints go: a later checkpoint-N of it would pass for one of this run
+        shutil.rmtree(cfg.output_dir / "trainer", ignore_errors=True)
     # The Trainer prints every log dict (PrinterCallback) or writes it under its bar (ProgressCallback); one bar
     # with the running CE / aux / dispersion says the same without flooding the terminal.
     trainer.remove_callback(transformers.PrinterCallback)
