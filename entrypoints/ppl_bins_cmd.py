@@ -163,10 +163,11 @@ def run(args: argparse.Namespace) -> int:
             save_png(figure_ppl_vs_dispersion(out), figures[0])
             save_png(figure_correlation_vs_depth(out), figures[1])
 
-    res = result.results
-    sources = [s for s, r in res.get("by_source", {}).items() if "correlation" in r]
-    console = Console(width=max(Console().width, 100, 16 + 16 * (1 + len(sources))))
-    console.print(correlation_table(out))
+    table = correlation_table(out)
+    need = 4 + sum(max(len(line) for line in str(c.header).splitlines()) + 3 for c in table.columns[1:]) + \
+        max(len(a) for a in result.results["layers"]) + 3  # every column as wide as its header, no ellipsis
+    console = Console(width=max(Console().width, 100, need))
+    console.print(table)
     if args.output:
         console.print(f"results: {escape(args.output)}", soft_wrap=True)
     for f in figures:
