@@ -143,8 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{cfg['per_source']} chunks of {cfg['chunk_len']} tokens from each of {len(sources)} single-domain "
         f"sources ({', '.join(sources)}), groups of {cfg['group_size']} ({cfg['group_size_rule']}), "
         f"{len(layers)} hidden states.",
-        f"Pearson r(group perplexity, token dispersion) at the final layer: {fmt(pearson_final)}; at {strongest} "
-        f"(most negative on average): {fmt(pearson_best)}. Spearman at the final layer: {fmt(spearman_final)}."
+        f"Pearson r(group perplexity, token dispersion) at the final layer: {fmt(pearson_final)}"
+        + (f"; at {strongest} (most negative on average): {fmt(pearson_best)}" if strongest != final else
+           " (also the layer most negative on average)")
+        + f". Spearman at the final layer: {fmt(spearman_final)}."
         + (f" Median chunk perplexities differ {confound['ratio']:.0f}-fold between sources (domain-confound "
            "warning fired)." if fired else ""),
         compare(sources, negative_final, negative_best, final, strongest, pearson_final, fired),
