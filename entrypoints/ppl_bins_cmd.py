@@ -19,6 +19,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def group_size_arg(text: str) -> int | str:
+    """``auto`` or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
+
+
 def add_corpus_args(p: argparse.ArgumentParser, chunk_len: int = 512) -> None:
     p.add_argument("--data", "-d", required=True,
                    help=".jsonl with a text field (and optionally a source field) per line, or .txt with one "
@@ -87,7 +97,9 @@ def progress(args: argparse.Namespace) -> bool:
 
 def configure(p: argparse.ArgumentParser) -> None:
     from repgeom_eval.defaults import (PPL_BINS_BINS as DEFAULT_BINS, PPL_BINS_CONFOUND_RATIO as DEFAULT_CONFOUND_RATIO,
-                                       PPL_BINS_GROUP_SIZE as DEFAULT_GROUP_SIZE, PPL_BINS_SEED as DEFAULT_SEED)
+                                       PPL_BINS_GROUP_SIZE as DEFAULT_GROUP_SIZE,
+                                       PPL_BINS_GROUP_SIZE_MAX as GROUP_SIZE_MAX,
+                                       PPL_BINS_GROUPS_PER_SOURCE as GROUPS_PER_SOURCE, PPL_BINS_SEED as DEFAULT_SEED)
 
     add_model_args(p)
     add_corpus_args(p)
@@ -95,10 +107,19 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="field naming each record's domain; correlations are then also given per source")
     p.add_argument("--layers", "-l", nargs="+", default=["all"],
                    help="layer addresses (default: all = every hidden state)")
-    p.add_argument("--n-chunks", type=positive_int, default=None,
-                   help="chunks to sample (seeded; paper A: 100000). Default: every chunk of the corpus")
-    p.add_argument("--group-size", type=positive_int, default=DEFAULT_GROUP_SIZE,
-                   help=f"chunks per perplexity group (default: {DEFAULT_GROUP_SIZE})")
+    sampling = p.add_mutually_exclusive_group()
+    sampling.add_argument("--n-chunks", type=positive_int, default=None,
+                          help="chunks to sample uniformly from the whole corpus (seeded; paper A: 100000), so "
+                               "each source gets chunks in proportion to its text. Default: every chunk")
+    sampling.add_argument("--per-source", type=positive_int, default=None, metavar="N",
+                          help="sample N chunks from every source instead (seeded, each source on its own), so "
+                               "sources of very different size weigh the same; an error names any source with "
+                               "fewer than N chunks")
+    p.add_argument("--group-size", type=group_size_arg, default=DEFAULT_GROUP_SIZE,
+                   help=f"chunks per perplexity group, or auto (default: {DEFAULT_GROUP_SIZE} = the smallest "
+                        f"source's sampled chunks // {GROUPS_PER_SOURCE}, between 1 and {GROUP_SIZE_MAX}, so "
+                        f"every source gets about {GROUPS_PER_SOURCE} groups; paper A used {GROUP_SIZE_MAX}). A "
+                        "number is used exactly")
     p.add_argument("--bins", type=positive_int, default=DEFAULT_BINS,
                    help=f"perplexity targets of the uniform selection (default: {DEFAULT_BINS})")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"chunk sampling seed (default: {DEFAULT_SEED})")
@@ -116,7 +137,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     from repgeom_eval.analyses.plots import figure_correlation_vs_depth, figure_ppl_vs_dispersion, save_png
     from repgeom_eval.analyses.ppl_bins import ppl_bins
@@ -127,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
                             {"--data": args.data}, args.model)
     with commit_together(outputs):  # every output, or none
         result = ppl_bins(args.model, args.data, layers=args.layers, chunk_len=args.chunk_len,
-                          n_chunks=args.n_chunks, group_size=args.group_size, n_bins=args.bins, packing=args.packing,
+                          n_chunks=args.n_chunks, per_source=args.per_source, group_size=args.group_size,
+                          n_bins=args.bins, packing=args.packing,
                           seed=args.seed, max_ppl=args.max_ppl, confound_ratio=args.confound_ratio,
                           text_field=args.text_field, source_field=args.source_field, batch_size=args.batch_size,
                           dtype=args.dtype, device=args.device, per_chunk_path=args.per_chunk,
@@ -142,27 +163,44 @@ def run(args: argparse.Namespace) -> int:
             save_png(figure_ppl_vs_dispersion(out), figures[0])
             save_png(figure_correlation_vs_depth(out), figures[1])
 
-    console = Console(width=max(Console().width, 100))
-    res = result.results
-    pooled = res["pooled"]
-    sources = [s for s, r in res.get("by_source", {}).items() if "correlation" in r]
-    table = Table(title=escape(f"{out['model']['name']} · {pooled['n_chunks']} chunks · {pooled['n_selected']} of "
-                               f"{pooled['n_groups']} groups · corr(perplexity, dispersion)"))
-    table.add_column("address", style="bold")
-    table.add_column("Pearson", justify="right")
-    table.add_column("Spearman", justify="right")
-    for s in sources:
-        table.add_column(escape(f"{s} ρ"), justify="right")
-    for a in res["layers"]:
-        c = pooled["correlation"][a]
-        table.add_row(escape(a), _fmt(c["pearson"]), _fmt(c["spearman"]),
-                      *[_fmt(res["by_source"][s]["correlation"][a]["spearman"]) for s in sources])
+    table = correlation_table(out)
+    need = 4 + sum(max(len(line) for line in str(c.header).splitlines()) + 3 for c in table.columns[1:]) + \
+        max(len(a) for a in result.results["layers"]) + 3  # every column as wide as its header, no ellipsis
+    console = Console(width=max(Console().width, 100, need))
     console.print(table)
     if args.output:
         console.print(f"results: {escape(args.output)}", soft_wrap=True)
     for f in figures:
         console.print(f"plot:    {escape(str(f))}", soft_wrap=True)
     return 0
+
+
+def correlation_table(out: dict):
+    """The console table: per address, Pearson r and Spearman ρ of the pooled groups and of every source's."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    res, cfg = out["results"], out["config"]
+    pooled = res["pooled"]
+    sources = [s for s, r in res.get("by_source", {}).items() if "correlation" in r]
+    rule = "" if cfg.get("group_size_rule", "given") == "given" else f" ({cfg['group_size_rule']})"
+    table = Table(title=escape(f"{out['model']['name']} · {pooled['n_chunks']} chunks ({cfg.get('sampling')}) · "
+                               f"groups of {cfg['group_size']}{rule} · corr(perplexity, dispersion)"),
+                  caption="r: Pearson, ρ: Spearman, over the selected groups (selected / complete groups)")
+    table.add_column("address", style="bold")
+    populations = [("pooled" if sources else "", pooled)] + [(s, res["by_source"][s]) for s in sources]
+    for name, r in populations:
+        n = f"\n{r['n_selected']}/{r['n_groups']}"
+        r_head, rho_head = (f"{escape(name)} r", f"{escape(name)} ρ") if name else ("Pearson r", "Spearman ρ")
+        table.add_column(r_head + n, justify="right")
+        table.add_column(rho_head + n, justify="right")
+    for a in res["layers"]:
+        cells = []
+        for _, r in populations:
+            c = r["correlation"][a]
+            cells += [_fmt(c["pearson"]), _fmt(c["spearman"])]
+        table.add_row(escape(a), *cells)
+    return table
 
 
 def _fmt(v: float | None) -> str:

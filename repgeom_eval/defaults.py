@@ -15,7 +15,9 @@ GAP_DISTANCES = ("cosine", "euclidean")
 
 # repgeom ppl-bins
 PPL_BINS_CHUNK_LEN = 512
-PPL_BINS_GROUP_SIZE = 100
+PPL_BINS_GROUP_SIZE = "auto"  # or a number of chunks; auto: see the next two
+PPL_BINS_GROUPS_PER_SOURCE = 20  # auto: the smallest source's chunks / this many groups ...
+PPL_BINS_GROUP_SIZE_MAX = 100  # ... capped here (paper A's group size, reached from 2000 chunks a source on)
 PPL_BINS_BINS = 100
 PPL_BINS_SEED = 42  # paper A: random.seed(42)
 PPL_BINS_CONFOUND_RATIO = 2.0

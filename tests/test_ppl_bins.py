@@ -165,3 +165,130 @@ def test_cli_with_sources_writes_kind_groups_and_plots(tiny_model_dir, doc_texts
     for name in ("ppl_scatter.png", "ppl_by_depth.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert "Spearman" in capsys.readouterr().out
+
+
+# -- balancing the sources, the automatic group size, r and ρ per source (issue 17) ---------------------------------
+
+def _chunks(counts):
+    """Chunks of the given sources, ``counts[source]`` each, interleaved as a packed corpus is not."""
+    from repgeom_eval.analyses.corpus import Chunk
+
+    out = []
+    for s, n in counts.items():
+        out += [Chunk((len(out), len(out) + 1), s, f"{s}{i}", 2 * i) for i in range(n)]
+    return out
+
+
+def test_sample_per_source_draws_n_from_every_source_each_on_its_own():
+    from repgeom_eval.analyses.corpus import sample_per_source
+
+    chunks = _chunks({"big": 500, "small": 7, "mid": 40})
+    picked = sample_per_source(chunks, 7, seed=42)
+    assert len(picked) == len(set(picked)) == 21
+    assert {s: sum(chunks[i].source == s for i in picked) for s in ("big", "small", "mid")} == \
+        {"big": 7, "small": 7, "mid": 7}
+    assert sample_per_source(chunks, 7, seed=42) == picked  # seeded
+    assert sample_per_source(chunks, 7, seed=43) != picked
+    # A source's sample does not depend on the other sources.
+    alone = sample_per_source(_chunks({"big": 500}), 7, seed=42)
+    assert [chunks[i].doc for i in picked if chunks[i].source == "big"] == [f"big{i}" for i in alone]
+    # Every chunk of a source that has exactly N.
+    assert sorted(chunks[i].doc for i in picked if chunks[i].source == "small") == sorted(f"small{i}" for i in range(7))
+
+
+def test_sample_per_source_names_the_sources_that_are_too_small():
+    from repgeom_eval.analyses.corpus import sample_per_source
+
+    chunks = _chunks({"big": 500, "small": 7, "mid": 40})
+    with pytest.raises(RepgeomError, match=r"--per-source 50: too few chunks in 2 of 3 source\(s\) \('small' has 7, "
+                                           r"'mid' has 40\).*at most 7 per source"):
+        sample_per_source(chunks, 50, seed=0)
+    with pytest.raises(RepgeomError, match=r"'empty' has 0.*without a single chunk"):
+        sample_per_source(chunks, 5, seed=0, sources=["big", "small", "mid", "empty"])
+
+
+def test_auto_group_size_gives_every_source_enough_groups():
+    from repgeom_eval.analyses.ppl_bins import GROUP_SIZE_MAX, GROUPS_PER_SOURCE, auto_group_size, resolve_group_size
+    from repgeom_eval.defaults import PPL_BINS_GROUP_SIZE
+
+    assert PPL_BINS_GROUP_SIZE == "auto" and (GROUPS_PER_SOURCE, GROUP_SIZE_MAX) == (20, 100)
+    size, rule = auto_group_size({"code": 5000, "docs": 130, "bible": 900})
+    assert size == 130 // 20 == 6 and "source 'docs', the smallest, has 130 chunks" in rule
+    assert auto_group_size({"a": 100_000, "b": 300_000})[0] == 100  # paper A's size at paper A's scale
+    assert "capped" in auto_group_size({"a": 100_000})[1]
+    assert auto_group_size({"a": 7})[0] == 1
+    assert auto_group_size({"all": 400})[1].startswith("auto: the sample has 400 chunks")
+    for counts in ({"a": 20}, {"a": 57, "b": 1999}, {"a": 2000}, {"x": 45, "y": 45}):
+        size = auto_group_size(counts)[0]
+        assert all(n // size >= GROUPS_PER_SOURCE for n in counts.values()), counts
+    assert resolve_group_size(7, {"a": 100_000}) == (7, "given")  # a number is used exactly
+    for bad in (0, -3, "many", 2.5, True):
+        with pytest.raises(RepgeomError, match="positive number of chunks or 'auto'"):
+            resolve_group_size(bad, {"a": 10})
+
+
+def test_n_chunks_and_per_source_exclude_each_other(gpt2, doc_texts):
+    with pytest.raises(RepgeomError, match="--n-chunks .* or --per-source .*not both"):
+        ppl_bins(gpt2, doc_texts, layers="final", chunk_len=16, n_chunks=10, per_source=5, progress=False)
+    with pytest.raises(RepgeomError, match="positive number of chunks or 'auto'"):
+        ppl_bins(gpt2, doc_texts, layers="final", chunk_len=16, group_size="big", progress=False)
+
+
+def _two_sources(tmp_path, doc_texts, small_docs=2):
+    """A natural corpus, one record per document: 'topics' has ten documents, 'few' only ``small_docs``."""
+    data = tmp_path / "two.jsonl"
+    with data.open("w") as fh:
+        for i, t in enumerate(doc_texts):
+            source = "few" if i < small_docs else "topics"
+            fh.write(json.dumps({"text": t, "source": source}) + "\n")
+    return data
+
+
+def test_cli_per_source_balances_and_auto_group_size_is_recorded(tiny_model_dir, doc_texts, tmp_path, capsys):
+    data = _two_sources(tmp_path, doc_texts)
+    out = tmp_path / "ppl.json"
+    rc = main(["ppl-bins", "--model", tiny_model_dir("gpt2"), "--data", str(data), "--chunk-len", "16",
+               "--per-source", "40", "--layers", "embed", "final", "--no-progress", "--output", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    cfg, res = doc["config"], doc["results"]
+    assert doc["data"]["chunks_used_per_source"] == {"few": 40, "topics": 40}
+    assert doc["data"]["chunks_per_source"]["topics"] > doc["data"]["chunks_per_source"]["few"] > 40
+    assert cfg["per_source"] == 40 and cfg["n_chunks"] is None and cfg["sampling"] == "40 chunks from every source"
+    assert cfg["group_size"] == 2 and cfg["group_size_rule"].startswith("auto: source 'few', the smallest, has 40")
+    assert res["by_source"]["few"]["n_groups"] == res["by_source"]["topics"]["n_groups"] == 20
+    assert res["pooled"]["n_chunks"] == 80
+    printed = capsys.readouterr().out
+    for head in ("Pearson", "Spearman", "pooled r", "pooled ρ", "few r", "few ρ", "topics r", "topics ρ"):
+        assert head in printed, head
+    few = res["by_source"]["few"]["correlation"]["final"]
+    assert f"{few['pearson']:+.3f}" in printed and f"{few['spearman']:+.3f}" in printed
+    assert "groups of 2 (auto:" in printed
+
+    # An explicit group size is kept exactly; too many chunks per source is an error that names the source.
+    rc = main(["ppl-bins", "--model", tiny_model_dir("gpt2"), "--data", str(data), "--chunk-len", "16",
+               "--per-source", "40", "--group-size", "4", "--layers", "final", "--no-progress", "--output", str(out)])
+    assert rc == 0
+    cfg = json.loads(out.read_text())["config"]
+    assert (cfg["group_size"], cfg["group_size_rule"]) == (4, "given")
+    assert main(["ppl-bins", "--model", tiny_model_dir("gpt2"), "--data", str(data), "--chunk-len", "16",
+                 "--per-source", "100000", "--layers", "final", "--no-progress"]) != 0
+    assert "'few' has" in capsys.readouterr().err
+
+
+def test_cli_rejects_n_chunks_with_per_source_and_a_bad_group_size(tiny_model_dir, doc_texts, tmp_path, capsys):
+    data = _two_sources(tmp_path, doc_texts)
+    base = ["ppl-bins", "--model", tiny_model_dir("gpt2"), "--data", str(data), "--chunk-len", "16"]
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--n-chunks", "10", "--per-source", "5"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--group-size", "lots"])
+    assert exc.value.code == 2 and "positive integer or auto" in capsys.readouterr().err
+
+
+def test_help_states_the_automatic_group_size(capsys):
+    with pytest.raises(SystemExit):
+        main(["ppl-bins", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--per-source N" in text and "default: auto = the smallest source's sampled chunks // 20" in text

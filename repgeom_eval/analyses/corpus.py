@@ -198,6 +198,31 @@ def sample_chunks(chunks: Sequence[Chunk], n: int | None, seed: int) -> list[int
     return random.Random(seed).sample(range(len(chunks)), n)
 
 
+def sample_per_source(chunks: Sequence[Chunk], n: int, seed: int, sources: Sequence[str] = (),
+                      what: str = "--per-source") -> list[int]:
+    """Indices of ``n`` chunks of every source, drawn without replacement, in chunk order (sources in first-seen
+    order). Each source has its own generator, ``random.Random(f"{seed}:{source}")``, so a source's sample does not
+    depend on the other sources. ``sources`` names sources that must be there even if they gave no chunk (the
+    documents' sources). Raises :class:`RepgeomError` naming every source with fewer than ``n`` chunks."""
+    if n < 1:
+        raise RepgeomError(f"number of chunks per source must be positive, got {n}")
+    by_source: dict[str, list[int]] = {s: [] for s in sources}
+    for i, c in enumerate(chunks):
+        by_source.setdefault(c.source, []).append(i)
+    short = {s: len(rows) for s, rows in by_source.items() if len(rows) < n}
+    if short:
+        have = ", ".join(f"{s!r} has {k}" for s, k in sorted(short.items(), key=lambda kv: kv[1]))
+        fewest = min(short.values())
+        fix = (f"ask for at most {fewest} per source" if fewest else
+               "leave out the sources without a single chunk, or lower --chunk-len")
+        raise RepgeomError(f"{what} {n}: too few chunks in {len(short)} of {len(by_source)} source(s) ({have}); "
+                           f"give those sources more text, or {fix}")
+    out: list[int] = []
+    for source, rows in by_source.items():
+        out.extend(sorted(random.Random(f"{seed}:{source}").sample(rows, n)))
+    return out
+
+
 def describe(chunks: Sequence[Chunk], docs: Sequence[Document]) -> dict[str, Any]:
     """Counts for the output's ``data`` block."""
     per_source: dict[str, int] = {}

@@ -209,11 +209,18 @@ def _ppl_bins(doc: dict[str, Any]) -> list[str]:
     pooled = res["pooled"]
     sources = [s for s, r in (res.get("by_source") or {}).items() if "correlation" in r]
     rows = [[a, pooled["correlation"][a]["pearson"], pooled["correlation"][a]["spearman"],
-             *[res["by_source"][s]["correlation"][a]["spearman"] for s in sources]] for a in res["layers"]]
-    return [para(f"{pooled.get('n_chunks')} chunks of {doc['config'].get('chunk_len')} tokens, "
-                 f"{pooled.get('n_selected')} of {pooled.get('n_groups')} perplexity groups selected "
-                 "(Algorithm 1); correlation between group perplexity and group token dispersion."),
-            table(["address", "Pearson", "Spearman", *[f"{s} ρ" for s in sources]], rows),
+             *[res["by_source"][s]["correlation"][a][k] for s in sources for k in ("pearson", "spearman")]]
+            for a in res["layers"]]
+    cfg = doc["config"]
+    rule = cfg.get("group_size_rule")
+    return [para(f"{pooled.get('n_chunks')} chunks of {cfg.get('chunk_len')} tokens"
+                 + (f" ({cfg['sampling']})" if cfg.get("sampling") else "")
+                 + f", groups of {cfg.get('group_size')}" + (f" ({rule})" if rule and rule != "given" else "")
+                 + f", {pooled.get('n_selected')} of {pooled.get('n_groups')} perplexity groups selected "
+                 "(Algorithm 1); correlation between group perplexity and group token dispersion "
+                 "(r: Pearson, ρ: Spearman)."),
+            table(["address", "Pearson r", "Spearman ρ", *[f"{s} {k}" for s in sources for k in ("r", "ρ")]],
+                  rows),
             figure(plots.figure_ppl_vs_dispersion(doc), "perplexity vs dispersion"),
             figure(plots.figure_correlation_vs_depth(doc), "correlation by depth")]
 

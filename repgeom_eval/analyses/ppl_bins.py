@@ -15,6 +15,14 @@ right-hand neighbour, duplicates dropped). A group's value is the mean of its ch
 their dispersions. Pearson and Spearman correlations between group perplexity and group dispersion are reported
 for every address.
 
+Sampling: every chunk by default; ``n_chunks`` draws that many uniformly (paper A), so a source that gives few
+chunks gets few; ``per_source`` draws the same number from every source instead (an error names the sources that
+have fewer).
+
+Group size: ``"auto"`` (the default) makes groups of (chunks of the smallest source) // ``PPL_BINS_GROUPS_PER_SOURCE``
+chunks, between 1 and ``PPL_BINS_GROUP_SIZE_MAX`` (paper A's 100), so every source gets about that many groups
+(the whole sample counts as one source when there is a single one); a number is used as given.
+
 Sources: records may carry a ``source`` field. Correlations are then computed per source (each its own grouping)
 and pooled; sources whose median perplexities differ by ``confound_ratio`` or more are flagged, because a pooled
 correlation then mostly compares domains and can have the opposite sign of every per-source one (paper A analyses
@@ -40,7 +48,7 @@ from repgeom_eval.functional.stats import complete_pairs, pearson, spearman
 from repgeom_eval.output.files import write_jsonl
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents,
-                     sample_chunks)
+                     sample_chunks, sample_per_source)
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.forward import Forward, next_token_logprobs, parse_addresses
 from repgeom_eval.analyses.envelope import AnalysisResult
@@ -49,6 +57,8 @@ KIND = "ppl-bins"
 from ..defaults import (  # this module's defaults (torch-free, for --help)
     PPL_BINS_CHUNK_LEN as DEFAULT_CHUNK_LEN,
     PPL_BINS_GROUP_SIZE as DEFAULT_GROUP_SIZE,
+    PPL_BINS_GROUPS_PER_SOURCE as GROUPS_PER_SOURCE,
+    PPL_BINS_GROUP_SIZE_MAX as GROUP_SIZE_MAX,
     PPL_BINS_BINS as DEFAULT_BINS,
     PPL_BINS_SEED as DEFAULT_SEED,
     PPL_BINS_CONFOUND_RATIO as DEFAULT_CONFOUND_RATIO,
@@ -83,6 +93,36 @@ def uniform_ppl_groups(ppl: Sequence[float], group_size: int, n_bins: int = DEFA
             pos -= 1
         selected.add(pos)
     return [groups[i] for i in sorted(selected)], len(groups)
+
+
+def auto_group_size(chunks_per_source: dict[str, int], groups: int = GROUPS_PER_SOURCE,
+                    cap: int = GROUP_SIZE_MAX) -> tuple[int, str]:
+    """The ``"auto"`` group size and the sentence that explains it: the smallest source's chunk count // ``groups``,
+    clamped to [1, ``cap``], so that every source gets about ``groups`` groups (at least ``groups`` when the group
+    size is not capped or floored)."""
+    if not chunks_per_source:
+        raise RepgeomError("no chunks to group")
+    source, n = min(chunks_per_source.items(), key=lambda kv: (kv[1], kv[0]))
+    size = max(1, min(cap, n // groups))
+    whose = f"source {source!r}, the smallest," if len(chunks_per_source) > 1 else "the sample"
+    clamp = " (capped)" if n // groups > cap else (" (at least 1)" if n // groups < 1 else "")
+    return size, (f"auto: {whose} has {n} chunks, // {groups} groups per source = {size}{clamp}, "
+                  f"between 1 and {cap}")
+
+
+def check_group_size(group_size: int | str) -> None:
+    ok = (group_size == "auto" if isinstance(group_size, str) else
+          not isinstance(group_size, bool) and isinstance(group_size, (int, np.integer)) and group_size >= 1)
+    if not ok:
+        raise RepgeomError(f"group size must be a positive number of chunks or 'auto', got {group_size!r}")
+
+
+def resolve_group_size(group_size: int | str, chunks_per_source: dict[str, int]) -> tuple[int, str]:
+    """(group size, how it was chosen) for an explicit number (used as given) or ``"auto"``."""
+    check_group_size(group_size)
+    if group_size == "auto":
+        return auto_group_size(chunks_per_source)
+    return int(group_size), "given"
 
 
 def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Sequence[Any], batch_size: int = 4,
@@ -184,7 +224,8 @@ def ppl_bins(
     layers: str | Sequence[str] = "all",
     chunk_len: int = DEFAULT_CHUNK_LEN,
     n_chunks: int | None = None,
-    group_size: int = DEFAULT_GROUP_SIZE,
+    per_source: int | None = None,
+    group_size: int | str = DEFAULT_GROUP_SIZE,
     n_bins: int = DEFAULT_BINS,
     packing: str = "concat",
     seed: int = DEFAULT_SEED,
@@ -204,6 +245,10 @@ def ppl_bins(
         raise RepgeomError(f"unknown packing {packing!r} (valid: {', '.join(PACKINGS)})")
     if batch_size < 1:
         raise RepgeomError(f"batch size must be positive, got {batch_size}")
+    if n_chunks is not None and per_source is not None:
+        raise RepgeomError("give --n-chunks (a uniform sample) or --per-source (the same number from every source), "
+                           "not both")
+    check_group_size(group_size)  # before the model loads
     docs, data_path = load_documents(data, text_field, source_field)
     dist = Distributed.from_env(device)  # torchrun / accelerate launch: chunks spread over ranks, rows merged on 0
     t0 = time.perf_counter()
@@ -215,9 +260,20 @@ def ppl_bins(
 
     t0 = time.perf_counter()
     chunks = corpus_chunks(loaded.tokenizer, docs, chunk_len, packing)
-    picked = sample_chunks(chunks, n_chunks, seed)
+    if per_source is not None:
+        doc_sources = list(dict.fromkeys(d.source for d in docs))
+        picked = sample_per_source(chunks, per_source, seed, doc_sources)
+    else:
+        picked = sample_chunks(chunks, n_chunks, seed)
     sampled = [chunks[i] for i in picked]
     t_tok = time.perf_counter() - t0
+    if not sampled:
+        raise RepgeomError(f"corpus too small for perplexity bins: no chunk of {chunk_len} tokens "
+                           f"({len(docs)} documents, packing {packing!r}); give more text, or lower --chunk-len")
+    sampled_per_source: dict[str, int] = {}
+    for c in sampled:
+        sampled_per_source[c.source] = sampled_per_source.get(c.source, 0) + 1
+    group_size, group_rule = resolve_group_size(group_size, sampled_per_source)
     if len(sampled) < group_size * MIN_GROUPS:
         raise RepgeomError(
             f"corpus too small for perplexity bins: {len(sampled)} chunk(s) of {chunk_len} tokens "
@@ -262,9 +318,13 @@ def ppl_bins(
         result.results["by_source"] = by_source
     result.results["layers"] = names
     result.data = {"path": data_path, "packing": packing, **describe(chunks, docs), "n_chunks_used": len(sampled),
+                   "chunks_used_per_source": sampled_per_source,
                    "n_tokens_used": int(sum(len(c) for c in sampled)), "sources": sources}
     result.config = {"layers": names, "layer_spec": layers if isinstance(layers, str) else list(layers),
-                     "chunk_len": chunk_len, "n_chunks": n_chunks, "group_size": group_size, "n_bins": n_bins,
+                     "chunk_len": chunk_len, "n_chunks": n_chunks, "per_source": per_source,
+                     "sampling": (f"{per_source} chunks from every source" if per_source is not None else
+                                  "every chunk" if len(picked) == len(chunks) else f"{n_chunks} chunks, uniform"),
+                     "group_size": group_size, "group_size_rule": group_rule, "n_bins": n_bins,
                      "packing": packing, "seed": seed, "max_ppl": max_ppl, "confound_ratio": confound_ratio,
                      "batch_size": batch_size, "dtype": loaded.info.dtype, "device": str(loaded.device),
                      "distributed": dist.config(),
