@@ -284,3 +284,26 @@ def test_hub_default_fails_offline_with_the_local_route_named(monkeypatch):
 
     with pytest.raises(RepgeomError, match="repgeom_data.*question"):
         load_dataset("mmlu")
+
+
+def prompt_perplexity(lm, tokens):
+    """The context's own per-token perplexity (its tokens after the first), from a separate forward pass."""
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([tokens])).logits[0].double()
+    lp = torch.log_softmax(logits, dim=-1)[:-1].gather(-1, torch.tensor(tokens[1:])[:, None]).sum()
+    return math.exp(-float(lp) / (len(tokens) - 1))
+
+
+@pytest.mark.parametrize("capture", ["fused", "extra"])
+def test_samples_carry_the_gold_answer_and_the_prompt_perplexity(lm, data, capture):
+    """``ppl`` is the gold answer's per-token perplexity given the prompt (lm-eval's own log-likelihood);
+    ``prompt_ppl`` the prompt's own, read from the same forward pass (fused) or the extra one."""
+    _, samples, _ = run(lm, "repgeom_hardness_arc_easy", data["arc_easy"], repgeom_capture=capture)
+    for sample in samples:
+        item = sample["repgeom_slice_spearman"]
+        tokens = context_tokens(lm, sample)
+        assert item["prompt_ppl"] == pytest.approx(prompt_perplexity(lm, tokens), rel=1e-4)
+        gold = int(sample["target"])
+        loglikelihood = sample["resps"][gold][0][0]
+        n_answer = len(lm._encode_pair(*sample["arguments"][gold])[1])
+        assert item["ppl"] == pytest.approx(math.exp(-loglikelihood / n_answer), rel=1e-9)

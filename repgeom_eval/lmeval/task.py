@@ -238,7 +238,7 @@ class HardnessTask(GeometryTask):
         by_doc: dict[int, list] = defaultdict(list)
         for inst in self._instances:
             by_doc[inst.doc_id].append(inst)
-        carriers, doc_ids, vectors, correct, ppl = [], [], [], [], []
+        carriers, doc_ids, vectors, correct, ppl, prompt_ppl = [], [], [], [], [], []
         for doc_id in sorted(by_doc):
             insts = sorted(by_doc[doc_id], key=lambda x: x.idx)
             key = next(iter(insts[0].filtered_resps))
@@ -254,7 +254,9 @@ class HardnessTask(GeometryTask):
             doc_ids.append(doc_id)
             vectors.append(np.asarray(geometry[self.want], dtype=np.float64))
             correct.append(bool(base[self.settings.correct]))
-            ppl.append(math.exp(-float(results[gold][0]) / n_tokens))
+            ppl.append(math.exp(-float(results[gold][0]) / n_tokens))  # the gold answer's, given the prompt
+            prompt = getattr(results[0], "prompt", None)  # the choices share the context: any row's will do
+            prompt_ppl.append(prompt.perplexity() if prompt is not None else math.nan)
         local = None
         if vectors:
             u = slices.unit_rows(np.stack(vectors))
@@ -271,7 +273,7 @@ class HardnessTask(GeometryTask):
         c_bad = slices.scores_against(u, ~ok, sums[2])
         for i, carrier in enumerate(carriers):
             carrier.repgeom_items = metrics.query_items(c[i], c_ok[i], c_bad[i], correct[i], ppl[i], vectors[i],
-                                                         doc_ids[i])
+                                                         doc_ids[i], prompt_ppl[i])
         return out
 
     def process_results(self, doc: dict, results: list) -> dict[str, Any]:
