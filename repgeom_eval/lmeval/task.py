@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -124,8 +125,14 @@ class GeometryTask(ConfigurableTask):
         schema = (config.get("dataset_kwargs") or {}).get("repgeom_schema")
         record = {k: v for k, v in asdict(self.settings).items() if self.KIND == "hardness" or k in
                   ("data", "layer", "pooling", "capture")}
-        record["data"] = self.settings.data or (
-            "/".join(x for x in SCHEMAS[schema].hub if x) + " (Hugging Face Hub)" if schema in SCHEMAS else None)
+        if schema in SCHEMAS:
+            record["data"] = self.settings.data or "/".join(x for x in SCHEMAS[schema].hub if x) + " (Hugging Face Hub)"
+        else:  # a YAML of the user's own (docs/lmeval.md#your-own-prompt): its dataset_path says where the data is
+            if self.settings.data:
+                warnings.warn(f"task {config.get('task')}: repgeom_data applies to the shipped repgeom tasks only; "
+                              "this task reads its own dataset_path / dataset_kwargs", RuntimeWarning, stacklevel=2)
+            given = {k: v for k, v in (config.get("dataset_kwargs") or {}).items() if k != "repgeom_schema"}
+            record["data"] = " ".join(str(x) for x in (config.get("dataset_path"), given or None) if x) or None
         s = self.settings
         self.metric_request = MetricRequest.from_settings(s.metrics, s.metric_params, s.layers, s.layer, s.seed)
         for key in ("metrics", "metric_params", "layers", "seed"):
