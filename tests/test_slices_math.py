@@ -229,3 +229,17 @@ def test_query_items_carry_both_perplexities():
     assert item["ppl"] == 4.5 and item["prompt_ppl"] == 12.0 and item["doc_id"] == 7
     item = metrics.query_items(0.3, 0.2, float("nan"), True, 4.5, np.ones(3), 7)["repgeom_slice_spearman"]
     assert item["prompt_ppl"] is None  # unknown (a one-token context): null, not NaN, in the samples JSON
+
+
+def test_calibration_keeps_its_test_slices():
+    """The test slices behind the MAE (dispersion, true and predicted accuracy), for a calibration plot."""
+    rng = np.random.default_rng(9)
+    x = np.concatenate([rng.normal(size=(300, 8)), 2 + 0.3 * rng.normal(size=(300, 8))])
+    ok = np.arange(600) < 300
+    with pytest.warns(RuntimeWarning):
+        cal = slices.calibrate(x, ok, size=100, seeds=3)
+    assert len(cal.test_slices) == 3
+    for seed, points in enumerate(cal.test_slices):
+        assert len(points["dispersion"]) == len(points["accuracy"]) == len(points["predicted"]) == 51
+        mae = np.mean(np.abs(np.asarray(points["predicted"]) - np.asarray(points["accuracy"])))
+        assert mae == pytest.approx(cal.test_mae[seed], abs=1e-12)

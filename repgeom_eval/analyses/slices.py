@@ -240,6 +240,8 @@ class Calibration:
     test_mae: list[float]
     mae_mean: float = float("nan")
     mae_se: float = float("nan")
+    # per seed, the test slices: their dispersion, true accuracy and the chosen regressor's prediction (for plots)
+    test_slices: list[dict[str, list[float]]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -306,7 +308,7 @@ def calibrate(vectors: np.ndarray, correct: Sequence[float], splits: tuple[float
     if used < size:
         warnings.warn(f"calibration: the parts cannot fill slices of {size} at every fraction; using slices of "
                       f"{used}", RuntimeWarning, stacklevel=2)
-    chosen, val_maes, test_maes = [], [], []
+    chosen, val_maes, test_maes, test_slices = [], [], [], []
     for s, part in enumerate(parts):
         rng = np.random.default_rng([seed, s, 2])
         (xc, yc), (xv, yv), (xt, yt) = (_slices_of(u[idx], y[idx], rng, fractions, used) for idx in part)
@@ -315,9 +317,12 @@ def calibrate(vectors: np.ndarray, correct: Sequence[float], splits: tuple[float
         best = min(regressors, key=lambda name: (val[name], regressors.index(name)))
         chosen.append(best)
         val_maes.append(val)
-        test_maes.append(float(np.mean(np.abs(fitted[best](xt) - yt))))
+        predicted = fitted[best](xt)
+        test_maes.append(float(np.mean(np.abs(predicted - yt))))
+        test_slices.append({"dispersion": xt.tolist(), "accuracy": yt.tolist(), "predicted": predicted.tolist()})
     result = Calibration(splits=tuple(splits), fractions=fractions, size=used, seeds=seeds,
-                         regressors=list(regressors), chosen=chosen, validation_mae=val_maes, test_mae=test_maes)
+                         regressors=list(regressors), chosen=chosen, validation_mae=val_maes, test_mae=test_maes,
+                         test_slices=test_slices)
     result.mae_mean = float(np.mean(test_maes))
     result.mae_se = float(np.std(test_maes, ddof=1) / math.sqrt(seeds)) if seeds > 1 else float("nan")
     return result
