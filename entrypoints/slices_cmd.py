@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                                         seed=args.seed)
             except ValueError as exc:
                 raise RepgeomError(f"--calibrate: {exc}") from None
-    notes += [str(w.message) for w in caught]
+    notes += list(dict.fromkeys(str(w.message) for w in caught))  # each note once (sklearn repeats its own)
     if curve.size < 2:
         raise RepgeomError(f"{int(queries.correct.sum())} correct and {int(len(queries.correct) - queries.correct.sum())}"
                            " incorrect queries: slices need at least 2 of each kind at every fraction")

@@ -325,10 +325,14 @@ def main(argv=None) -> None:
         ["slice answer perplexity", curve["spearman_perplexity"]],
         ["slice prompt perplexity", curve["spearman_prompt_perplexity"]]])
     cal = cal or {"mae_mean": math.nan, "mae_se": math.nan, "size": 0, "chosen": [], "seeds": 0, "test_slices": []}
+    # what predicting 0.5 (the calibration slices' mean accuracy) for every test slice would score
+    mae_constant = float(np.mean([abs(a - 0.5) for t in cal["test_slices"] for a in t["accuracy"]])) \
+        if cal["test_slices"] else math.nan
     chosen = ", ".join(f"{k} ×{cal['chosen'].count(k)}" for k in dict.fromkeys(cal["chosen"]))
     exp.table("Calibration (`repgeom slices --calibrate`): slice accuracy from slice dispersion",
-              ["test MAE (mean ± s.e. over seeds)", "slice size", "regressor chosen on validation"],
-              [[f"{cal['mae_mean']:.3f} ± {cal['mae_se']:.3f}", cal["size"], chosen]])
+              ["test MAE (mean ± s.e. over seeds)", "MAE of always predicting 0.5", "slice size",
+               "regressor chosen on validation"],
+              [[f"{cal['mae_mean']:.3f} ± {cal['mae_se']:.3f}", mae_constant, cal["size"], chosen]])
     if layers:
         exp.table("AUROC of c_i for correctness at every block output (same forward pass, `repgeom_metrics`)",
                   ["layer", "AUROC"], [[name, a] for name, a in layers])
@@ -341,20 +345,36 @@ def main(argv=None) -> None:
                    "regressor (left), and predicted against true slice accuracy (right)")
     if layers:
         exp.figure(layer_figure(layers), "auroc_by_layer", "AUROC of c_i for correctness at each block output")
-    for note in sl.get("notes", []):
+    for note in dict.fromkeys(sl.get("notes", [])):
         exp.warn(f"repgeom slices: {note}")
 
     # -- summary ------------------------------------------------------------------------------------------------------
-    rising = curve["spearman"] > 0.5
-    compare = ("as in paper A, slices with more correct answers are more dispersed "
-               f"(ρ = {curve['spearman']:.2f})" if rising else
-               f"unlike paper A, slice dispersion does not rise with the fraction correct (ρ = {curve['spearman']:.2f})")
-    auc_text = (f"c_i ranks questions better than chance (AUROC {auc:.3f}, 95 % CI {auc_lo:.3f}–{auc_hi:.3f})"
-                if auc_lo > 0.5 else
-                f"c_i does not rank questions better than chance (AUROC {auc:.3f}, 95 % CI {auc_lo:.3f}–{auc_hi:.3f})"
-                if auc_hi >= 0.5 else
-                f"c_i ranks them the wrong way round (AUROC {auc:.3f}, 95 % CI {auc_lo:.3f}–{auc_hi:.3f}: more "
-                "dispersed questions are answered worse)")
+    low_c, high_c = float(table["repgeom_acc_low_c,none"]), float(table["repgeom_acc_high_c,none"])
+    layer_range = (f"{min(a for _, a in layers):.2f}–{max(a for _, a in layers):.2f}" if layers else "n/a")
+    follows_auc = auc_lo > 0.5
+    follows_curve = curve["spearman"] > 0.5
+    if follows_auc and follows_curve:
+        verdict = (f"SmolLM2-135M follows it here: c_i ranks questions better than chance (AUROC {auc:.3f}, 95 % CI "
+                   f"{auc_lo:.3f}–{auc_hi:.3f}) and slice dispersion rises with the fraction correct "
+                   f"(ρ = {curve['spearman']:.2f}).")
+    else:
+        parts = []
+        if not follows_auc:
+            parts.append(f"c_i does not rank the questions (AUROC {auc:.3f}, 95 % CI {auc_lo:.3f}–{auc_hi:.3f}; "
+                         f"{layer_range} at the {len(layers)} layers read; lowest-c_i decile {low_c:.2f} correct, "
+                         f"highest {high_c:.2f})")
+        else:
+            parts.append(f"c_i ranks the questions better than chance (AUROC {auc:.3f}, 95 % CI "
+                         f"{auc_lo:.3f}–{auc_hi:.3f})")
+        parts.append(f"slice dispersion {'rises' if follows_curve else 'does not rise'} with the fraction correct "
+                     f"(ρ = {curve['spearman']:.2f}, D {curve['dispersion_mean'][0]:.3f} → "
+                     f"{curve['dispersion_mean'][-1]:.3f})")
+        if math.isfinite(mae_constant):
+            better = cal["mae_mean"] < mae_constant
+            parts.append(f"calibration MAE {cal['mae_mean']:.2f} is {'below' if better else 'no better than'} "
+                         f"always predicting 0.5 ({mae_constant:.2f})")
+        verdict = ("SmolLM2-135M-Instruct on this quiz does not follow it: " + "; ".join(parts)
+                   + f". The label-free prompt perplexity does better (AUROC {auc_prompt:.3f}).")
     summary = [
         f"SmolLM2-135M-Instruct (GGUF) answered {len(samples)} cloze-style WordNet questions (definition → word, 3 "
         f"distractors from the same lexicographer file) through `lm_eval --include_path` with a repgeom hardness "
@@ -363,8 +383,7 @@ def main(argv=None) -> None:
         f"resid_post:{best_layer[0]} {best_layer[1]:.3f}; prompt perplexity {auc_prompt:.3f}); slice curve "
         f"D {curve['dispersion_mean'][0]:.4f} at 0 % → {curve['dispersion_mean'][-1]:.4f} at 100 % correct, "
         f"Spearman {curve['spearman']:.2f}; calibration MAE {cal['mae_mean']:.3f} ± {cal['mae_se']:.3f}.",
-        f"Paper A: lower-dispersion questions are harder and slice dispersion rises with slice accuracy; here "
-        f"{auc_text}, and {compare}.",
+        "Paper A: questions of lower dispersion are harder, and slices of lower dispersion less accurate. " + verdict,
     ]
     notes = [
         "The quiz is generated at run time from the Debian wordnet package (single-word nouns of 3-14 letters; "
@@ -386,7 +405,7 @@ def main(argv=None) -> None:
         "dispersion_incorrect": table["repgeom_dispersion_incorrect,none"],
         "auroc_by_layer": dict(layers), "slices": {k: v for k, v in curve.items() if k not in
                                                    ("dispersion", "perplexity", "prompt_perplexity")},
-        "calibration": {k: v for k, v in cal.items() if k != "test_slices"},
+        "calibration": {k: v for k, v in cal.items() if k != "test_slices"}, "calibration_mae_constant": mae_constant,
         "lm_eval_seconds": round(lm_seconds, 1), "answer_perplexity_median": float(np.median(answer_ppl)),
         "prompt_perplexity_median": float(np.nanmedian(prompt_ppl)),
     }, notes=notes)
