@@ -1,11 +1,14 @@
 """Docs that are tested: every ```bash and ```python block of README.md and docs/*.md runs here.
 
-Plain ``` blocks (make, pip, sample output) and other languages are not run. Each block runs in a fresh working
+Plain ``` blocks (make, pip, sample output) and other languages are not run. A block of any language whose info
+string names a file (```` ```yaml file=my_tasks/quiz.yaml ````) is written to that path, relative to the working
+directory, before the next runnable block of the same page runs: how a page shows the files a command reads. Each block runs in a fresh working
 directory holding ``my-model/`` (a tiny GPT-2) and ``texts.jsonl`` (real sentences from Python's own docs):
 
-* ``bash``: every command line must be a ``repgeom ...`` command (optionally preceded by ``NAME=value``
-  environment assignments); each runs as ``python -m repgeom_eval ...`` in a subprocess and must exit 0. Any other
-  line fails the test, so that nothing in a ``bash`` block is silently skipped.
+* ``bash``: every command line must be a ``repgeom ...`` or ``lm_eval ...`` command (optionally preceded by
+  ``NAME=value`` environment assignments); each runs as ``python -m repgeom_eval ...`` / ``python -m lm_eval ...``
+  in a subprocess and must exit 0. Any other line fails the test, so that nothing in a ``bash`` block is silently
+  skipped.
 * ``python``: executed in a fresh namespace with the working directory as cwd; any ``test_*`` functions it defines
   are then called (a ``tmp_path`` argument gets a fresh directory).
 
@@ -40,6 +43,8 @@ DOC_FILES = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"
 RUN_LANGUAGES = ("bash", "python")
 DOCS_MODULE = "repgeom_docs_block"  # the module a python block runs as
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
+PROGRAMS = {"repgeom": "repgeom_eval", "lm_eval": "lm_eval"}  # command -> the module `python -m` runs
+FILE_INFO = re.compile(r"(?:^|\s)file=(\S+)")
 
 
 @dataclass
@@ -49,6 +54,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     language: str
     code: str
+    files: tuple[tuple[str, str], ...] = ()  # (relative path, text) written before the block runs
 
     @property
     def id(self) -> str:
@@ -61,15 +67,20 @@ class Block:
 
 def fenced_blocks(path: Path) -> list[tuple[int, str, str]]:
     """(line, language, code) of every fenced block of a Markdown file, runnable or not."""
-    out: list[tuple[int, str, str]] = []
+    return [(line, language, code) for line, language, _, code in fenced_blocks_with_info(path)]
+
+
+def fenced_blocks_with_info(path: Path) -> list[tuple[int, str, str, str]]:
+    """(line, language, rest of the info string, code) of every fenced block of a Markdown file."""
+    out: list[tuple[int, str, str, str]] = []
     lines = path.read_text(encoding="utf-8").splitlines()
     i = 0
     while i < len(lines):
-        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
+        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)(.*)$", lines[i])
         if not m:
             i += 1
             continue
-        indent, fence, language = m.groups()
+        indent, fence, language, info = m.groups()
         start, body = i + 1, []
         i += 1
         while i < len(lines) and not re.match(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[i]):
@@ -77,27 +88,45 @@ def fenced_blocks(path: Path) -> list[tuple[int, str, str]]:
             body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
             i += 1
         assert i < len(lines), f"{path.relative_to(ROOT)}:{start}: unclosed code fence"
-        out.append((start, language.lower(), "\n".join(body) + "\n"))
+        out.append((start, language.lower(), info.strip(), "\n".join(body) + "\n"))
         i += 1
     return out
 
 
-def runnable_blocks() -> list[Block]:
+def runnable_blocks(paths: list[Path] = DOC_FILES) -> list[Block]:
     blocks = []
-    for path in DOC_FILES:
+    for path in paths:
         number = 0
-        for line, language, code in fenced_blocks(path):
-            if language in RUN_LANGUAGES:
+        files: list[tuple[str, str]] = []  # file blocks waiting for the next runnable block
+        for line, language, info, code in fenced_blocks_with_info(path):
+            named = FILE_INFO.search(info)
+            if named:
+                target = Path(named.group(1))
+                assert not target.is_absolute() and ".." not in target.parts, \
+                    f"{path.name}:{line}: file={target} must be a path inside the working directory"
+                files.append((target.as_posix(), code))
+            elif language in RUN_LANGUAGES:
                 number += 1
-                blocks.append(Block(path, number, line, language, code))
+                blocks.append(Block(path, number, line, language, code, tuple(files)))
+                files = []
+        assert not files, f"{path.name}: file blocks {[f for f, _ in files]} come after the last " \
+                          "runnable block; nothing would read them"
     return blocks
+
+
+def write_files(block: Block, cwd: Path) -> None:
+    for name, text in block.files:
+        target = cwd / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
 
 
 BLOCKS = runnable_blocks()
 
 
 def bash_commands(code: str) -> list[tuple[dict[str, str], list[str]]]:
-    """(environment, repgeom arguments) for each command line of a bash block; anything else is an error."""
+    """(environment, command words) for each ``repgeom`` / ``lm_eval`` line of a bash block; anything else is an
+    error."""
     commands = []
     for raw in code.replace("\\\n", " ").splitlines():
         words = shlex.split(raw, comments=True)
@@ -107,12 +136,12 @@ def bash_commands(code: str) -> list[tuple[dict[str, str], list[str]]]:
         while words and ENV_ASSIGNMENT.fullmatch(words[0]):
             key, _, value = words.pop(0).partition("=")
             env[key] = value
-        if not words or words[0] != "repgeom":
+        if not words or words[0] not in PROGRAMS:
             raise AssertionError(
-                f"bash block line {raw!r} is not a `repgeom` command; docs tests run only those, so put other "
-                "commands (pip, make, cd ...) in a plain ``` fence"
+                f"bash block line {raw!r} is not a `repgeom` or `lm_eval` command; docs tests run only those, so put "
+                "other commands (pip, make, cd ...) in a plain ``` fence"
             )
-        commands.append((env, words[1:]))
+        commands.append((env, words))
     return commands
 
 
@@ -165,10 +194,11 @@ def _subprocess_env(extra_path: Path | None, env: dict[str, str]) -> dict[str, s
 def _run_commands(block: Block, cwd: Path, extra_path: Path | None) -> list[tuple[str, subprocess.CompletedProcess]]:
     """Run a bash block's commands one after the other; stop at the first failure."""
     done = []
-    for env, args in bash_commands(block.code):
-        proc = subprocess.run([sys.executable, "-m", "repgeom_eval", *args], cwd=cwd, capture_output=True, text=True,
-                              env=_subprocess_env(extra_path, env), timeout=300)
-        done.append((" ".join([*(f"{k}={v}" for k, v in env.items()), "repgeom", *map(shlex.quote, args)]), proc))
+    write_files(block, cwd)
+    for env, (program, *args) in bash_commands(block.code):
+        proc = subprocess.run([sys.executable, "-m", PROGRAMS[program], *args], cwd=cwd, capture_output=True,
+                              text=True, env=_subprocess_env(extra_path, env), timeout=300)
+        done.append((" ".join([*(f"{k}={v}" for k, v in env.items()), program, *map(shlex.quote, args)]), proc))
         if proc.returncode != 0:
             break
     return done
@@ -229,7 +259,7 @@ def test_doc_block(block: Block, request, monkeypatch, tmp_path):
 
     if block.language == "bash":
         commands = bash_commands(block.code)
-        assert commands, f"{block.id}: bash block without any repgeom command"
+        assert commands, f"{block.id}: bash block without any repgeom or lm_eval command"
         done = request.getfixturevalue("bash_runs")(block).result()
         for shown, proc in done:
             assert proc.returncode == 0, (f"{block.id}: `{shown}` exited with {proc.returncode}\n"
@@ -238,6 +268,7 @@ def test_doc_block(block: Block, request, monkeypatch, tmp_path):
         return
     extra_path = request.getfixturevalue("example_target") if block.needs_plugin else None
     workdir = request.getfixturevalue("workdir")
+    write_files(block, workdir)
     monkeypatch.chdir(workdir)
     monkeypatch.delenv("REPGEOM_STRICT_PLUGINS", raising=False)
     if extra_path is not None:
@@ -280,8 +311,21 @@ def test_tutorial_pyproject_is_the_example():
 
 
 def test_bash_command_parser():
-    assert bash_commands("repgeom plugins --json\n# a comment\n\n") == [({}, ["plugins", "--json"])]
+    assert bash_commands("repgeom plugins --json\n# a comment\n\n") == [({}, ["repgeom", "plugins", "--json"])]
     assert bash_commands("REPGEOM_STRICT_PLUGINS=1 repgeom measure \\\n  --model './my model'\n") == [
-        ({"REPGEOM_STRICT_PLUGINS": "1"}, ["measure", "--model", "./my model"])]
+        ({"REPGEOM_STRICT_PLUGINS": "1"}, ["repgeom", "measure", "--model", "./my model"])]
+    assert bash_commands("lm_eval --tasks quiz --include_path my_tasks\n") == [
+        ({}, ["lm_eval", "--tasks", "quiz", "--include_path", "my_tasks"])]
     with pytest.raises(AssertionError, match="plain ``` fence"):
         bash_commands("pip install -e .\n")
+
+
+def test_file_blocks_go_to_the_next_runnable_block(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```yaml file=my_tasks/quiz.yaml\ntask: quiz\n```\n\n```jsonl file=quiz.jsonl\n{}\n```\n\n"
+                    "```bash\nrepgeom plugins\n```\n\n```bash\nrepgeom plugins --json\n```\n", encoding="utf-8")
+    first, second = runnable_blocks([page])
+    assert first.files == (("my_tasks/quiz.yaml", "task: quiz\n"), ("quiz.jsonl", "{}\n")) and second.files == ()
+    write_files(first, tmp_path / "work")
+    assert (tmp_path / "work" / "my_tasks" / "quiz.yaml").read_text() == "task: quiz\n"
+    assert any(b.files for b in BLOCKS if b.path.name == "lmeval.md"), "docs/lmeval.md shows its custom task's files"

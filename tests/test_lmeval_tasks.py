@@ -284,3 +284,46 @@ def test_hub_default_fails_offline_with_the_local_route_named(monkeypatch):
 
     with pytest.raises(RepgeomError, match="repgeom_data.*question"):
         load_dataset("mmlu")
+
+
+def prompt_perplexity(lm, tokens):
+    """The context's own per-token perplexity (its tokens after the first), from a separate forward pass."""
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([tokens])).logits[0].double()
+    lp = torch.log_softmax(logits, dim=-1)[:-1].gather(-1, torch.tensor(tokens[1:])[:, None]).sum()
+    return math.exp(-float(lp) / (len(tokens) - 1))
+
+
+@pytest.mark.parametrize("capture", ["fused", "extra"])
+def test_samples_carry_the_gold_answer_and_the_prompt_perplexity(lm, data, capture):
+    """``ppl`` is the gold answer's per-token perplexity given the prompt (lm-eval's own log-likelihood);
+    ``prompt_ppl`` the prompt's own, read from the same forward pass (fused) or the extra one."""
+    _, samples, _ = run(lm, "repgeom_hardness_arc_easy", data["arc_easy"], repgeom_capture=capture)
+    for sample in samples:
+        item = sample["repgeom_slice_spearman"]
+        tokens = context_tokens(lm, sample)
+        assert item["prompt_ppl"] == pytest.approx(prompt_perplexity(lm, tokens), rel=1e-4)
+        gold = int(sample["target"])
+        loglikelihood = sample["resps"][gold][0][0]
+        n_answer = len(lm._encode_pair(*sample["arguments"][gold])[1])
+        assert item["ppl"] == pytest.approx(math.exp(-loglikelihood / n_answer), rel=1e-9)
+
+
+def test_a_yaml_of_ones_own_records_its_data_and_ignores_repgeom_data(tmp_path):
+    """docs/lmeval.md#your-own-prompt-a-hardness-task-from-a-yaml: the task class in a user's YAML; repgeom_data is
+    for the shipped tasks' loader and is ignored, with a warning, by a YAML naming its own dataset_path."""
+    (tmp_path / "quiz.jsonl").write_text("".join(
+        '{"q": "word %d", "choices": ["a", "b"], "answer": %d}\n' % (i, i % 2) for i in range(4)))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "quiz.yaml").write_text(
+        "task: my_quiz\nclass: !function repgeom_eval.lmeval.task.HardnessTask\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'quiz.jsonl'}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}:'\ndoc_to_choice: choices\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n  - metric: repgeom_slice_spearman\n")
+    tm = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False,
+                     metadata={"repgeom_data": "elsewhere.jsonl"})
+    with pytest.warns(RuntimeWarning, match="repgeom_data applies to the shipped repgeom tasks only"):
+        task = tm.load(["my_quiz"])["tasks"]["my_quiz"]
+    record = task.config.metadata["repgeom"]
+    assert record["data"].startswith("json ") and "quiz.jsonl" in record["data"]
+    assert len(task.eval_docs) == 4

@@ -69,3 +69,44 @@ def test_samples_without_vectors_are_named(tmp_path, capsys):
     (tmp_path / "samples_x_2026.jsonl").write_text('{"doc_id": 0, "acc": 1.0}\n')
     assert main(["slices", str(tmp_path)]) == 2
     assert "repgeom_slice_spearman" in capsys.readouterr().err
+
+
+def test_both_perplexities_are_labelled(planted, capsys):
+    """--prompt-ppl-field: the prompt's perplexity beside the gold answer's, each named for what it is."""
+    d, x, ok, ppl = planted
+    rows = [json.loads(line) for line in (d / "queries.jsonl").read_text().splitlines()]
+    with open(d / "queries.jsonl", "w") as fh:
+        for row, p in zip(rows, np.where(ok, 30.0, 10.0)):
+            fh.write(json.dumps({**row, "prompt": float(p)}) + "\n")
+    out = d / "slices.json"
+    assert main(["slices", str(d / "queries.jsonl"), "--vectors", str(d / "vectors.npy"), "--correct-field",
+                 "is_right", "--prompt-ppl-field", "prompt", "--seeds", "3", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "answer perplexity" in printed and "prompt perplexity" in printed and "gold answer" in printed
+    result = json.loads(out.read_text())
+    assert "gold answer" in result["config"]["slice_perplexity"]
+    assert "prompt's own" in result["config"]["slice_prompt_perplexity"]
+    assert result["slices"]["spearman_prompt_perplexity"] == pytest.approx(1.0)
+    assert result["slices"]["prompt_perplexity_mean"][0] == pytest.approx(10.0)
+    assert result["slices"]["prompt_perplexity_mean"][-1] == pytest.approx(30.0)
+
+
+def test_samples_with_and_without_prompt_perplexity(tmp_path, capsys):
+    """lm-eval samples: prompt_ppl is read when present; samples written before it existed still work."""
+    from repgeom_eval.analyses.queries import encode_vector, from_samples
+
+    rng = np.random.default_rng(0)
+    for name, with_prompt in (("new", True), ("old", False)):
+        with open(tmp_path / f"samples_{name}_2026.jsonl", "w") as fh:
+            for i in range(40):
+                item = {"doc_id": i, "correct": float(i % 2), "ppl": 2.0 + i, "vector": encode_vector(rng.normal(size=4))}
+                if with_prompt:
+                    item["prompt_ppl"] = 100.0 + i
+                fh.write(json.dumps({"doc_id": i, "repgeom_slice_spearman": item}) + "\n")
+    new = from_samples(tmp_path / "samples_new_2026.jsonl")
+    old = from_samples(tmp_path / "samples_old_2026.jsonl")
+    assert new.prompt_ppl.tolist() == [100.0 + i for i in range(40)] and old.prompt_ppl is None
+    assert old.ppl.tolist() == [2.0 + i for i in range(40)]
+    assert main(["slices", str(tmp_path / "samples_old_2026.jsonl"), "--size", "10", "--seeds", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "answer perplexity" in printed and "prompt perplexity" not in printed

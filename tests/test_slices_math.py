@@ -199,3 +199,47 @@ def test_document_items_and_correlations():
     pairs = [i["repgeom_ppl_spearman"] for i in items]
     assert metrics.spearman(pairs) == pytest.approx(0.5)
     assert metrics.pearson(pairs) == pytest.approx(np.corrcoef([2, 3, 4], [0.5, 0.6, 0.55])[0, 1])
+
+
+def test_prompt_perplexity_slices_are_slice_means_and_change_nothing_else():
+    """The prompt's perplexity is averaged over the same slices as the answer's; adding it changes no other number."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(240, 6))
+    ok = np.arange(240) < 120
+    ppl = rng.uniform(1, 9, size=240)
+    prompt = np.where(ok, 20.0, 40.0) + rng.random(240)  # planted: harder queries have worse-predicted prompts
+    plain = slices.controlled_slices(x, ok, ppl, size=50, seeds=3)
+    both = slices.controlled_slices(x, ok, ppl, size=50, seeds=3, prompt_ppl=prompt)
+    assert both.dispersion == plain.dispersion and both.perplexity == plain.perplexity
+    assert plain.prompt_perplexity is None and math.isnan(plain.spearman_prompt_perplexity)
+    for i, f in enumerate(both.fractions):  # a slice with k correct of 50: mean prompt ppl ≈ 20 + 20·(1 − f)
+        for s in range(3):
+            assert 20 + 20 * (1 - f) <= both.prompt_perplexity[i][s] <= 21 + 20 * (1 - f)
+    assert both.prompt_perplexity_mean == pytest.approx(np.mean(both.prompt_perplexity, axis=1).tolist())
+    assert both.spearman_prompt_perplexity == pytest.approx(-1.0)
+    only_prompt = slices.controlled_slices(x, ok, None, size=50, seeds=3, prompt_ppl=prompt)
+    assert only_prompt.perplexity is None and only_prompt.prompt_perplexity == both.prompt_perplexity
+    with pytest.raises(ValueError, match="prompt perplexities"):
+        slices.controlled_slices(x, ok, ppl, size=50, seeds=3, prompt_ppl=prompt[:10])
+
+
+def test_query_items_carry_both_perplexities():
+    import repgeom_eval.lmeval.metrics as metrics
+    item = metrics.query_items(0.3, 0.2, float("nan"), True, 4.5, np.ones(3), 7, 12.0)["repgeom_slice_spearman"]
+    assert item["ppl"] == 4.5 and item["prompt_ppl"] == 12.0 and item["doc_id"] == 7
+    item = metrics.query_items(0.3, 0.2, float("nan"), True, 4.5, np.ones(3), 7)["repgeom_slice_spearman"]
+    assert item["prompt_ppl"] is None  # unknown (a one-token context): null, not NaN, in the samples JSON
+
+
+def test_calibration_keeps_its_test_slices():
+    """The test slices behind the MAE (dispersion, true and predicted accuracy), for a calibration plot."""
+    rng = np.random.default_rng(9)
+    x = np.concatenate([rng.normal(size=(300, 8)), 2 + 0.3 * rng.normal(size=(300, 8))])
+    ok = np.arange(600) < 300
+    with pytest.warns(RuntimeWarning):
+        cal = slices.calibrate(x, ok, size=100, seeds=3)
+    assert len(cal.test_slices) == 3
+    for seed, points in enumerate(cal.test_slices):
+        assert len(points["dispersion"]) == len(points["accuracy"]) == len(points["predicted"]) == 51
+        mae = np.mean(np.abs(np.asarray(points["predicted"]) - np.asarray(points["accuracy"])))
+        assert mae == pytest.approx(cal.test_mae[seed], abs=1e-12)

@@ -2,9 +2,12 @@
 
 * lm-eval ``--log_samples`` output of a repgeom hardness task: a ``samples_<task>_<date>.jsonl`` file, or the
   ``--output_path`` folder holding it. Each record's ``repgeom_slice_spearman`` field carries the query's vector
-  (base64 float32), its correctness and its perplexity.
-* Any JSONL with one record per query (a ``correct`` field: true/false or 0/1; optionally ``ppl``) together with
-  a vector file holding one row per record, in the same order: ``.npy`` ([N, d]) or ``.safetensors`` (one tensor).
+  (base64 float32), its correctness, the gold answer's perplexity (``ppl``: the per-token perplexity of the correct
+  choice given the prompt) and the prompt's own perplexity (``prompt_ppl``; absent from samples written before it
+  existed).
+* Any JSONL with one record per query (a ``correct`` field: true/false or 0/1; optionally ``ppl`` and
+  ``prompt_ppl``) together with a vector file holding one row per record, in the same order: ``.npy`` ([N, d]) or
+  ``.safetensors`` (one tensor).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ def decode_vector(text: str) -> np.ndarray:
 class Queries:
     vectors: np.ndarray  # [N, d]
     correct: np.ndarray  # [N] float 0/1
-    ppl: np.ndarray | None  # [N] or None
+    ppl: np.ndarray | None  # [N] or None: the gold answer's perplexity given the prompt
     source: str
+    prompt_ppl: np.ndarray | None = None  # [N] or None: the prompt's own perplexity
 
 
 def _json_lines(path: Path) -> list[dict]:
@@ -80,7 +84,7 @@ def from_samples(path: str | Path, task: str | None = None) -> Queries:
     elif not p.is_file():
         raise RepgeomError(f"{str(path)!r} does not exist")
     records = _json_lines(p)
-    vectors, correct, ppl = [], [], []
+    vectors, correct, ppl, prompt_ppl = [], [], [], []
     for number, record in enumerate(records, 1):
         item = record.get(SAMPLES_FIELD)
         if not isinstance(item, dict) or "vector" not in item:
@@ -88,10 +92,20 @@ def from_samples(path: str | Path, task: str | None = None) -> Queries:
                                "repgeom_hardness_* task run with --log_samples (and that metric kept)")
         vectors.append(decode_vector(item["vector"]))
         correct.append(float(item["correct"]))
-        ppl.append(float(item.get("ppl", math.nan)))
+        ppl.append(_number(item.get("ppl")))
+        prompt_ppl.append(_number(item.get("prompt_ppl")))
     if len({len(v) for v in vectors}) != 1:
         raise RepgeomError(f"{p}: the vectors do not all have the same length")
-    return Queries(np.stack(vectors), np.asarray(correct), np.asarray(ppl), str(p))
+    return Queries(np.stack(vectors), np.asarray(correct), _column(ppl), str(p), _column(prompt_ppl))
+
+
+def _number(value: object) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _column(values: list[float]) -> np.ndarray | None:
+    """The values, or None when none of them is known (a field the input does not have)."""
+    return np.asarray(values) if any(math.isfinite(x) for x in values) else None
 
 
 def _load_vectors(path: Path) -> np.ndarray:
@@ -123,8 +137,9 @@ def _truth(value: object, where: str) -> float:
 
 
 def from_vector_file(queries: str | Path, vectors: str | Path, correct_field: str = "correct",
-                     ppl_field: str = "ppl") -> Queries:
-    """Queries from a JSONL (correctness, optional perplexity) and a vector file, row i ↔ record i."""
+                     ppl_field: str = "ppl", prompt_ppl_field: str = "prompt_ppl") -> Queries:
+    """Queries from a JSONL (correctness, optional answer and prompt perplexities) and a vector file, row i ↔
+    record i."""
     qp, vp = Path(queries), Path(vectors)
     if qp.is_dir():
         raise RepgeomError(f"queries file {str(qp)!r} is a directory; with --vectors, pass the JSONL file itself")
@@ -135,12 +150,11 @@ def from_vector_file(queries: str | Path, vectors: str | Path, correct_field: st
     if len(array) != len(records):
         raise RepgeomError(f"{vp} has {len(array)} vectors but {qp} has {len(records)} records; they must match "
                            "row for row")
-    correct, ppl = [], []
+    correct, ppl, prompt_ppl = [], [], []
     for number, record in enumerate(records, 1):
         if correct_field not in record:
             raise RepgeomError(f"{qp}: record {number} has no {correct_field!r} field (use --correct-field)")
         correct.append(_truth(record[correct_field], f"{qp}: record {number}"))
-        value = record.get(ppl_field)
-        ppl.append(math.nan if value is None else float(value))
-    has_ppl = any(math.isfinite(x) for x in ppl)
-    return Queries(array, np.asarray(correct), np.asarray(ppl) if has_ppl else None, str(qp))
+        ppl.append(_number(record.get(ppl_field)))
+        prompt_ppl.append(_number(record.get(prompt_ppl_field)))
+    return Queries(array, np.asarray(correct), _column(ppl), str(qp), _column(prompt_ppl))

@@ -6,11 +6,13 @@
   incorrect queries.
 * :func:`controlled_slices`: slices of ``size`` queries with a controlled fraction correct (0 %, 10 %, …, 100 %),
   drawn without replacement for each of ``seeds`` seeds; per fraction the mean ± s.e. over seeds of the slice
-  dispersion (D across the slice's vectors) and of the slice's mean perplexity; Spearman of the curve.
+  dispersion (D across the slice's vectors) and of the slice's mean perplexities (of the gold answers given the
+  prompts, and of the prompts themselves, where known); Spearman of the curve.
 * :func:`calibrate`: predict a slice's accuracy from its dispersion (20 % calibration / 10 % validation / 70 %
   test; dense 2 % slices; isotonic, linear and polynomial regressors chosen on validation; MAE on test).
 
-Everything takes plain arrays: ``vectors`` [N, d], ``correct`` [N] (0/1), ``ppl`` [N] (optional).
+Everything takes plain arrays: ``vectors`` [N, d], ``correct`` [N] (0/1), ``ppl`` [N] (optional: the gold answer's
+per-token perplexity given the prompt, what lm-eval scores) and ``prompt_ppl`` [N] (optional: the prompt's own).
 """
 
 from __future__ import annotations
@@ -126,14 +128,19 @@ class SliceCurve:
     n_queries: int
     n_correct: int
     dispersion: list[list[float]]  # [fraction][seed]
-    perplexity: list[list[float]] | None
+    perplexity: list[list[float]] | None  # mean gold-answer perplexity of each slice
     dispersion_mean: list[float] = field(default_factory=list)
     dispersion_se: list[float] = field(default_factory=list)
     perplexity_mean: list[float] | None = None
     perplexity_se: list[float] | None = None
     spearman: float = float("nan")  # fraction correct vs mean slice dispersion (the curve)
     spearman_all_slices: float = float("nan")  # the same over every (fraction, seed) slice
-    spearman_perplexity: float = float("nan")  # fraction correct vs mean slice perplexity
+    spearman_perplexity: float = float("nan")  # fraction correct vs mean slice (gold-answer) perplexity
+    # the same for the prompts' own perplexity (None when not known)
+    prompt_perplexity: list[list[float]] | None = None
+    prompt_perplexity_mean: list[float] | None = None
+    prompt_perplexity_se: list[float] | None = None
+    spearman_prompt_perplexity: float = float("nan")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,19 +171,24 @@ def _draw(rng: np.random.Generator, pos: np.ndarray, neg: np.ndarray, size: int,
 
 def controlled_slices(vectors: np.ndarray, correct: Sequence[float], ppl: Sequence[float] | None = None,
                       fractions: Sequence[float] = FRACTIONS, size: int = SLICE_SIZE, seeds: int = SEEDS,
-                      seed: int = 0) -> SliceCurve:
+                      seed: int = 0, prompt_ppl: Sequence[float] | None = None) -> SliceCurve:
     """The controlled-slice experiment of docs/metrics.md#hardness-slices (paper A Fig. 8, Tables 3–4).
 
     For every fraction f and seed s: ``round(size·f)`` correct and the rest incorrect queries, drawn without
-    replacement; slice dispersion = D across their vectors, slice perplexity = mean of their ``ppl``. When the
-    pool is too small for ``size`` at every fraction, the largest feasible size is used (with a warning; it is
-    recorded as ``size``).
+    replacement; slice dispersion = D across their vectors, slice perplexity = mean of their ``ppl`` (the gold
+    answers' perplexity), slice prompt perplexity = mean of their ``prompt_ppl``. Adding ``prompt_ppl`` leaves
+    every other number unchanged (the draws do not depend on it). When the pool is too small for ``size`` at every
+    fraction, the largest feasible size is used (with a warning; it is recorded as ``size``).
     """
     u = unit_rows(vectors)
     y = np.asarray(correct, dtype=bool)
     if len(y) != len(u):
         raise ValueError(f"{len(u)} vectors but {len(y)} correctness labels")
     p = None if ppl is None else np.asarray(ppl, dtype=np.float64)
+    pp = None if prompt_ppl is None else np.asarray(prompt_ppl, dtype=np.float64)
+    for name, column in (("perplexities", p), ("prompt perplexities", pp)):
+        if column is not None and column.shape != y.shape:
+            raise ValueError(f"{len(y)} correctness labels but {column.size} {name}")
     pos, neg = np.flatnonzero(y), np.flatnonzero(~y)
     fractions = [float(f) for f in fractions]
     used = slice_size(len(pos), len(neg), fractions, size)
@@ -185,6 +197,7 @@ def controlled_slices(vectors: np.ndarray, correct: Sequence[float], ppl: Sequen
                       f"of {size} at every fraction; using slices of {used}", RuntimeWarning, stacklevel=2)
     disp = np.full((len(fractions), seeds), np.nan)
     perp = None if p is None else np.full((len(fractions), seeds), np.nan)
+    prompt = None if pp is None else np.full((len(fractions), seeds), np.nan)
     if used >= 2:
         for s in range(seeds):
             rng = np.random.default_rng([seed, s])
@@ -193,6 +206,8 @@ def controlled_slices(vectors: np.ndarray, correct: Sequence[float], ppl: Sequen
                 disp[i, s] = dispersion_of_units(u[idx])
                 if perp is not None:
                     perp[i, s] = float(np.mean(p[idx]))
+                if prompt is not None:
+                    prompt[i, s] = float(np.mean(pp[idx]))
     curve = SliceCurve(fractions=fractions, size=used, requested_size=size, seeds=seeds, n_queries=len(y),
                        n_correct=int(y.sum()), dispersion=disp.tolist(),
                        perplexity=None if perp is None else perp.tolist())
@@ -202,6 +217,10 @@ def controlled_slices(vectors: np.ndarray, correct: Sequence[float], ppl: Sequen
     if perp is not None:
         curve.perplexity_mean, curve.perplexity_se = _mean_se(perp)
         curve.spearman_perplexity = spearman(fractions, curve.perplexity_mean)
+    if prompt is not None:
+        curve.prompt_perplexity = prompt.tolist()
+        curve.prompt_perplexity_mean, curve.prompt_perplexity_se = _mean_se(prompt)
+        curve.spearman_prompt_perplexity = spearman(fractions, curve.prompt_perplexity_mean)
     return curve
 
 
@@ -221,6 +240,8 @@ class Calibration:
     test_mae: list[float]
     mae_mean: float = float("nan")
     mae_se: float = float("nan")
+    # per seed, the test slices: their dispersion, true accuracy and the chosen regressor's prediction (for plots)
+    test_slices: list[dict[str, list[float]]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -287,7 +308,7 @@ def calibrate(vectors: np.ndarray, correct: Sequence[float], splits: tuple[float
     if used < size:
         warnings.warn(f"calibration: the parts cannot fill slices of {size} at every fraction; using slices of "
                       f"{used}", RuntimeWarning, stacklevel=2)
-    chosen, val_maes, test_maes = [], [], []
+    chosen, val_maes, test_maes, test_slices = [], [], [], []
     for s, part in enumerate(parts):
         rng = np.random.default_rng([seed, s, 2])
         (xc, yc), (xv, yv), (xt, yt) = (_slices_of(u[idx], y[idx], rng, fractions, used) for idx in part)
@@ -296,9 +317,12 @@ def calibrate(vectors: np.ndarray, correct: Sequence[float], splits: tuple[float
         best = min(regressors, key=lambda name: (val[name], regressors.index(name)))
         chosen.append(best)
         val_maes.append(val)
-        test_maes.append(float(np.mean(np.abs(fitted[best](xt) - yt))))
+        predicted = fitted[best](xt)
+        test_maes.append(float(np.mean(np.abs(predicted - yt))))
+        test_slices.append({"dispersion": xt.tolist(), "accuracy": yt.tolist(), "predicted": predicted.tolist()})
     result = Calibration(splits=tuple(splits), fractions=fractions, size=used, seeds=seeds,
-                         regressors=list(regressors), chosen=chosen, validation_mae=val_maes, test_mae=test_maes)
+                         regressors=list(regressors), chosen=chosen, validation_mae=val_maes, test_mae=test_maes,
+                         test_slices=test_slices)
     result.mae_mean = float(np.mean(test_maes))
     result.mae_se = float(np.std(test_maes, ddof=1) / math.sqrt(seeds)) if seeds > 1 else float("nan")
     return result

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -84,14 +85,40 @@ class TokenStats:
         return float(1.0 - (self.s @ self.s - self.q) / (self.n * (self.n - 1)))
 
 
+@dataclass(frozen=True)
+class PromptScore:
+    """How well the model predicts the context (prompt) itself, read from the same forward pass: the summed
+    log-probability of the context tokens after the first (each given the ones before it) and how many they are."""
+
+    logprob: float
+    n_tokens: int
+
+    def perplexity(self) -> float:
+        """exp(−logprob / n_tokens); NaN for a one-token context (nothing of it is predicted)."""
+        return math.exp(-self.logprob / self.n_tokens) if self.n_tokens > 0 else float("nan")
+
+
+def prompt_score(logprobs: torch.Tensor, tokens: Sequence[int] | np.ndarray, first: int, last: int) -> PromptScore:
+    """The :class:`PromptScore` of context tokens ``tokens[0..last]`` from a row's log-softmaxed logits, where row
+    position ``first + p`` holds the prediction made after input token ``p``."""
+    if last < 1:
+        return PromptScore(0.0, 0)
+    positions = torch.arange(first, first + last, device=logprobs.device)
+    targets = torch.as_tensor(np.asarray(tokens[1: last + 1], dtype=np.int64), device=logprobs.device)
+    return PromptScore(float(logprobs[positions, targets].double().sum()), int(last))
+
+
 class Scored(tuple):
     """``(loglikelihood, is_greedy)`` exactly as lm-eval computed it, plus ``geometry`` ({Want: vector or
-    TokenStats}) and ``n_tokens`` (continuation length). Unpacking, indexing and pickling work as for the tuple."""
+    TokenStats}), ``n_tokens`` (continuation length) and ``prompt`` (the context's :class:`PromptScore`, for
+    requests read as contexts; None otherwise). Unpacking, indexing and pickling work as for the tuple."""
 
-    def __new__(cls, result: Iterable[Any], geometry: dict | None = None, n_tokens: int | None = None):
+    def __new__(cls, result: Iterable[Any], geometry: dict | None = None, n_tokens: int | None = None,
+                prompt: PromptScore | None = None):
         obj = super().__new__(cls, result)
         obj.geometry = geometry if geometry is not None else {}
         obj.n_tokens = n_tokens
+        obj.prompt = prompt
         return obj
 
 
@@ -189,6 +216,7 @@ class HiddenStates:
         self._capture: Capture | None = None
         self._batch: _Batch | None = None
         self._store: dict[tuple, dict[Want, Any]] = {}
+        self._prompts: dict[tuple, PromptScore] = {}  # context key -> the context's own log-likelihood
         self._scoring = False
         self._rolling = False
         self._windows: dict[tuple, dict[Want, TokenStats]] = {}
@@ -240,6 +268,7 @@ class HiddenStates:
             self._capture = None
         self._batch = None
         self._store = {}
+        self._prompts = {}
         self._windows = {}
         self._pending, self._contexts, self._doc_windows = [], {}, {}
 
@@ -258,7 +287,7 @@ class HiddenStates:
     def _select_cont_toks(self, logits: torch.Tensor, contlen: int | None = None, inplen: int | None = None):
         out = self._originals["_select_cont_toks"](logits, contlen=contlen, inplen=inplen)
         if self._scoring and self._batch is not None and contlen and inplen:
-            self._read_row(self._batch, int(logits.shape[0]), int(contlen), int(inplen))
+            self._read_row(self._batch, int(logits.shape[0]), int(contlen), int(inplen), logits)
         return out
 
     def loglikelihood(self, requests: list, *args: Any, **kwargs: Any):
@@ -275,7 +304,7 @@ class HiddenStates:
         requests = kwargs["requests"] if "requests" in kwargs else args[0]
         if not self._rolling and self._instances is not None:
             self._register_contexts(self._instances, requests)
-        self._scoring, self._store = True, {}
+        self._scoring, self._store, self._prompts = True, {}, {}
         try:
             results = self._originals["_loglikelihood_tokens"](*args, **kwargs)
             self._flush()
@@ -286,7 +315,7 @@ class HiddenStates:
         try:
             return self._attach(requests, results)
         finally:
-            self._store = {}
+            self._store, self._prompts = {}, {}
 
     def loglikelihood_rolling(self, requests: list, *args: Any, **kwargs: Any):
         self._register_documents(requests)
@@ -319,7 +348,8 @@ class HiddenStates:
         mask = (positions >= first) & (positions <= last)
         return pool(h[None].double(), mask[None], want.pooling)[0][0].float().cpu().numpy()
 
-    def _read_row(self, batch: _Batch, seq_len: int, contlen: int, inplen: int) -> None:
+    def _read_row(self, batch: _Batch, seq_len: int, contlen: int, inplen: int,
+                  logprobs: torch.Tensor | None = None) -> None:
         i = batch.next_row
         batch.next_row += 1
         if i >= batch.tokens.shape[0]:
@@ -330,6 +360,10 @@ class HiddenStates:
         if n_in <= 0 or last < 0:
             return
         row = batch.tokens[i, :n_in]
+        if not self._rolling and logprobs is not None and self._wants_now():
+            key = context_key(row, last)
+            if key not in self._prompts:  # the choices of a query share its context: read it once
+                self._prompts[key] = prompt_score(logprobs, row, virtual, last)
         for want in self._wants_now():
             h = batch.hidden[self.addresses[want]][i]
             key = window_key(row, contlen) if want.pooling == "tokens" else context_key(row, last)
@@ -363,7 +397,12 @@ class HiddenStates:
                     todo.append((j, want, inp, last, len(cont)))
                 else:
                     geometry[want] = value
-            out.append(Scored(result, geometry, len(cont)))
+            prompt = None
+            if wants and not self._rolling:
+                prompt = self._prompts.get(context_key(inp, last))
+                if prompt is None and len(geometry) == len(wants):
+                    todo.append((j, None, inp, last, len(cont)))  # vectors read, prompt not: the pass adds it
+            out.append(Scored(result, geometry, len(cont), prompt))
         if todo:
             if self.method == "fused" and not self._warned_missing:
                 self._warned_missing = True
@@ -431,19 +470,21 @@ class HiddenStates:
         """Compute the missing values by running each needed token sequence once more (deduplicated)."""
         jobs: dict[tuple, dict[str, Any]] = {}
         for j, want, inp, last, contlen in todo:
-            if want.pooling == "tokens":
+            if want is not None and want.pooling == "tokens":
                 key, tokens = window_key(inp, contlen), inp
             else:
                 key, tokens = context_key(inp, last), inp[: last + 1]
             job = jobs.setdefault(key, {"tokens": tokens, "last": last, "wants": set(), "targets": []})
-            job["wants"].add(want)
+            if want is not None:
+                job["wants"].add(want)
             job["targets"].append((j, want))
         self.extra_requests += len({j for j, *_ in todo})
         device = next(self.model.parameters()).device
         dtype = getattr(self.lm, "mixed_precision_dtype", None)
         batch_size = self.lm.batch_size if isinstance(self.lm.batch_size, int) and self.lm.batch_size > 0 else 16
         ordered = sorted(jobs.values(), key=lambda jb: -len(jb["tokens"]))
-        with Forward(self.loaded, self.points) as fwd:
+        contexts = not self._rolling  # a context's own log-likelihood comes with its vectors: logits are needed
+        with Forward(self.loaded, self.points, logits=contexts) as fwd:
             for start in range(0, len(ordered), batch_size):
                 chunk = ordered[start: start + batch_size]
                 width = len(chunk[0]["tokens"])
@@ -451,7 +492,8 @@ class HiddenStates:
                 for r, job in enumerate(chunk):  # right padding, no mask: the same inputs HFLM's _model_call sees
                     ids[r, : len(job["tokens"])] = torch.tensor(job["tokens"], dtype=torch.long)
                 with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
-                    hidden = fwd.padded(ids, None, row_ids=[f"request {job['targets'][0][0]}" for job in chunk]).hidden
+                    batch = fwd.padded(ids, None, row_ids=[f"request {job['targets'][0][0]}" for job in chunk])
+                hidden = batch.hidden
                 for r, job in enumerate(chunk):
                     n = len(job["tokens"])
                     values = {}
@@ -459,8 +501,15 @@ class HiddenStates:
                         h = hidden[self.addresses[want]][r]
                         values[want] = self._values(h, 0, job["last"] if want.pooling == "tokens" else n - 1, n,
                                                     want)
+                    prompt = None
+                    if contexts and batch.logits is not None:
+                        logprobs = torch.log_softmax(batch.logits[r, :n].float(), dim=-1)
+                        prompt = prompt_score(logprobs, job["tokens"], 0, n - 1)
                     for j, want in job["targets"]:
-                        out[j].geometry[want] = values[want]
+                        if want is not None:
+                            out[j].geometry[want] = values[want]
+                        if prompt is not None and out[j].prompt is None:
+                            out[j].prompt = prompt
 
     # -- registered metrics (repgeom_metrics) --------------------------------------------------------------------------
 

@@ -13,11 +13,16 @@ metric                          per-query item                             aggre
 ``repgeom_auroc``               [c_i, correct]                             AUROC of c_i for predicting correctness
 ``repgeom_acc_low_c``           [c_i, correct]                             accuracy of the lowest-c_i decile
 ``repgeom_acc_high_c``          [c_i, correct]                             accuracy of the highest-c_i decile
-``repgeom_slice_spearman``      {doc_id, correct, ppl, vector (base64)}    Spearman of the controlled-slice curve
+``repgeom_slice_spearman``      {doc_id, correct, ppl, prompt_ppl,         Spearman of the controlled-slice curve
+                                vector (base64)}
 ``repgeom_token_dispersion``    D over the document's tokens (or null)     mean over documents
 ``repgeom_ppl_pearson``         [perplexity, token dispersion]             Pearson over documents
 ``repgeom_ppl_spearman``        [perplexity, token dispersion]             Spearman over documents
 =============================== ========================================== ==========================================
+
+In the ``repgeom_slice_spearman`` item, ``ppl`` is the gold answer's per-token perplexity given the prompt (the
+continuation lm-eval scores), ``prompt_ppl`` the prompt's own per-token perplexity (its tokens after the first,
+from the same forward pass; null when the context is one token).
 
 The c_i are computed against the whole evaluated population (all ranks, see ``task``), so the mean of the c_i is
 exactly D (docs/metrics.md#per-text-scores).
@@ -49,8 +54,9 @@ def _number(x: float) -> float | None:
 
 
 def query_items(c: float, c_correct: float, c_incorrect: float, correct: bool, ppl: float,
-                vector: np.ndarray, doc_id: int) -> dict[str, Any]:
-    """Every hardness metric's item for one query."""
+                vector: np.ndarray, doc_id: int, prompt_ppl: float = math.nan) -> dict[str, Any]:
+    """Every hardness metric's item for one query (``ppl``: the gold answer's perplexity; ``prompt_ppl``: the
+    prompt's)."""
     ok = 1.0 if correct else 0.0
     return {
         "repgeom_dispersion": float(c),
@@ -60,7 +66,7 @@ def query_items(c: float, c_correct: float, c_incorrect: float, correct: bool, p
         "repgeom_acc_low_c": [float(c), ok],
         "repgeom_acc_high_c": [float(c), ok],
         "repgeom_slice_spearman": {"doc_id": int(doc_id), "correct": ok, "ppl": float(ppl),
-                                   "vector": encode_vector(vector)},
+                                   "prompt_ppl": _number(prompt_ppl), "vector": encode_vector(vector)},
     }
 
 

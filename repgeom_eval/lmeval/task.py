@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -124,8 +125,14 @@ class GeometryTask(ConfigurableTask):
         schema = (config.get("dataset_kwargs") or {}).get("repgeom_schema")
         record = {k: v for k, v in asdict(self.settings).items() if self.KIND == "hardness" or k in
                   ("data", "layer", "pooling", "capture")}
-        record["data"] = self.settings.data or (
-            "/".join(x for x in SCHEMAS[schema].hub if x) + " (Hugging Face Hub)" if schema in SCHEMAS else None)
+        if schema in SCHEMAS:
+            record["data"] = self.settings.data or "/".join(x for x in SCHEMAS[schema].hub if x) + " (Hugging Face Hub)"
+        else:  # a YAML of the user's own (docs/lmeval.md#your-own-prompt): its dataset_path says where the data is
+            if self.settings.data:
+                warnings.warn(f"task {config.get('task')}: repgeom_data applies to the shipped repgeom tasks only; "
+                              "this task reads its own dataset_path / dataset_kwargs", RuntimeWarning, stacklevel=2)
+            given = {k: v for k, v in (config.get("dataset_kwargs") or {}).items() if k != "repgeom_schema"}
+            record["data"] = " ".join(str(x) for x in (config.get("dataset_path"), given or None) if x) or None
         s = self.settings
         self.metric_request = MetricRequest.from_settings(s.metrics, s.metric_params, s.layers, s.layer, s.seed)
         for key in ("metrics", "metric_params", "layers", "seed"):
@@ -238,7 +245,7 @@ class HardnessTask(GeometryTask):
         by_doc: dict[int, list] = defaultdict(list)
         for inst in self._instances:
             by_doc[inst.doc_id].append(inst)
-        carriers, doc_ids, vectors, correct, ppl = [], [], [], [], []
+        carriers, doc_ids, vectors, correct, ppl, prompt_ppl = [], [], [], [], [], []
         for doc_id in sorted(by_doc):
             insts = sorted(by_doc[doc_id], key=lambda x: x.idx)
             key = next(iter(insts[0].filtered_resps))
@@ -254,7 +261,9 @@ class HardnessTask(GeometryTask):
             doc_ids.append(doc_id)
             vectors.append(np.asarray(geometry[self.want], dtype=np.float64))
             correct.append(bool(base[self.settings.correct]))
-            ppl.append(math.exp(-float(results[gold][0]) / n_tokens))
+            ppl.append(math.exp(-float(results[gold][0]) / n_tokens))  # the gold answer's, given the prompt
+            prompt = getattr(results[0], "prompt", None)  # the choices share the context: any row's will do
+            prompt_ppl.append(prompt.perplexity() if prompt is not None else math.nan)
         local = None
         if vectors:
             u = slices.unit_rows(np.stack(vectors))
@@ -271,7 +280,7 @@ class HardnessTask(GeometryTask):
         c_bad = slices.scores_against(u, ~ok, sums[2])
         for i, carrier in enumerate(carriers):
             carrier.repgeom_items = metrics.query_items(c[i], c_ok[i], c_bad[i], correct[i], ppl[i], vectors[i],
-                                                         doc_ids[i])
+                                                         doc_ids[i], prompt_ppl[i])
         return out
 
     def process_results(self, doc: dict, results: list) -> dict[str, Any]:

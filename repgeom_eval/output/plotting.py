@@ -53,13 +53,16 @@ def plot_profile(result: dict[str, Any], path: str | Path, metrics: Sequence[str
 
 
 def plot_slices(curve: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
-    """Controlled slices (``repgeom slices``): slice dispersion, and slice perplexity where known, against the
-    fraction of correct queries, mean ± s.e. over seeds."""
+    """Controlled slices (``repgeom slices``): slice dispersion, and the slice's mean perplexities where known (the
+    gold answers' given the prompts, the prompts' own), against the fraction of correct queries, mean ± s.e. over
+    seeds."""
     plt = pyplot()
     xs = [100 * f for f in curve["fractions"]]
     panels = [("dispersion", "slice dispersion D")]
     if curve.get("perplexity_mean"):
-        panels.append(("perplexity", "slice mean perplexity"))
+        panels.append(("perplexity", "slice mean answer perplexity"))
+    if curve.get("prompt_perplexity_mean"):
+        panels.append(("prompt_perplexity", "slice mean prompt perplexity"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
         ax.errorbar(xs, curve[f"{key}_mean"], yerr=curve[f"{key}_se"], marker="o", ms=4, capsize=3)
