@@ -78,7 +78,9 @@ def summarize(folder: str | Path) -> list[dict[str, Any]]:
                     declared = scores.get(MAIN_SCORE_NAME_KEY) or _main_score_name(task, names)
                     row = {"model": meta.get("name"), "revision": meta.get("revision"),
                            "pooling": exp.get("pooling"), "normalize": exp.get("normalize"),
-                           "max_length": exp.get("max_length", meta.get("max_tokens")), "layer": exp["layer"],
+                           "max_length": exp.get("max_length", meta.get("max_tokens")),
+                           "preprocess": exp.get("preprocess", "none"),
+                           "preprocess_stats": exp.get("preprocess_stats"), "layer": exp["layer"],
                            "depth": scores.get("repgeom_depth"), "task": task, "split": split,
                            "subset": scores.get("hf_subset"), "main_score_name": declared,
                            "main_score": scores.get("main_score")}
@@ -109,7 +111,10 @@ def _num(x: Any) -> float:
 
 def _family(row: dict[str, Any]) -> str:
     out = f"pooling {row['pooling']}, normalize {row['normalize']}"
-    return out + (f", max_length {row['max_length']}" if row.get("max_length") is not None else "")
+    out += f", max_length {row['max_length']}" if row.get("max_length") is not None else ""
+    if row.get("preprocess", "none") != "none":
+        out += f", preprocess {row['preprocess']} ({row.get('preprocess_stats')} statistics)"
+    return out
 
 
 def fmt_number(x: Any) -> str:
