@@ -31,8 +31,8 @@ from repgeom_eval.output.files import atomic_open
 from .geometry import GEOMETRY_KEYS, MAIN_SCORE_NAME_KEY
 from .metrics import RESULT_PREFIX, metric_keys
 
-COLUMNS = ("model", "revision", "pooling", "normalize", "max_length", "layer", "depth", "task", "split", "subset",
-           "main_score_name", "main_score", *GEOMETRY_KEYS, "repgeom_n_texts")
+COLUMNS = ("model", "revision", "pooling", "normalize", "max_length", "preprocess", "preprocess_stats", "layer",
+           "depth", "task", "split", "subset", "main_score_name", "main_score", *GEOMETRY_KEYS, "repgeom_n_texts")
 PLOTTED = ("main_score", "repgeom_dataset_entropy", "repgeom_dispersion", "repgeom_effective_rank")
 _LABELS = {"main_score": "main score", "repgeom_dataset_entropy": "dataset entropy (normalised)",
            "repgeom_dispersion": "dispersion", "repgeom_effective_rank": "effective rank (RankMe)"}
