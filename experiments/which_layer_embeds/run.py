@@ -243,11 +243,12 @@ def main() -> None:
              f"{mean_score('SmolLM2-135M', 'none', 'last'):.3f} to "
              f"{mean_score('SmolLM2-135M', 'standardize', 'last'):.3f}; its largest raw dimension holds up to "
              f"{smol_peak[2]:.0%} of the squared norm ({smol_peak[1]}).")
-    smol_follows = s_raw[0] > s_raw[1] / 2
-    line3 = ("Paper B (language models on MTEB): intermediate layers often beat the last one. "
-             + ("SmolLM2 follows it here" if smol_follows else "SmolLM2 does not follow it here on most tasks")
+    smol_verdict = ("SmolLM2 follows it here: an earlier layer wins on most tasks" if s_raw[0] > s_raw[1] / 2 else
+                    "SmolLM2 follows it on half the tasks only" if 2 * s_raw[0] == s_raw[1] else
+                    "SmolLM2 does not follow it here: the last layer wins or ties on most tasks")
+    line3 = ("Paper B (language models on MTEB): intermediate layers often beat the last one. " + smol_verdict
              + f" ({s_raw[0]} of {s_raw[1]} tasks raw, {s_std[0]} of {s_std[1]} standardized). "
-             + ("MiniLM, trained as an embedder on its last layer, does not: the last layer wins or ties"
+             + ("MiniLM, trained as an embedder on its last layer, does not follow it: the last layer wins or ties"
                 + (" every task" if m_raw[0] == 0 else f" {m_raw[1] - m_raw[0]} of {m_raw[1]} tasks")
                 if m_raw[0] <= m_raw[1] / 2 else
                 f"MiniLM, trained as an embedder on its last layer, also has a better earlier layer on "
