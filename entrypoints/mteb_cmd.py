@@ -54,6 +54,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     run.add_argument("--max-length", type=int, default=None,
                      help="truncate texts to this many tokens (default: max_seq_length of a sentence-transformers "
                           "model, else the model context)")
+    run.add_argument("--preprocess", default="none", choices=["none", "center", "standardize", "whiten"],
+                     help="transform each layer's pooled vectors before unit normalisation and scoring: center, "
+                          "standardize (per dimension) or whiten, as in `repgeom measure`. Statistics: "
+                          "--preprocess-stats, else the task's own texts (every text its evaluation embeds, one pass "
+                          "per task for all layers). Recorded as repgeom_preprocess in each score dict")
+    run.add_argument("--preprocess-stats", default=None, metavar="FILE",
+                     help="statistics written by `repgeom measure --save-preprocess-stats` (same pooling, every "
+                          "evaluated layer) instead of the task's own texts")
     run.add_argument("--metrics", nargs="+", default=None, metavar="NAME",
                      help="registered metrics (built-in or from plugins; `repgeom plugins` lists them) computed at "
                           "every layer from the sweep's forward passes, on the texts each task split embedded, and "
@@ -188,11 +196,15 @@ def _run(args: argparse.Namespace) -> int:
     from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
 
     from repgeom_eval.mteb_layers.metrics import check_metrics
+    from repgeom_eval.mteb_layers.preprocess import check_method
 
     if args.batch_size < 1:
         raise RepgeomError(f"--batch-size must be positive, got {args.batch_size}")
     metric_params = _metric_param_option()["merge"](args.metric_params)
     metrics = check_metrics(_words(args.metrics) or (), metric_params)  # before tasks and model are loaded
+    check_method(args.preprocess, args.preprocess_stats)
+    if args.preprocess_stats and not Path(args.preprocess_stats).is_file():
+        raise RepgeomError(f"preprocess statistics file {args.preprocess_stats!r} does not exist")
     out = check_creatable_dir(args.output_folder, "--output-folder")
     model_files, model_dirs = model_inputs([args.model])
     # mteb only adds files under the output folder: it must not be (or hold, or lie in) the model folder
@@ -210,7 +222,8 @@ def _run(args: argparse.Namespace) -> int:
         max_length=args.max_length, batch_size=args.batch_size, dtype=args.dtype, device=dist.device(args.device),
         output_folder=str(out), overwrite_strategy=args.overwrite_strategy, name=args.name, revision=args.revision,
         co2_tracker=args.co2_tracker, prediction_folder=args.prediction_folder, num_proc=args.num_proc,
-        progress=progress, metrics=metrics, metric_params=metric_params, seed=args.seed)
+        progress=progress, metrics=metrics, metric_params=metric_params, seed=args.seed,
+        preprocess=args.preprocess, preprocess_stats=args.preprocess_stats)
     parts = dist.gather((result.rows, result.forward_passes))
     dist.close()
     if parts is None:

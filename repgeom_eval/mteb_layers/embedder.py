@@ -43,11 +43,16 @@ class Recipe:
     normalize: bool
     max_length: int
     lowercase: bool = False
+    preprocess: str = "none"  # none, center, standardize or whiten (between pooling and normalisation)
+    preprocess_stats: str | None = None  # where its statistics come from: "task", or "file-<sha256 prefix>"
 
     def experiment_kwargs(self, address: Address, max_length_is_default: bool) -> dict[str, object]:
         out: dict[str, object] = {"layer": str(address), "pooling": self.pooling, "normalize": self.normalize}
         if not max_length_is_default:
             out["max_length"] = self.max_length
+        if self.preprocess != "none":  # absent otherwise: results written before the option keep their identity
+            out["preprocess"] = self.preprocess
+            out["preprocess_stats"] = self.preprocess_stats
         return out
 
 
@@ -129,11 +134,15 @@ class LayerEmbedder:
 
     def embed(self, texts: Sequence[str], addresses: Sequence[Address], batch_size: int = 32,
               progress: bool = False, desc: str = "forward",
-              sink: Callable[[Batch, list[str]], None] | None = None) -> dict[Address, np.ndarray]:
+              sink: Callable[[Batch, list[str]], None] | None = None,
+              transform: Callable[[Address, torch.Tensor], torch.Tensor] | None = None,
+              raw: bool = False) -> dict[Address, np.ndarray]:
         """Embed ``texts`` at every address; one forward pass per batch, stopped after the deepest address.
 
         ``sink(batch, strings)``, if given, also reads every batch's captured token vectors (``batch.hidden``,
         ``batch.mask``) with the prepared strings of its rows: registered metrics are fed from this pass.
+        ``transform(address, pooled)`` (preprocessing) maps the pooled float64 vectors before unit normalisation;
+        ``raw=True`` returns the pooled vectors themselves (no transform, no normalisation).
         """
         if batch_size < 1:
             raise RepgeomError(f"batch size must be positive, got {batch_size}")
@@ -161,11 +170,19 @@ class LayerEmbedder:
                 for addr in addresses:
                     hidden = batch.hidden[addr]
                     vecs = pool(hidden.double(), batch.mask.to(hidden.device), self.recipe.pooling)[0]
-                    if self.recipe.normalize:
-                        vecs = unit(vecs)
+                    if not raw:
+                        vecs = self.finish(addr, vecs, transform)
                     out[addr][rows] = vecs.float().cpu().numpy()
                 bar.update(len(rows))
         return out
+
+    def finish(self, address: Address, pooled: torch.Tensor,
+               transform: Callable[[Address, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Pooled float64 vectors → the embedding: preprocessing (``transform``), then unit normalisation if the
+        recipe says so."""
+        if transform is not None:
+            pooled = transform(address, pooled)
+        return unit(pooled) if self.recipe.normalize else pooled
 
     def forward_views(self, texts: Sequence[str], addresses: Sequence[Address], n_views: int, augmenter: object,
                       batch_size: int, sink: Callable[[Batch, list[Item]], None], progress: bool = False) -> int:

@@ -29,6 +29,10 @@ from repgeom_eval.errors import RepgeomError
 from .embedder import LayerEmbedder
 
 if TYPE_CHECKING:
+    import torch
+
+    from repgeom_eval.measurement.preprocess import Preprocessor
+
     from .metrics import SweepMetrics
 
 _HASH_CHUNK = 1 << 20
@@ -59,6 +63,30 @@ class LayerSweep:
         self.metrics = metrics  # registered metrics fed from these forward passes (see .metrics)
         self.forward_passes = 0  # number of embed() calls, for tests and benchmarks
         self._store: dict[str, dict[Address, np.ndarray]] = {}
+        # --preprocess (see .preprocess): the transforms, what to record, and the pooled vectors of the statistics
+        # pass (address → rows, text → row), from which evaluations are answered without another forward pass
+        self.prep: "Preprocessor | None" = None
+        self.prep_record: str | None = None
+        self._pooled: dict[Address, np.ndarray] = {}
+        self._pooled_row: dict[str, int] = {}
+
+    def _transform(self, address: Address, pooled: "torch.Tensor") -> "torch.Tensor":
+        return self.prep(str(address), self.embedder.recipe.pooling, pooled)  # type: ignore[misc]
+
+    def set_pooled(self, texts: Sequence[str], pooled: dict[Address, np.ndarray]) -> None:
+        """Keep the pooled vectors of the statistics pass (row i = ``texts[i]``) to answer evaluations from."""
+        self._pooled = dict(pooled)
+        self._pooled_row = {t: i for i, t in enumerate(texts)}
+
+    def _from_pooled(self, texts: Sequence[str], address: Address) -> np.ndarray | None:
+        if address not in self._pooled or not all(t in self._pooled_row for t in texts):
+            return None
+        import torch
+
+        rows = [self._pooled_row[t] for t in texts]
+        pooled = torch.from_numpy(self._pooled[address][rows]).double()
+        return self.embedder.finish(address, pooled, self._transform if self.prep is not None else None) \
+            .float().numpy()
 
     def vectors(self, texts: Sequence[str], address: Address, batch_size: int,
                 context: tuple[str, str, str] | None = None) -> np.ndarray:
@@ -77,6 +105,10 @@ class LayerSweep:
 
         if not stale(address):
             return held[address]
+        if metrics is None or not metrics.missing(context, prepared, address):  # type: ignore[arg-type]
+            cached = self._from_pooled(texts, address)
+            if cached is not None:
+                return cached
         wanted = [a for a in self.active if stale(a)]
         if address not in wanted:
             wanted.append(address)
@@ -85,7 +117,8 @@ class LayerSweep:
             metrics.batch_size = batch_size
         got = self.embedder.embed(texts, wanted, batch_size=batch_size, progress=self.progress,
                                   desc=f"forward ({len(wanted)} layer{'s' if len(wanted) > 1 else ''})",
-                                  sink=metrics.sink(context) if metrics is not None else None)  # type: ignore
+                                  sink=metrics.sink(context) if metrics is not None else None,  # type: ignore
+                                  transform=self._transform if self.prep is not None else None)
         if len(wanted) > 1:  # something else will read these texts again: keep them
             self._store.setdefault(key, {}).update({a: v for a, v in got.items() if a != address})
         return got[address]
@@ -98,6 +131,7 @@ class LayerSweep:
 
     def clear(self) -> None:
         self._store.clear()
+        self._pooled, self._pooled_row = {}, {}
         self.active = list(self.addresses)
         if self.metrics is not None:
             self.metrics.clear()

@@ -82,6 +82,8 @@ def attach_geometry(task: Any, host: PluginHost | None = None) -> Any:
             if metrics is not None:
                 subset_scores.update(metrics.scores((name, split, subset), model.address, model.sweep.embedder))
             subset_scores["repgeom_depth"] = model.depth
+            if model.sweep.prep_record is not None:  # --preprocess: what was done, statistics from where
+                subset_scores["repgeom_preprocess"] = model.sweep.prep_record
             # mteb's result file names the main score's value, not the score: keep its name for the summary
             subset_scores[MAIN_SCORE_NAME_KEY] = task.metadata.main_score
         return scores

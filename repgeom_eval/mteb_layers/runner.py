@@ -10,6 +10,7 @@ or holds it with other parameters, is evaluated again.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from .embedder import LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep
 from .geometry import GEOMETRY_KEYS, attach_geometry
 from .metrics import SweepMetrics, check_metrics, metric_keys
+from .preprocess import PREPROCESS_KEY, check_method, file_digest, fit_on_texts, load_stats_file, record, task_texts
 from .tasks import load_tasks_file
 
 
@@ -129,6 +131,9 @@ def _rows(result: Any, task: Any, encoder: LayerEncoder) -> list[dict[str, Any]]
                    "depth": encoder.depth, "split": split, "subset": scores.get("hf_subset"),
                    "main_score_name": task.metadata.main_score, "main_score": scores.get("main_score")}
             row.update({k: scores.get(k) for k in (*GEOMETRY_KEYS, "repgeom_n_texts")})
+            row["preprocess"] = encoder.sweep.embedder.recipe.preprocess
+            if PREPROCESS_KEY in scores:
+                row[PREPROCESS_KEY] = scores[PREPROCESS_KEY]
             row.update({k: scores[k] for k in metric_keys(scores)})
             rows.append(row)
     return rows
@@ -156,6 +161,8 @@ def run_layers(
     metrics: str | Sequence[str] | None = None,
     metric_params: dict[str, dict[str, Any]] | None = None,
     seed: int = 0,
+    preprocess: str = "none",
+    preprocess_stats: str | Path | None = None,
 ) -> SweepResult:
     """Evaluate ``model`` at every address of ``layers`` on ``tasks`` (instances, or names for
     :func:`resolve_tasks`), with ``repgeom_*`` geometry next to each score, cached in ``output_folder`` (mteb's
@@ -164,7 +171,12 @@ def run_layers(
     ``metrics``: registered metric names computed at every layer from the sweep's forward passes and written next to
     each score as ``repgeom.<metric>[.<sub>]`` (:mod:`repgeom_eval.mteb_layers.metrics`); ``metric_params``:
     ``{metric: {parameter: value}}`` (``pooling`` included; the default pooling is the embedding recipe's);
-    ``seed``: seed of the augmented views of multi-view metrics."""
+    ``seed``: seed of the augmented views of multi-view metrics.
+
+    ``preprocess`` (``none``, ``center``, ``standardize``, ``whiten``) transforms each layer's pooled vectors before
+    unit normalisation, with :mod:`repgeom_eval.measurement.preprocess`; its statistics come from
+    ``preprocess_stats`` (a ``repgeom measure --save-preprocess-stats`` file) or else from the task's own texts
+    (:mod:`repgeom_eval.mteb_layers.preprocess`)."""
     t_start = time.perf_counter()
     try:
         strategy = OverwriteStrategy.from_str(overwrite_strategy)
@@ -174,16 +186,28 @@ def run_layers(
     if batch_size < 1:
         raise RepgeomError(f"batch size must be positive, got {batch_size}")
     metric_names = check_metrics(metrics or (), metric_params)  # unknown names fail before the model loads
+    check_method(preprocess, preprocess_stats)
     task_list = [t for t in tasks if not isinstance(t, str)] + (
         resolve_tasks([t for t in tasks if isinstance(t, str)]) if any(isinstance(t, str) for t in tasks) else [])
     embedder = model if isinstance(model, LayerEmbedder) else LayerEmbedder(
         model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device)
     addresses = embedder.addresses(layers)
+    file_prep, file_sha = None, None
+    if preprocess != "none" and preprocess_stats:
+        file_prep = load_stats_file(preprocess_stats, preprocess, embedder, addresses)
+        file_sha = file_digest(preprocess_stats)
+    embedder.recipe = dataclasses.replace(
+        embedder.recipe, preprocess=preprocess,
+        preprocess_stats=None if preprocess == "none" else f"file-{file_sha[:16]}" if file_sha else "task")
     sweep_metrics = SweepMetrics(metric_names, addresses, params=metric_params, pooling=embedder.recipe.pooling,
                                  seed=seed) if metric_names else None
     if sweep_metrics is not None:
         sweep_metrics.progress = progress
     sweep = LayerSweep(embedder, addresses, progress=progress, metrics=sweep_metrics)
+    if file_prep is not None:
+        sweep.prep = file_prep
+        sweep.prep_record = record(preprocess, "file", file=str(preprocess_stats), sha256=file_sha,
+                                   pooling=embedder.recipe.pooling)
     encoders = {a: sweep.encoder(a, name=name, revision=revision) for a in addresses}
     first = encoders[addresses[0]]
     cache = mteb.ResultCache(output_folder) if output_folder is not None else None
@@ -215,6 +239,17 @@ def run_layers(
                 bar.set_description(f"{task.metadata.name} · loading data")
                 _load(task, num_proc)
             sweep.active = list(todo)
+            if preprocess != "none" and file_prep is None:
+                sweep.prep = sweep.prep_record = None
+                if todo:  # statistics from the task's own texts: a dry run lists them, one pass embeds them
+                    bar.set_description(f"{task.metadata.name} · preprocess statistics")
+                    _reseed(task)
+                    texts = task_texts(task, first.mteb_model_meta, embedder, encode_kwargs)
+                    sweep.prep, pooled = fit_on_texts(embedder, texts, todo, preprocess, batch_size, progress)
+                    sweep.forward_passes += 1
+                    sweep.set_pooled(texts, pooled)
+                    sweep.prep_record = record(preprocess, "task", n_texts=len(texts),
+                                               pooling=embedder.recipe.pooling)
             try:
                 for addr in addresses:
                     bar.set_description(f"{task.metadata.name} · {addr}" + ("" if addr in todo else " (cached)"))

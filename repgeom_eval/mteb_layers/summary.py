@@ -31,8 +31,8 @@ from repgeom_eval.output.files import atomic_open
 from .geometry import GEOMETRY_KEYS, MAIN_SCORE_NAME_KEY
 from .metrics import RESULT_PREFIX, metric_keys
 
-COLUMNS = ("model", "revision", "pooling", "normalize", "max_length", "layer", "depth", "task", "split", "subset",
-           "main_score_name", "main_score", *GEOMETRY_KEYS, "repgeom_n_texts")
+COLUMNS = ("model", "revision", "pooling", "normalize", "max_length", "preprocess", "preprocess_stats", "layer",
+           "depth", "task", "split", "subset", "main_score_name", "main_score", *GEOMETRY_KEYS, "repgeom_n_texts")
 PLOTTED = ("main_score", "repgeom_dataset_entropy", "repgeom_dispersion", "repgeom_effective_rank")
 _LABELS = {"main_score": "main score", "repgeom_dataset_entropy": "dataset entropy (normalised)",
            "repgeom_dispersion": "dispersion", "repgeom_effective_rank": "effective rank (RankMe)"}
@@ -78,7 +78,9 @@ def summarize(folder: str | Path) -> list[dict[str, Any]]:
                     declared = scores.get(MAIN_SCORE_NAME_KEY) or _main_score_name(task, names)
                     row = {"model": meta.get("name"), "revision": meta.get("revision"),
                            "pooling": exp.get("pooling"), "normalize": exp.get("normalize"),
-                           "max_length": exp.get("max_length", meta.get("max_tokens")), "layer": exp["layer"],
+                           "max_length": exp.get("max_length", meta.get("max_tokens")),
+                           "preprocess": exp.get("preprocess", "none"),
+                           "preprocess_stats": exp.get("preprocess_stats"), "layer": exp["layer"],
                            "depth": scores.get("repgeom_depth"), "task": task, "split": split,
                            "subset": scores.get("hf_subset"), "main_score_name": declared,
                            "main_score": scores.get("main_score")}
@@ -109,7 +111,10 @@ def _num(x: Any) -> float:
 
 def _family(row: dict[str, Any]) -> str:
     out = f"pooling {row['pooling']}, normalize {row['normalize']}"
-    return out + (f", max_length {row['max_length']}" if row.get("max_length") is not None else "")
+    out += f", max_length {row['max_length']}" if row.get("max_length") is not None else ""
+    if row.get("preprocess", "none") != "none":
+        out += f", preprocess {row['preprocess']} ({row.get('preprocess_stats')} statistics)"
+    return out
 
 
 def fmt_number(x: Any) -> str:

