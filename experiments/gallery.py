@@ -339,9 +339,16 @@ GALLERY_START = "<!-- gallery:start (written by `python experiments/gallery.py r
 GALLERY_END = "<!-- gallery:end -->"
 
 
+# the gallery's order: paper A's findings in the paper's order, then paper B's, then the training experiments
+ORDER = ("ppl_vs_dispersion", "hardness_without_labels", "checkpoint_screening", "which_layer_embeds",
+         "dispersion_training")
+
+
 def gallery_results(root: Path = HERE) -> list[tuple[Path, dict[str, Any]]]:
     out = []
-    for path in sorted(root.glob("*/results/result.json")):
+    found = root.glob("*/results/result.json")
+    rank = {name: i for i, name in enumerate(ORDER)}
+    for path in sorted(found, key=lambda p: (rank.get(p.parent.parent.name, len(ORDER)), p.parent.parent.name)):
         doc = json.loads(path.read_text(encoding="utf-8"))
         if doc.get("kind") == KIND:
             out.append((path, doc))
