@@ -272,8 +272,12 @@ class Experiment:
         path = self.out / f"{name}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")
         import matplotlib.pyplot as plt
+        from PIL import Image
 
         plt.close(fig)
+        with Image.open(path) as img:  # a palette PNG: a third of the size, for a gallery kept in git
+            small = img.convert("RGB").quantize(colors=96)
+        small.save(path, optimize=True)
         self.figures.append({"file": path.name, "caption": caption})
         return path
 
