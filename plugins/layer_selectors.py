@@ -5,9 +5,14 @@ from __future__ import annotations
 from repgeom_eval import hookimpl
 
 
+def _n_hidden(info) -> int:
+    """Entries of the model's own hidden_states (L + 1 on nearly every model; the load check counts them)."""
+    return getattr(info, "n_hidden_states", None) or info.n_layers + 1
+
+
 def every_hidden_state(info) -> list[str]:
     """Every hidden state: embed, each block output, final (= hidden_states[0..L])."""
-    return [str(k) for k in range(info.n_layers + 1)]
+    return [str(k) for k in range(_n_hidden(info))]
 
 
 def every_block(info) -> list[str]:
@@ -24,7 +29,7 @@ def knn_keys(info) -> list[str]:
 
 def all_but_embed(info) -> list[str]:
     """hidden_states[1..L]: every block output, the last one after the final norm (paper C's `all`)."""
-    return [str(k) for k in range(1, info.n_layers + 1)]
+    return [str(k) for k in range(1, _n_hidden(info))]
 
 
 def last(info) -> list[str]:
@@ -39,7 +44,7 @@ def early_half(info) -> list[str]:
 
 def late_half(info) -> list[str]:
     """hidden_states[⌊L/2⌋+1..L] (paper C's `late_half`)."""
-    return [str(k) for k in range(info.n_layers // 2 + 1, info.n_layers + 1)]
+    return [str(k) for k in range(info.n_layers // 2 + 1, _n_hidden(info))]
 
 
 @hookimpl

@@ -25,6 +25,7 @@ import torch
 
 from repgeom_eval.errors import NonFiniteError
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
+from repgeom_eval.modeling.discovery import build_inputs
 from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.modeling.loading import LoadedModel
 
@@ -94,21 +95,14 @@ def pad_token_ids(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
 
 def model_inputs(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  **extra: torch.Tensor) -> dict[str, Any]:
-    """The keyword arguments of one forward pass, on the model's device.
+    """The keyword arguments of one forward pass, on the model's device (see
+    :func:`~repgeom_eval.modeling.discovery.build_inputs`: position ids from the mask where the load check showed
+    they reproduce the model's own, ``use_cache=False``, only inputs the forward accepts).
 
     Without ``attention_mask`` the model sees ``input_ids`` alone, as lm-eval's HFLM calls it (right padding under
     causal attention leaves the real tokens untouched).
     """
-    dev = loaded.device
-    inputs: dict[str, Any] = {"input_ids": input_ids.to(dev)}
-    inputs.update({k: v.to(dev) for k, v in extra.items()})
-    if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask.to(dev)
-        if loaded.spec.position_ids_from_mask:
-            inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).to(dev)
-    if loaded.spec.causal:
-        inputs["use_cache"] = False
-    return inputs
+    return build_inputs(loaded.layout, loaded.device, input_ids, attention_mask, **extra)
 
 
 def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None, ids: Sequence[Any]) -> None:
@@ -157,7 +151,9 @@ class Forward:
         self.loaded = loaded
         self.addresses = list(points)
         self.need_logits = logits
-        self._capture = Capture(loaded.model, points, stop_early=not logits)
+        if logits:
+            loaded.check_logits("this command")
+        self._capture = Capture(loaded.model, points, stop_early=not logits, runner=loaded.runner)
         tok = loaded.tokenizer
         self.pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         self.zero_counts: dict[Address, list[int]] = {}  # address → [real tokens with a zero vector, real tokens]

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.modeling.architectures import ArchitectureSpec
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.modeling.discovery import Layout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,13 +34,20 @@ class ModelInfo:
     n_parameters: int
     vocab_size: int | None
     max_positions: int | None
-    source: str  # "directory", "gguf" or "hub"
+    source: str  # "directory", "gguf", "hub" or "memory"
     random_init_tensors: list[str] = field(default_factory=list)  # only with --allow-random-init
+    n_hidden_states: int | None = None  # entries of the model's own hidden_states (L + 1 on nearly every model)
+    # how the layers were found (modeling/discovery.py): blocks, table, block kinds, refused sites, notes
+    layers: dict[str, Any] = field(default_factory=dict)
+    # checkpoint tensors that no measured hidden state reads and that stay randomly initialised (a pooler, an LM head
+    # of another class): harmless for geometry, refused where logits are needed
+    unused_random_tensors: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if not out["random_init_tensors"]:  # the normal case: the checkpoint filled every tensor
-            del out["random_init_tensors"]
+        for key in ("random_init_tensors", "unused_random_tensors", "layers"):
+            if not out[key]:  # the normal case: the checkpoint filled every tensor
+                del out[key]
         return out
 
 
@@ -48,9 +55,25 @@ class ModelInfo:
 class LoadedModel:
     model: Any  # transformers.PreTrainedModel
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
-    spec: ArchitectureSpec
+    layout: Layout  # every layer-address site, found and checked when the model loaded
     info: ModelInfo
     device: torch.device
+
+    @property
+    def runner(self) -> Any:
+        """The module a measurement calls: the model, or the encoder of an encoder-decoder model."""
+        return self.model.get_submodule(self.layout.runner) if self.layout.runner else self.model
+
+    def check_logits(self, what: str) -> None:
+        """Refuse to compute ``what`` from logits the model does not make, or makes from random tensors."""
+        if not self.layout.logits:
+            raise RepgeomError(f"{what} needs next-token logits, but model {self.info.name!r} "
+                               f"({self.info.model_type}) has no language-model head in this form")
+        if self.info.unused_random_tensors:
+            shown = ", ".join(self.info.unused_random_tensors[:3])
+            raise RepgeomError(f"{what} needs next-token logits, but model {self.info.name!r} lacks the tensors "
+                               f"{shown} in its checkpoint, so its logits would be random; save the model with "
+                               "its language-model head")
 
 
 @dataclass(frozen=True)
@@ -164,7 +187,7 @@ def load_model(
     Python code loads only with ``policy.trust_remote_code``.
     """
     import transformers
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from repgeom_eval.plugin_system.host import get_host
 
@@ -193,8 +216,7 @@ def load_model(
                 f"Hugging Face Hub or found in its cache ({_first_line(exc)}); pass a local model directory"
             ) from None
         raise RepgeomError(f"cannot read the model config of {name!r}: {_first_line(exc)}") from None
-    spec: ArchitectureSpec = host.architectures.get(config.model_type)
-    auto = AutoModelForCausalLM if spec.causal else AutoModel
+    auto = auto_class(config, host)
     if source == "directory" or from_cache:
         check_safetensors(Path(target), name)
     verbosity = transformers.logging.get_verbosity()
@@ -227,7 +249,6 @@ def load_model(
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.utils.logging.enable_progress_bar()
-    random_init = _check_loading_report(name, report, policy)
     if cache is not None and not from_cache:
         _save_gguf_cache(model, tokenizer, cache)
     model.to(dev).eval().requires_grad_(False)
@@ -239,9 +260,31 @@ def load_model(
                            "different lengths cannot be batched; name one in its tokenizer_config.json (e.g. "
                            "\"pad_token\": \"<pad>\")")
     loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
-    if random_init:
-        loaded.info.random_init_tensors = random_init
+    random_init, unused = _check_loading_report(name, report, policy, model, loaded.layout)
+    loaded.info.random_init_tensors = random_init
+    loaded.info.unused_random_tensors = unused
     return loaded
+
+
+def auto_class(config: Any, host: Any = None) -> Any:
+    """The transformers Auto class a checkpoint is loaded with: causal LMs with their head (for logits), encoders
+    and encoder-decoder models (whose encoder is measured) as the bare model, multimodal wrappers with theirs."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = config.model_type
+    spec = host.architectures.get(model_type) if host is not None and model_type in host.architectures else None
+    if spec is not None:
+        return transformers.AutoModelForCausalLM if spec.causal else transformers.AutoModel
+    auto_map = getattr(config, "auto_map", None) or {}
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModel
+    encoder = model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if (model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map) and not encoder:
+        return transformers.AutoModelForCausalLM
+    if model_type in getattr(auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModel
 
 
 def check_safetensors(directory: Path, name: str) -> None:
@@ -282,15 +325,22 @@ def _refuse_remote_code(name: str, exc: BaseException) -> None:
                            "trust its source (it runs on this machine)") from None
 
 
-def _check_loading_report(name: str, report: dict[str, Any], policy: LoadingPolicy) -> list[str]:
-    """Refuse a checkpoint whose tensors do not match the architecture (transformers would quietly initialise the
-    missing ones at random); with ``allow_random_init``, warn and return the names of the random tensors."""
+def _check_loading_report(name: str, report: dict[str, Any], policy: LoadingPolicy, model: Any,
+                          layout: Layout) -> tuple[list[str], list[str]]:
+    """Refuse a checkpoint whose tensors do not fill what the measured hidden states read (transformers would quietly
+    initialise the missing ones at random); with ``allow_random_init``, warn and return their names. Tensors that no
+    measured hidden state reads (a pooler, the LM head of another class) are returned apart: harmless for geometry,
+    refused where logits are needed (:meth:`LoadedModel.check_logits`)."""
     missing = sorted(report.get("missing_keys") or [])
     unexpected = sorted(report.get("unexpected_keys") or [])
     mismatched = sorted(str(k[0]) if isinstance(k, (tuple, list)) else str(k)
                         for k in (report.get("mismatched_keys") or []))
+    relevant = _reads(model, layout)
+    unused = [k for k in missing + mismatched if not relevant(k)]
+    missing, mismatched = [k for k in missing if relevant(k)], [k for k in mismatched if relevant(k)]
+    unexpected = [k for k in unexpected if relevant(k)]
     if not (missing or unexpected or mismatched):
-        return []
+        return [], unused
     parts = []
     for label, keys in (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", mismatched)):
         if keys:
@@ -302,36 +352,68 @@ def _check_loading_report(name: str, report: dict[str, Any], policy: LoadingPoli
                            "Fix the checkpoint (or its config.json), or pass --allow-random-init to measure it anyway")
     warnings.warn(f"model {name!r}: {detail}; those tensors keep their random initialisation "
                   "(--allow-random-init)", stacklevel=3)
-    return missing + mismatched
+    return missing + mismatched, unused
+
+
+def _reads(model: Any, layout: Layout):
+    """``key → bool``: whether a checkpoint tensor belongs to what the measured hidden states are computed from.
+
+    The module that holds the tensor (or its nearest ancestor that ran in the load check's probe) decides: one that
+    ran before ``final`` was read counts, one that ran only afterwards (a pooler, an LM head) does not. A key that
+    belongs to no module of this class (the head of another class in the checkpoint) does not; anything undecided
+    counts (strict)."""
+    names = {n for n, _ in model.named_modules()}
+
+    def relevant(key: str) -> bool:
+        parts = key.split(".")
+        owner = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in names), "")
+        if not owner:
+            return False
+        while owner:
+            if owner in layout.depends_on:
+                return True
+            if owner in layout.after_final:
+                return False
+            owner = owner.rpartition(".")[0]
+        return True
+
+    return relevant
 
 
 def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, source: str = "memory",
                host: Any = None) -> LoadedModel:
     """A :class:`LoadedModel` for a model already in memory (e.g. one being trained), left as it is.
 
-    Looks up the architecture table by ``config.model_type``, so layer addresses resolve on it as on a loaded one.
+    Its layers are found and checked by :func:`~repgeom_eval.modeling.discovery.discover` (once per model object),
+    with the architecture table registered for its ``config.model_type``, if any, on top.
     """
+    from repgeom_eval.modeling.discovery import describe, discover
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
     config = model.config
-    spec: ArchitectureSpec = host.architectures.get(config.model_type)
-    blocks = model.base_model.get_submodule(spec.blocks)
+    model_type = getattr(config, "model_type", "")
+    spec = host.architectures.get(model_type) if model_type in host.architectures else None
+    layout = discover(model, spec, model_type if spec is not None else None)
     param = next(model.parameters(), None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     info = ModelInfo(
         name=name or getattr(config, "_name_or_path", "") or type(model).__name__,
-        model_type=config.model_type,
+        model_type=model_type,
         architecture=type(model).__name__,
-        n_layers=len(blocks),
-        hidden_size=int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0)),
+        n_layers=layout.n_layers,
+        hidden_size=int(getattr(text_config, "hidden_size", 0) or getattr(text_config, "n_embd", 0)
+                        or getattr(text_config, "d_model", 0) or 0),
         dtype=str(param.dtype if param is not None else torch.get_default_dtype()).replace("torch.", ""),
         n_parameters=sum(p.numel() for p in model.parameters()),
-        vocab_size=getattr(config, "vocab_size", None),
-        max_positions=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None),
+        vocab_size=getattr(text_config, "vocab_size", None),
+        max_positions=getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None),
         source=source,
+        n_hidden_states=len(layout.hidden_states),
+        layers=dict(describe(layout)),
     )
     device = param.device if param is not None else torch.device("cpu")
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, info=info, device=device)
+    return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info, device=device)
 
 
 def _gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
