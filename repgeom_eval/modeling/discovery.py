@@ -220,11 +220,13 @@ def _accepted(module: nn.Module) -> frozenset[str]:
     return frozenset(n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
-def build_inputs(layout: "Layout | None", device: torch.device, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor | None = None, **extra: torch.Tensor) -> dict[str, Any]:
-    """The keyword arguments of one forward pass: ``position_ids`` from the mask where the load check showed they
-    reproduce the model's own positions, ``use_cache=False`` where accepted, and only inputs the forward names."""
-    accepted = layout.accepted_inputs if layout is not None else frozenset()
+def build_inputs(device: torch.device, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 accepted: frozenset[str] = frozenset(), position_ids: bool = False,
+                 **extra: torch.Tensor) -> dict[str, Any]:
+    """The keyword arguments of one forward pass — the only place they are built: ``position_ids = cumsum(mask) - 1``
+    where the load check showed they reproduce the model's own positions (so left padding does not shift them),
+    ``use_cache=False`` where the forward takes it (no key/value cache is built), and of the ``extra`` inputs (such as
+    ``token_type_ids``) only those the forward names (``accepted``; empty: all)."""
 
     def takes(name: str) -> bool:
         return not accepted or name in accepted
@@ -233,9 +235,9 @@ def build_inputs(layout: "Layout | None", device: torch.device, input_ids: torch
     inputs.update({k: v.to(device) for k, v in extra.items() if takes(k)})
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask.to(device)
-        if layout is None or layout.position_ids:
+        if position_ids:
             inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).to(device)
-    if takes("use_cache") and (layout is None or layout.causal or "use_cache" in accepted):
+    if "use_cache" in accepted:
         inputs["use_cache"] = False
     return inputs
 
@@ -297,9 +299,7 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     ids = _probe_ids(model, config)
-    base = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
-    if "use_cache" in accepted:
-        base["use_cache"] = False
+    base = build_inputs(device, ids, torch.ones_like(ids), accepted=accepted)
     with _Recorder(model) as rec:
         try:
             out = runner(**base, output_hidden_states=True, return_dict=True)
@@ -760,10 +760,7 @@ def _check_inputs(runner: nn.Module, layout: Layout, ids: torch.Tensor, device: 
     """Decide position ids, check padding sides and causal attention on the probe (a few tiny forward passes)."""
 
     def run(input_ids: torch.Tensor, mask: torch.Tensor, position_ids: bool) -> tuple:
-        kw = build_inputs(layout, device, input_ids, mask)
-        kw.pop("position_ids", None)
-        if position_ids:
-            kw["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0).to(device)
+        kw = build_inputs(device, input_ids, mask, accepted=layout.accepted_inputs, position_ids=position_ids)
         return tuple(runner(**kw, output_hidden_states=True, return_dict=True).hidden_states)
 
     row = ids[:1]
