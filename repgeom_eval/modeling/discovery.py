@@ -38,10 +38,14 @@ from repgeom_eval.modeling.hooks import HookPoint, input_tensor, output_tensor
 
 @dataclass(frozen=True)
 class Site:
-    """One site at one block: where it is read (``None`` when refused) and how it was checked, or why not."""
+    """One site at one block: where it is read (``None`` when refused) and how it was checked, or why not.
+
+    A refused site is either ``absent`` (the block has no such tensor: no ``resid_mid`` in a parallel block, no
+    ``attn_out`` in a Mamba block) or unverified (the load check could not confirm it, so it is not guessed)."""
 
     point: HookPoint | None
     note: str
+    absent: bool = False
 
     @property
     def ok(self) -> bool:
@@ -245,7 +249,8 @@ def build_inputs(device: torch.device, input_ids: torch.Tensor, attention_mask: 
 # -- discovery -----------------------------------------------------------------------------------------------------------
 
 ATTENTION = re.compile(r"attn|attention", re.I)
-FEED_FORWARD = re.compile(r"mlp|feed_?forward|ffn|moe|expert|intermediate|^fc\d$|dense_h_to_4h", re.I)
+FEED_FORWARD = re.compile(r"mlp|feed_?forward|ffn|^ff|ff$|moe|expert|intermediate|^fc\d$|dense_h_to_4h|"
+                          r"Dense(Relu|Act|Gated)", re.I)
 NORM = re.compile(r"norm|^ln", re.I)  # module names (leaves) of norms
 NORM_CLASS = re.compile(r"Norm(alization)?\d*d?$")  # class names: LayerNorm, LlamaRMSNorm, ... not *LayerNormAttention
 
@@ -319,6 +324,9 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
         notes.append("the model returns no last_hidden_state: `final` is its last hidden state")
     logits = isinstance(getattr(out, "logits", None), torch.Tensor)
 
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_config is not config or getattr(config, "vision_config", None) is not None:
+        notes.append(f"{model_type} is a multimodal model: its text model is measured, on text alone")
     found = _find_blocks(model, rec, hidden, lhs)
     if found is None:
         layout = _hidden_states_only(model_type, runner_name, hidden, lhs, accepted, logits, notes, rec, model)
@@ -536,9 +544,10 @@ def _analyze_block(rec: _Recorder, block: _Call, i: int, model_type: str, previo
                                   + (f" = output of block {i - 1}" if i else " = embed"))
     where = f"model type {model_type!r}, block {i}"
 
-    def refuse(reason: str, names: Iterable[str] = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out")) -> None:
+    def refuse(reason: str, names: Iterable[str] = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out"),
+               absent: bool = True) -> None:
         for s in names:
-            sites.setdefault(s, Site(None, f"{where}: {reason}"))
+            sites.setdefault(s, Site(None, f"{where}: {reason}", absent=absent))
 
     def outermost(c: _Call) -> _Call:
         """The outermost call inside the block whose output is c's output (self_attn rather than its o_proj)."""
@@ -666,7 +675,7 @@ def _analyze_block(rec: _Recorder, block: _Call, i: int, model_type: str, previo
 
     refuse("the residual identities (resid_post = resid_mid + mlp_out with resid_mid = resid_pre + attn_out, their "
            "post-norm and parallel forms, or one sub-layer) do not hold on the probe input, so its sub-layers "
-           "cannot be told apart", ["attn_out", "resid_mid", "mlp_in", "mlp_out"])
+           "cannot be told apart", ["attn_out", "resid_mid", "mlp_in", "mlp_out"], absent=False)
     refuse("no embedding output precedes block 0", ["resid_pre"])
     return "not recognised", _ordered(sites)
 

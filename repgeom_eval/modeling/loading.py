@@ -504,13 +504,18 @@ def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, sourc
         dtype=str(param.dtype if param is not None else torch.get_default_dtype()).replace("torch.", ""),
         n_parameters=sum(p.numel() for p in model.parameters()),
         vocab_size=getattr(text_config, "vocab_size", None),
-        max_positions=getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None),
+        max_positions=_positive(getattr(text_config, "max_position_embeddings", None)
+                                or getattr(text_config, "n_positions", None)),  # XLNet says -1: no limit
         source=source,
         n_hidden_states=len(layout.hidden_states),
         layers=dict(describe(layout)),
     )
     device = param.device if param is not None else torch.device("cpu")
     return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info, device=device)
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
