@@ -21,8 +21,11 @@ def every_block(info) -> list[str]:
 
 
 def knn_keys(info) -> list[str]:
-    """kNN-LM key candidates of the last block: resid_mid:-1, resid_post:-1, mlp_in:-1 (docs/metrics.md#knn-lm-keys)."""
-    return ["resid_mid:-1", "resid_post:-1", "mlp_in:-1"]
+    """kNN-LM key candidates of the last block: resid_mid:-1, resid_post:-1, mlp_in:-1 (docs/metrics.md#knn-lm-keys);
+    those the last block has (a parallel block has no resid_mid)."""
+    has = (getattr(info, "layers", None) or {}).get("last_block_sites")
+    return [key for key in ("resid_mid:-1", "resid_post:-1", "mlp_in:-1")
+            if has is None or key.partition(":")[0] in has]
 
 
 # Paper C's layer sets for its losses (docs/metrics.md#loss-layers): hidden_states[1..L], skipping the embeddings.

@@ -810,4 +810,5 @@ def describe(layout: Layout) -> Mapping[str, Any]:
         "position_ids_from_mask": layout.position_ids, "padding_sides": list(layout.padding_sides),
         "block_kinds": sorted(set(layout.block_kinds)), "hidden_states": list(layout.hidden_states),
         "refused": layout.missing_sites(), "notes": list(layout.notes),
+        "last_block_sites": [s for s, site in layout.sites[-1].items() if site.ok] if layout.sites else [],
     }
