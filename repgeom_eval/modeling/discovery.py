@@ -304,7 +304,7 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     ids = _probe_ids(model, config)
-    base = build_inputs(device, ids, torch.ones_like(ids), accepted=accepted)
+    base = build_inputs(device, ids, torch.ones_like(ids), accepted=accepted) | _few_logits(accepted)
     with _Recorder(model) as rec:
         try:
             out = runner(**base, output_hidden_states=True, return_dict=True)
@@ -338,6 +338,11 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
         _apply_table(model, layout, rec, table, table_name or table.name)
     _check_inputs(runner, layout, ids, device, _pad_id(model, config, ids))
     return layout
+
+
+def _few_logits(accepted: frozenset[str]) -> dict[str, int]:
+    """The probe needs hidden states, not a vocabulary-sized output at every token (SmolLM2's LM head is 49152 x 576)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
 
 
 def _line(exc: BaseException) -> str:
@@ -770,6 +775,7 @@ def _check_inputs(runner: nn.Module, layout: Layout, ids: torch.Tensor, device: 
 
     def run(input_ids: torch.Tensor, mask: torch.Tensor, position_ids: bool) -> tuple:
         kw = build_inputs(device, input_ids, mask, accepted=layout.accepted_inputs, position_ids=position_ids)
+        kw.update(_few_logits(layout.accepted_inputs))
         return tuple(runner(**kw, output_hidden_states=True, return_dict=True).hidden_states)
 
     row = ids[:1]
