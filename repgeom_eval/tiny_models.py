@@ -737,11 +737,13 @@ def forward_hidden_states(model: PreTrainedModel, input_ids: torch.Tensor | None
         g = torch.Generator().manual_seed(seed)
         rows = _OVERRIDES.get(config.model_type, _Override()).rows
         input_ids = allowed[torch.randint(len(allowed), (2 * (getattr(config, rows) if rows else 1), 7), generator=g)]
+    from repgeom_eval.modeling.discovery import accepted_inputs, build_inputs
+
     runner = model.get_encoder() if getattr(config, "is_encoder_decoder", False) else model
-    kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                              "output_hidden_states": True}
-    if not getattr(config, "is_encoder_decoder", False):
-        kwargs["use_cache"] = False  # linear-attention hybrids need a special cache object otherwise
+    # use_cache=False where the forward takes it: linear-attention hybrids need a special cache object otherwise
+    kwargs: dict[str, Any] = build_inputs(input_ids.device, input_ids, torch.ones_like(input_ids),
+                                          accepted=accepted_inputs(runner))
+    kwargs["output_hidden_states"] = True
     with torch.no_grad():
         while True:
             try:
@@ -749,7 +751,7 @@ def forward_hidden_states(model: PreTrainedModel, input_ids: torch.Tensor | None
                 break
             except TypeError as exc:  # a keyword this model does not take: drop it (only the optional ones)
                 bad = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
-                if not bad or bad.group(1) not in ("attention_mask", "use_cache"):
+                if not bad or bad.group(1) != "attention_mask":
                     raise TinyBuildError(f"forward fails: {_reason(exc)}") from exc
                 kwargs.pop(bad.group(1))
             except Exception as exc:  # noqa: BLE001 - e.g. assistant models that need their backbone's states

@@ -216,7 +216,8 @@ def _probe_ids(model: nn.Module, config: Any, rows: int = 2, length: int = 7, se
 
 # -- what the runner accepts -------------------------------------------------------------------------------------------
 
-def _accepted(module: nn.Module) -> frozenset[str]:
+def accepted_inputs(module: nn.Module) -> frozenset[str]:
+    """The keyword arguments a module's forward names (``**kwargs`` not included)."""
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
@@ -300,7 +301,7 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
     model_type = getattr(config, "model_type", type(model).__name__)
     runner, notes = runner_of(model)
     runner_name = _name_of(model, runner) if runner is not model else ""
-    accepted = _accepted(runner)
+    accepted = accepted_inputs(runner)
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     ids = _probe_ids(model, config)
