@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import NonFiniteError
+from repgeom_eval.errors import ModelForwardError, NonFiniteError, RepgeomError
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
 from repgeom_eval.modeling.discovery import build_inputs
 from repgeom_eval.modeling.hooks import Capture
@@ -202,7 +202,7 @@ class Forward:
         if side is not None and side not in self.loaded.layout.padding_sides:
             captured, outputs_logits = self._rows_alone(ids, mask, extra, side)
         else:
-            captured = self._capture.run(**model_inputs(self.loaded, ids, mask, **extra))
+            captured = self._call(model_inputs(self.loaded, ids, mask, **extra))
             outputs_logits = None
         # on the model's device, beside the hidden states (pooling indexes both with the same rows)
         bool_mask = (mask if mask is not None else torch.ones_like(ids)).bool().to(self.loaded.device)
@@ -222,6 +222,21 @@ class Forward:
             logits = _logits(self._capture.outputs)
         return Batch(ids, bool_mask, hidden, logits)
 
+    def _call(self, inputs: dict[str, Any]) -> dict[Address, torch.Tensor]:
+        """One forward pass; a failure inside the model's own code is one line naming the model and the batch."""
+        try:
+            return self._capture.run(**inputs)
+        except RepgeomError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's (or transformers') code: any exception type
+            info = self.loaded.info
+            ids = inputs["input_ids"]
+            hint = "; try a smaller --batch-size" if "out of memory" in str(exc).lower() else ""
+            raise ModelForwardError(
+                f"model {info.name!r} ({info.model_type}) failed in its own forward pass on a batch of "
+                f"{ids.shape[0]} text(s) of {ids.shape[-1]} tokens: {type(exc).__name__}: "
+                f"{(str(exc).strip().splitlines() or [''])[0][:300]}{hint} (--debug shows the traceback)") from exc
+
     def _rows_alone(self, ids: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor],
                     side: str) -> tuple[dict[Address, torch.Tensor], torch.Tensor | None]:
         """Run each text of a padded batch on its own, for a model whose load check found that padding on this side
@@ -238,7 +253,7 @@ class Forward:
             row_extra = {k: v[i:i + 1, real] if v.dim() == 2 and v.shape == ids.shape else v[i:i + 1]
                          for k, v in extra.items()}
             row = ids[i:i + 1, real]
-            got = self._capture.run(**model_inputs(self.loaded, row, torch.ones_like(row), **row_extra))
+            got = self._call(model_inputs(self.loaded, row, torch.ones_like(row), **row_extra))
             where = real.nonzero().flatten().to(self.loaded.device)
             for addr, h in got.items():
                 if addr not in out:

@@ -111,6 +111,7 @@ class _Call:
     name: str
     module: nn.Module
     start: int
+    ordinal: int = 0  # earlier calls of the same module in this forward pass
     end: int = -1
     inp: _Tensor | None = None
     out: _Tensor | None = None
@@ -127,6 +128,7 @@ class _Recorder:
         self.model = model
         self.calls: list[_Call] = []
         self._open: dict[int, list[_Call]] = {}
+        self._count: dict[int, int] = {}
         self._tick = 0
         self._handles: list[Any] = []
 
@@ -144,7 +146,8 @@ class _Recorder:
     def _pre(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._tick += 1
-            call = _Call(name, module, self._tick)
+            call = _Call(name, module, self._tick, self._count.get(id(module), 0))
+            self._count[id(module)] = call.ordinal + 1
             try:
                 call.inp = _Tensor(input_tensor(args, kwargs))
             except (TypeError, StopIteration):
@@ -186,7 +189,7 @@ def _close(a: "torch.Tensor | _Tensor | None", b: "torch.Tensor | _Tensor | None
     b = b.t if isinstance(b, _Tensor) else b
     if a is None or b is None or a.shape != b.shape:
         return False
-    if a is b:
+    if a is b or a.numel() == 0:
         return True
     a64, b64 = a.detach().double(), b.detach().double()
     if not (torch.isfinite(a64).all() and torch.isfinite(b64).all()):
@@ -217,12 +220,15 @@ def _probe_ids(model: nn.Module, config: Any, rows: int = 2, length: int = 7, se
 # -- what the runner accepts -------------------------------------------------------------------------------------------
 
 def accepted_inputs(module: nn.Module) -> frozenset[str]:
-    """The keyword arguments a module's forward names (``**kwargs`` not included)."""
+    """The keyword arguments a module's forward names, plus ``"**"`` when it also takes ``**kwargs``."""
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return frozenset()
-    return frozenset(n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+    names = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        names.add("**")
+    return frozenset(names)
 
 
 def build_inputs(device: torch.device, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -242,7 +248,7 @@ def build_inputs(device: torch.device, input_ids: torch.Tensor, attention_mask: 
         inputs["attention_mask"] = attention_mask.to(device)
         if position_ids:
             inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).to(device)
-    if "use_cache" in accepted:
+    if "use_cache" in accepted or "**" in accepted:  # Granite-MoE-hybrid takes it through **kwargs
         inputs["use_cache"] = False
     return inputs
 
@@ -312,11 +318,10 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
         except Exception as exc:  # noqa: BLE001 - any failure of a foreign forward pass is reported in one line
             raise DiscoveryError(f"model type {model_type!r}: the load check's probe forward pass (random token ids, "
                                  f"text only) failed: {type(exc).__name__}: {_line(exc)}") from None
-    hidden = getattr(out, "hidden_states", None)
-    if not isinstance(hidden, (tuple, list)) or not hidden or not all(isinstance(h, torch.Tensor) for h in hidden):
+    hidden = hidden_states_of(out)
+    if not hidden:
         raise DiscoveryError(f"model type {model_type!r} returns no hidden_states from its forward pass "
                              "(output_hidden_states=True), so no layer can be checked; it cannot be measured")
-    hidden = tuple(h.detach() for h in hidden)
     lhs = getattr(out, "last_hidden_state", None)
     if not isinstance(lhs, torch.Tensor):
         lhs = _outer_last_hidden_state(rec)
@@ -337,8 +342,19 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
                                accepted, logits, notes)
     if table is not None:
         _apply_table(model, layout, rec, table, table_name or table.name)
+    _check_shapes(model, layout, rec, hidden, tuple(ids.shape))
     _check_inputs(runner, layout, ids, device, _pad_id(model, config, ids))
     return layout
+
+
+def hidden_states_of(output: Any) -> tuple[torch.Tensor, ...]:
+    """The ``hidden_states`` a forward pass returned, one tensor each (PEGASUS-X pairs each entry with its global
+    tokens: the tokens come first); empty when there are none."""
+    hidden = getattr(output, "hidden_states", None)
+    if not isinstance(hidden, (tuple, list)):
+        return ()
+    hidden = [h[0] if isinstance(h, (tuple, list)) and h and isinstance(h[0], torch.Tensor) else h for h in hidden]
+    return tuple(h.detach() for h in hidden) if all(isinstance(h, torch.Tensor) for h in hidden) else ()
 
 
 def _few_logits(accepted: frozenset[str]) -> dict[str, int]:
@@ -402,11 +418,8 @@ def _block_layout(model: nn.Module, model_type: str, runner_name: str, rec: _Rec
     if _close(last.out, lhs):
         final = Site(_point(last, "output"), f"output of block {n - 1} = last_hidden_state (no final norm)")
     else:
-        final = _outermost_output_equal(rec, lhs, after=last.end, why="= last_hidden_state") or Site(
-            None, f"model type {model_type!r}: no module's output equals last_hidden_state")
-        if not final.ok:
-            raise DiscoveryError(f"model type {model_type!r}: no module's output equals last_hidden_state, so "
-                                 "`final` cannot be read")
+        final = _outermost_output_equal(rec, lhs, after=last.end, why="= last_hidden_state") \
+            or _final_from_outputs(rec, hidden, lhs, runner_name, model_type)
     final_call = _call_of(rec, model, final.point)
 
     # hidden_states[k] → canonical address, by what each one equals
@@ -456,8 +469,8 @@ def _hidden_states_only(model_type: str, runner_name: str, hidden: tuple, lhs: t
         final = Site(point(n), f"hidden_states[{n}] = last_hidden_state")
         last_raw = Site(None, reason + f"; hidden_states[{n}] is after the final norm")
     else:
-        final = _outermost_output_equal(rec, lhs, why="= last_hidden_state") or Site(
-            None, f"model type {model_type!r}: no module's output equals last_hidden_state")
+        final = _outermost_output_equal(rec, lhs, why="= last_hidden_state") or _final_from_outputs(
+            rec, hidden, lhs, runner_name, model_type)
         last_raw = Site(point(n), f"hidden_states[{n}] (before the final norm)")
     sites = []
     for i in range(n):
@@ -474,6 +487,17 @@ def _hidden_states_only(model_type: str, runner_name: str, hidden: tuple, lhs: t
         position_ids=False, padding_sides=(), notes=notes,
         **_dependencies(rec, final_call),
     )
+
+
+def _final_from_outputs(rec: _Recorder, hidden: tuple, lhs: torch.Tensor, runner_name: str,
+                        model_type: str) -> Site:
+    """``final`` where no module's own output is last_hidden_state (Reformer concatenates its two streams, Moshi
+    returns a projection): the model's last hidden state when that is last_hidden_state, else a refusal."""
+    if _close(hidden[-1], lhs):
+        return Site(HookPoint(runner_name, "hidden_states", index=len(hidden) - 1),
+                    f"hidden_states[{len(hidden) - 1}] of the model's output = last_hidden_state")
+    return Site(None, f"model type {model_type!r}: neither a module's output nor the last hidden state equals "
+                      "last_hidden_state, so `final` cannot be read")
 
 
 def _dependencies(rec: _Recorder, final_call: _Call | None) -> dict[str, frozenset[str]]:
@@ -501,7 +525,7 @@ def _call_of(rec: _Recorder, model: nn.Module, point: HookPoint | None) -> _Call
     except AttributeError:
         return None
     calls = rec.of(module)
-    return calls[0] if calls else None
+    return calls[point.call] if point.call < len(calls) else None
 
 
 # -- one block: the residual identities -------------------------------------------------------------------------------
@@ -693,12 +717,45 @@ def _is_norm(c: _Call, prefix: str) -> bool:
 
 def _point(call: _Call, direction: str) -> HookPoint:
     t = call.inp if direction == "input" else call.out
-    return HookPoint(call.name, direction, copy=bool(t is not None and t.changed),
+    return HookPoint(call.name, direction, call=call.ordinal, copy=bool(t is not None and t.changed),
                      flat=bool(t is not None and t.flat))
 
 
 def _ordered(sites: dict[str, Site]) -> dict[str, Site]:
     return {s: sites[s] for s in SITES}
+
+
+def _check_shapes(model: nn.Module, layout: Layout, rec: _Recorder, hidden: tuple, batch: tuple[int, ...]) -> None:
+    """Refuse every site whose tensor is not one vector per token, [batch, tokens, width] (hyper-connection models
+    keep several residual streams per token; Gemma 3n stacks its AltUp predictions)."""
+
+    def tensor(point: HookPoint) -> torch.Tensor | None:
+        if point.direction == "hidden_states":
+            return hidden[point.index] if point.index is not None and point.index < len(hidden) else None
+        t = _tensor_at(rec, model, point)
+        return None if t is None else t.t
+
+    def shaped(t: torch.Tensor | None) -> bool:
+        return t is not None and t.dim() == 3 and tuple(t.shape[:2]) == batch
+
+    def checked(site: Site, where: str) -> Site:
+        if not site.ok:
+            return site
+        t = tensor(site.point)
+        if shaped(t):
+            return site
+        shape = "nothing" if t is None else f"shape {list(t.shape)}"
+        return Site(None, f"model type {layout.model_type!r}, {where}: the hook reads {shape}, not one vector per "
+                          f"token (batch {batch[0]} × {batch[1]} tokens × width)")
+
+    layout.embed = checked(layout.embed, "embed")
+    layout.final = checked(layout.final, "final")
+    for i, block in enumerate(layout.sites):
+        for name, site in block.items():
+            block[name] = checked(site, f"block {i}")
+    layout.hidden_states = tuple(name if shaped(hidden[k]) else None for k, name in enumerate(layout.hidden_states))
+    if not layout.final.ok and not any(site.ok for block in layout.sites for site in block.values()):
+        raise DiscoveryError(f"{layout.final.note}; no address of this model can be measured")
 
 
 # -- registered tables --------------------------------------------------------------------------------------------------
@@ -772,24 +829,30 @@ def _pad_id(model: nn.Module, config: Any, ids: torch.Tensor) -> int:
 
 
 def _check_inputs(runner: nn.Module, layout: Layout, ids: torch.Tensor, device: torch.device, pad_id: int) -> None:
-    """Decide position ids, check padding sides and causal attention on the probe (a few tiny forward passes)."""
+    """Decide position ids, check padding sides and causal attention on the probe (a few tiny forward passes). A
+    check whose forward pass fails counts as failed (Funnel cannot run some lengths alone): nothing is assumed."""
 
-    def run(input_ids: torch.Tensor, mask: torch.Tensor, position_ids: bool) -> tuple:
+    def run(input_ids: torch.Tensor, mask: torch.Tensor, position_ids: bool) -> tuple | None:
         kw = build_inputs(device, input_ids, mask, accepted=layout.accepted_inputs, position_ids=position_ids)
         kw.update(_few_logits(layout.accepted_inputs))
-        return tuple(runner(**kw, output_hidden_states=True, return_dict=True).hidden_states)
+        try:
+            return hidden_states_of(runner(**kw, output_hidden_states=True, return_dict=True)) or None
+        except Exception:  # noqa: BLE001 - the model's own code, on a legal input
+            return None
+
+    def same(a: tuple | None, b: tuple | None, pick_a=lambda t: t, pick_b=lambda t: t) -> bool:
+        return a is not None and b is not None and len(a) == len(b) and all(
+            _close(pick_a(x), pick_b(y)) for x, y in zip(a, b))
 
     row = ids[:1]
     full = torch.ones_like(row)
     alone = run(row, full, False)
-    layout.position_ids = False
-    if "position_ids" in layout.accepted_inputs:
-        layout.position_ids = all(_close(a, b) for a, b in zip(run(row, full, True), alone))
+    layout.position_ids = "position_ids" in layout.accepted_inputs and same(run(row, full, True), alone)
     # causal attention: changing the last token leaves the earlier positions alone
     changed = row.clone()
     changed[0, -1] = ids[1, 0] if int(ids[1, 0]) != int(row[0, -1]) else ids[1, 1]
-    after = run(changed, full, layout.position_ids)
-    layout.causal = all(_close(a[:, :-1], b[:, :-1]) for a, b in zip(alone, after))
+    earlier = lambda t: t[..., :-1, :]  # noqa: E731 - [..., batch, tokens, width]
+    layout.causal = same(alone, run(changed, full, layout.position_ids), earlier, earlier)
     # padding: a short text in a batch with a longer one keeps the hidden states it has alone
     short = ids[1:2, : ids.shape[1] - 3]
     short_alone = run(short, torch.ones_like(short), layout.position_ids)
@@ -803,8 +866,8 @@ def _check_inputs(runner: nn.Module, layout: Layout, ids: torch.Tensor, device: 
         mask = torch.cat([full, torch.cat([real, gap], 1) if side == "right" else torch.cat([gap, real], 1)])
         got = run(batch_ids, mask, layout.position_ids)
         keep = slice(0, short.shape[1]) if side == "right" else slice(pad, None)
-        if all(_close(g[1:2, keep], a) for g, a in zip(got, short_alone)) and all(
-                _close(g[:1], a) for g, a in zip(got, alone)):
+        # [..., batch, tokens, width]: Gemma 3n stacks its AltUp streams in front
+        if same(got, short_alone, lambda g: g[..., 1:2, keep, :]) and same(got, alone, lambda g: g[..., :1, :, :]):
             ok.append(side)
     layout.padding_sides = tuple(ok)
 

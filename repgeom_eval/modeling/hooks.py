@@ -36,6 +36,9 @@ class HookPoint:
     module_name: str
     direction: str
     index: int | None = None
+    # which call of the module in one forward pass (0 = the first): a module can run more than once (nanochat's one
+    # norm module normalises the embeddings and, later, the last block's output)
+    call: int = 0
     # the model changes this tensor in place later in its forward pass (Falcon adds attention into the MLP's
     # output): the hook keeps a copy of it as it was
     copy: bool = field(default=False, compare=False)
@@ -46,7 +49,8 @@ class HookPoint:
         where = self.module_name or "<model>"
         if self.direction == "hidden_states":
             return f"hidden_states[{self.index}] of {where}"
-        return f"{self.direction} of {where}"
+        nth = f" (call {self.call + 1})" if self.call else ""
+        return f"{self.direction} of {where}{nth}"
 
 
 def output_tensor(value: Any) -> torch.Tensor:
@@ -115,6 +119,7 @@ class Capture:
         for addr, point in self.points.items():
             self._by_point.setdefault(point, []).append(addr)
         self._captured: dict[HookPoint, torch.Tensor] = {}
+        self._calls: dict[HookPoint, int] = {}  # calls seen per point in this forward pass (HookPoint.call)
         self._batch_shape: tuple[int, ...] = ()
         self.outputs: Any = None
 
@@ -149,6 +154,12 @@ class Capture:
             ids = kwargs.get("inputs_embeds")
         self._batch_shape = tuple(ids.shape[:2])
 
+    def _nth(self, point: HookPoint) -> bool:
+        """Count this call of the point's module; True when it is the call the point reads."""
+        seen = self._calls.get(point, 0)
+        self._calls[point] = seen + 1
+        return seen == point.call
+
     def _store(self, point: HookPoint, tensor: torch.Tensor) -> None:
         if point.flat and tensor.dim() == 2:
             tensor = tensor.reshape(*self._batch_shape, tensor.shape[-1])
@@ -160,19 +171,23 @@ class Capture:
 
     def _pre_hook(self, point: HookPoint):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self._store(point, input_tensor(args, kwargs))
+            if self._nth(point):
+                self._store(point, input_tensor(args, kwargs))
 
         return hook
 
     def _post_hook(self, point: HookPoint):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self._store(point, output_tensor(output))
+            if self._nth(point):
+                self._store(point, output_tensor(output))
 
         return hook
 
     def _hidden_states_hook(self, point: HookPoint):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self._store(point, output.hidden_states[point.index])
+            if self._nth(point):
+                entry = output.hidden_states[point.index]
+                self._store(point, entry[0] if isinstance(entry, (tuple, list)) else entry)  # PEGASUS-X pairs
 
         return hook
 
@@ -192,11 +207,13 @@ class Capture:
     def clear(self) -> None:
         """Forget what the previous forward pass captured."""
         self._captured = {}
+        self._calls = {}
         self.outputs = None
 
     def tensors(self) -> dict["Address", torch.Tensor]:
         """The tensor of every address captured by the latest forward pass; an error names any that never fired."""
         missing = [str(a) for p, addrs in self._by_point.items() if p not in self._captured for a in addrs]
+        self._calls = {}
         if missing:
             raise RuntimeError(f"hooks for {', '.join(missing)} never fired during the forward pass")
         out = {addr: self._captured[point] for addr, point in self.points.items()}
