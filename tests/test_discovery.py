@@ -289,3 +289,25 @@ def test_addresses_command_shows_the_load_check(tiny, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["block_kinds"] == ["parallel"]
     assert any(a["address"] == "resid_mid:0" and not a["ok"] for a in doc["addresses"])
+
+
+def test_a_second_capture_between_passes_leaves_nothing_stale(tiny):
+    """lm-eval's fused capture stays installed while an extra pass runs its own Capture over the same model: the
+    next pass the first one takes is its own (call counts and tensors start afresh at every pass)."""
+    from repgeom_eval.modeling.hooks import Capture
+
+    loaded = load_model(tiny("nanochat"))  # its norm module runs twice a pass: `final` is its second call
+    assert loaded.layout.final.point.call == 1
+    points = resolve_request(["final", "resid_post:0"], loaded).points
+    tok = loaded.tokenizer
+    first, other, last = (tok([t], return_tensors="pt")["input_ids"] for t in TEXTS)
+    with Capture(loaded.model, points, stop_early=False) as outer:
+        with torch.no_grad():
+            loaded.model(input_ids=first)
+        outer.take()
+        with Forward(loaded, points) as inner:  # the extra pass, hooks of both captures installed
+            inner.token_ids([other[0].tolist()])
+        with torch.no_grad():
+            want = loaded.model(input_ids=last, output_hidden_states=True).hidden_states
+        got = {str(a): t for a, t in outer.take().items()}
+    assert torch.allclose(got["final"], want[-1], atol=1e-6) and torch.allclose(got["resid_post:0"], want[1], atol=1e-6)

@@ -126,6 +126,9 @@ class Capture:
     def __enter__(self) -> "Capture":
         modules = dict(self.model.named_modules())
         try:
+            # every pass starts afresh, whoever runs it: a second Capture's pass over the same model (lm-eval's extra
+            # pass) must not leave this one's call counts (HookPoint.call) or tensors behind
+            self._handles.append(self.runner.register_forward_pre_hook(self._new_pass))
             if any(p.flat for p in self._by_point):
                 self._handles.append(self.runner.register_forward_pre_hook(self._batch_shape_hook, with_kwargs=True))
             for point in self._by_point:
@@ -153,6 +156,10 @@ class Capture:
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         self._batch_shape = tuple(ids.shape[:2])
+
+    def _new_pass(self, module: nn.Module, args: tuple) -> None:
+        self._captured = {}
+        self._calls = {}
 
     def _nth(self, point: HookPoint) -> bool:
         """Count this call of the point's module; True when it is the call the point reads."""
