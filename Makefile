@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS = 1
 
-.PHONY: test demo venv bench clean reproduce-smoke
+.PHONY: test demo venv bench clean reproduce-smoke any-model
 
 venv:
 	bash scripts/bootstrap.sh dev
@@ -17,6 +17,9 @@ test: venv
 
 reproduce-smoke: venv  # every gallery experiment at a tiny size (experiments/README.md)
 	$(VENV)/bin/python -m pytest -n 2 --dist load -m "reproduce or not reproduce" tests/test_experiments.py $(PYTEST_ARGS)
+
+any-model: venv  # every transformers model type at tiny size: built, loaded, measured equal, sub-layers verified
+	$(VENV)/bin/python benchmarks/any_model.py --write
 
 demo:
 	bash scripts/bootstrap.sh demo
@@ -37,6 +40,7 @@ bench: venv
 	$(VENV)/bin/python benchmarks/bench_vs_script.py
 	$(VENV)/bin/python benchmarks/bench_ppl_bins.py
 	$(VENV)/bin/python benchmarks/bench_gap_series.py --n 3 --params small  # the full series: --n 10 (22 GB of disk)
+	$(VENV)/bin/python benchmarks/bench_discovery.py
 
 clean:
 	rm -rf $(VENV) repgeom-demo .pytest_cache

@@ -81,7 +81,7 @@ def make_batches(loaded, texts, batch_size, max_length):
         rows = order[start:start + batch_size]
         enc = dict(tok([texts[i] for i in rows], padding=True, truncation=True, max_length=context,
                        return_tensors="pt", verbose=False))
-        if loaded.spec.position_ids_from_mask:
+        if loaded.layout.position_ids:
             enc["position_ids"] = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
         batches.append((rows, enc))
     return batches, context

@@ -83,7 +83,7 @@ def encode(loaded, texts, batch_size, context):
     for start in range(0, len(order), batch_size):
         enc = dict(tok([texts[i] for i in order[start:start + batch_size]], padding=True, truncation=True,
                        max_length=context, return_tensors="pt", verbose=False))
-        if loaded.spec.position_ids_from_mask:
+        if loaded.layout.position_ids:
             enc["position_ids"] = (enc["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
         batches.append(enc)
     return batches

@@ -150,15 +150,16 @@ def _main(argv: Sequence[str] | None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0
-        flags = {"trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
-                 "allow_random_init": bool(getattr(args, "allow_random_init", False))}
-        if not any(flags.values()) and "repgeom_eval.modeling.loading" not in sys.modules:
-            # Without loading flags the policy to set is the default one, which is in force anyway until something
-            # imports the loader (and torch with it): `repgeom plugins` need not import it just to set it.
-            return int(args._run(args) or 0)
-        from repgeom_eval.modeling.loading import LoadingPolicy, use_loading_policy
+        from repgeom_eval.modeling.options import ModelOptions
 
-        with use_loading_policy(LoadingPolicy(**flags)):
+        options = ModelOptions.from_namespace(args)  # the command's model options (defaults where it has none)
+        if options == ModelOptions() and "repgeom_eval.modeling.loading" not in sys.modules:
+            # With default options there is nothing to set, and nothing to import until something loads a model
+            # (and torch with it): `repgeom plugins` need not import the loader just to set them.
+            return int(args._run(args) or 0)
+        from repgeom_eval.modeling.loading import use_model_options
+
+        with use_model_options(options):
             rc = args._run(args)
         return int(rc or 0)
     except RepgeomError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .measure_cmd import add_loading_args
+from repgeom_eval.modeling.options import ModelOptions
 from .ppl_bins_cmd import add_output_args, guard_outputs, plot_dir, plot_files, positive_int, progress
 
 
@@ -14,9 +14,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", "-m", required=True, nargs="+",
                    help="one or more models (hub ids, directories, .gguf files), shown side by side")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 or auto")
-    add_loading_args(p)
+    ModelOptions.add_arguments(p)  # --dtype, --device, --revision, --peft ... (repgeom_eval/modeling/options.py)
     p.add_argument("--data", "-d", required=True, help=".jsonl with a text field per line, or .txt, one text a line")
     p.add_argument("--text-field", default="text", help="field of each .jsonl record to read (default: text)")
     p.add_argument("--layers", "-l", nargs="+", default=["all"],

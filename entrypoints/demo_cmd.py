@@ -8,6 +8,8 @@ law over chunks of the Python docs with its correlation (``ppl-bins``), (3) the 
 from __future__ import annotations
 
 import argparse
+
+from repgeom_eval.modeling.options import ModelOptions
 from pathlib import Path
 
 
@@ -18,7 +20,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=192, help="tokens per text (default 192)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--model", default=None, help="override the model (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="auto")
+    ModelOptions.add_arguments(p, only=["dtype", "revision", "trust_remote_code"])
     p.add_argument("--ppl-chunks", type=int, default=240,
                    help="chunks of the Python docs for the perplexity-vs-dispersion law (default 240)")
     p.add_argument("--chunk-len", type=int, default=128, help="tokens per chunk (default 128; paper A: 512)")

@@ -6,25 +6,21 @@ import argparse
 import json
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", required=True,
+def add_model_args(p: argparse.ArgumentParser, nargs: str | None = None) -> None:
+    """``--model`` and the model options every command that loads a model shares (repgeom_eval/modeling/options.py)."""
+    from repgeom_eval.modeling.options import ModelOptions
+
+    kw = {"nargs": nargs} if nargs else {}
+    p.add_argument("--model", "-m", required=True, **kw,
                    help="hub id, local model directory, or .gguf file (loaded through transformers)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, "
-                                                   "float16, float64")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 or auto")
-    add_loading_args(p)
+    ModelOptions.add_arguments(p)
 
 
 def add_loading_args(p: argparse.ArgumentParser, random_init: bool = True) -> None:
-    """The flags of every command that loads a model or tokenizer (read by entrypoints.cli into a LoadingPolicy)."""
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow models that need their own Python code (it runs on this machine); without it such "
-                        "a model is refused")
-    if not random_init:
-        return
-    p.add_argument("--allow-random-init", action="store_true",
-                   help="measure a checkpoint whose tensors do not fill the architecture (the missing ones stay "
-                        "random; the output's model block lists them); without it such a checkpoint is refused")
+    """The model options of a command that reads a model's files (tokenizer, weights) without loading it whole."""
+    from repgeom_eval.modeling.options import ModelOptions
+
+    ModelOptions.add_arguments(p, only=["trust_remote_code"] + (["allow_random_init"] if random_init else []))
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from repgeom_eval.modeling.options import ModelOptions
+
 
 def _words(values: list[str] | None) -> list[str] | None:
     """Space- or comma-separated lists (``-t A B`` or ``-t A,B``)."""
@@ -75,8 +77,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                                                          "(infonce, lidar, dime)")
     run.add_argument("--name", default=None,
                      help="model name in the results (org/name; default: the hub id, or local/<folder>)")
-    run.add_argument("--model-revision", "--revision", dest="revision", default=None,
-                     help="revision recorded in the results (default: hub commit, or a content hash of the folder)")
+    run.add_argument("--model-revision", dest="record_revision", default=None,
+                     help="revision recorded in the results (default: --revision, else the hub commit or a content "
+                          "hash of the folder)")
     run.add_argument("--tasks", "-t", nargs="+", default=None, help="task names (local tasks of --tasks-file or "
                                                                    "MTEB tasks)")
     run.add_argument("--tasks-file", default=None, metavar="FILE",
@@ -88,9 +91,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     run.add_argument("--benchmarks", "-b", nargs="+", default=None, help="MTEB benchmark names")
     run.add_argument("--eval-splits", nargs="+", default=None, help="evaluation splits to run")
     run.add_argument("--batch-size", type=int, default=32)
-    run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 or auto")
-    run.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, "
-                                                     "float16")
+    ModelOptions.add_arguments(run)  # --revision, --dtype, --device, --peft ... (repgeom_eval/modeling/options.py)
     run.add_argument("--output-folder", default="results",
                      help="mteb result cache folder (default: results)")
     run.add_argument("--overwrite-strategy", default="only-missing",
@@ -220,7 +221,7 @@ def _run(args: argparse.Namespace) -> int:
     result = run_layers(
         args.model, mine, _words(args.layers), pooling=args.pooling, normalize=args.normalize,
         max_length=args.max_length, batch_size=args.batch_size, dtype=args.dtype, device=dist.device(args.device),
-        output_folder=str(out), overwrite_strategy=args.overwrite_strategy, name=args.name, revision=args.revision,
+        output_folder=str(out), overwrite_strategy=args.overwrite_strategy, name=args.name, revision=args.record_revision or args.revision,
         co2_tracker=args.co2_tracker, prediction_folder=args.prediction_folder, num_proc=args.num_proc,
         progress=progress, metrics=metrics, metric_params=metric_params, seed=args.seed,
         preprocess=args.preprocess, preprocess_stats=args.preprocess_stats)

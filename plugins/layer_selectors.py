@@ -5,9 +5,14 @@ from __future__ import annotations
 from repgeom_eval import hookimpl
 
 
+def _n_hidden(info) -> int:
+    """Entries of the model's own hidden_states (L + 1 on nearly every model; the load check counts them)."""
+    return getattr(info, "n_hidden_states", None) or info.n_layers + 1
+
+
 def every_hidden_state(info) -> list[str]:
     """Every hidden state: embed, each block output, final (= hidden_states[0..L])."""
-    return [str(k) for k in range(info.n_layers + 1)]
+    return [str(k) for k in range(_n_hidden(info))]
 
 
 def every_block(info) -> list[str]:
@@ -16,15 +21,18 @@ def every_block(info) -> list[str]:
 
 
 def knn_keys(info) -> list[str]:
-    """kNN-LM key candidates of the last block: resid_mid:-1, resid_post:-1, mlp_in:-1 (docs/metrics.md#knn-lm-keys)."""
-    return ["resid_mid:-1", "resid_post:-1", "mlp_in:-1"]
+    """kNN-LM key candidates of the last block: resid_mid:-1, resid_post:-1, mlp_in:-1 (docs/metrics.md#knn-lm-keys);
+    those the last block has (a parallel block has no resid_mid)."""
+    has = (getattr(info, "layers", None) or {}).get("last_block_sites")
+    return [key for key in ("resid_mid:-1", "resid_post:-1", "mlp_in:-1")
+            if has is None or key.partition(":")[0] in has]
 
 
 # Paper C's layer sets for its losses (docs/metrics.md#loss-layers): hidden_states[1..L], skipping the embeddings.
 
 def all_but_embed(info) -> list[str]:
     """hidden_states[1..L]: every block output, the last one after the final norm (paper C's `all`)."""
-    return [str(k) for k in range(1, info.n_layers + 1)]
+    return [str(k) for k in range(1, _n_hidden(info))]
 
 
 def last(info) -> list[str]:
@@ -39,7 +47,7 @@ def early_half(info) -> list[str]:
 
 def late_half(info) -> list[str]:
     """hidden_states[⌊L/2⌋+1..L] (paper C's `late_half`)."""
-    return [str(k) for k in range(info.n_layers // 2 + 1, info.n_layers + 1)]
+    return [str(k) for k in range(info.n_layers // 2 + 1, _n_hidden(info))]
 
 
 @hookimpl

@@ -68,6 +68,10 @@ class NonFiniteError(RepgeomError):
     """NaN or inf in hidden states or inputs."""
 
 
+class ModelForwardError(RepgeomError):
+    """The model's own forward pass raised on an input (a limit of that model, or of transformers' code for it)."""
+
+
 def check_param(metric: str, name: str, value: object, ok: bool, expected: str) -> None:
     """Raise a :class:`ParameterError` naming the metric, the parameter, its value and what it must be, unless
     ``ok``."""

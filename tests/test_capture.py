@@ -25,7 +25,7 @@ def close(a, b, tol=1e-5):
 
 
 def blocks_of(loaded):
-    return loaded.model.base_model.get_submodule(loaded.spec.blocks)
+    return loaded.model.get_submodule(loaded.layout.blocks)
 
 
 @pytest.mark.parametrize("kind", DECODERS)
@@ -43,11 +43,11 @@ def test_pre_ln_decoder_sites(kind, tiny_model_dir):
         assert close(pre, hs[layer])
         assert close(mid, pre + attn)
         assert close(post, mid + mlp_out)
-        ln2 = block.get_submodule(loaded.spec.sites["resid_mid"].module)
+        ln2 = loaded.model.get_submodule(loaded.layout.sites[layer]["resid_mid"].point.module_name)
         assert close(mlp_in, ln2(mid))
         if layer < n - 1:
             assert close(post, hs[layer + 1])
-    final_norm = loaded.model.base_model.get_submodule(loaded.spec.final_norm)
+    final_norm = loaded.model.get_submodule(loaded.layout.final.point.module_name)
     assert close(got["final"], final_norm(got[f"resid_post:{n - 1}"]))
     assert not close(got["final"], got[f"resid_post:{n - 1}"])  # the pitfall: they differ on decoders
 

@@ -103,7 +103,9 @@ def test_remote_code_runs_with_the_flag(tiny_model_dir, tmp_path, texts):
     with pytest.raises(RepgeomError, match="--trust-remote-code"):
         load_model(str(model))
     assert not marker.exists()
-    # with the flag the model's code runs; its architecture then needs a table from a plugin, like any other
-    with pytest.raises(RepgeomError, match="unknown architecture .* 'repgeom_custom'"):
-        load_model(str(model), policy=LoadingPolicy(trust_remote_code=True))
+    # with the flag the model's code runs, and its layers are found by reading its modules (no table needed)
+    loaded = load_model(str(model), policy=LoadingPolicy(trust_remote_code=True))
     assert marker.exists()
+    assert loaded.info.model_type == "repgeom_custom" and loaded.layout.table is None
+    assert loaded.layout.blocks == "model.layers" and loaded.layout.final.point.module_name == "model.norm"
+    assert all(site.ok for block in loaded.layout.sites for site in block.values())

@@ -48,3 +48,23 @@ def test_final_layer_matches_sentence_transformers(minilm, sts_spec, tmp_path):
     got = encoder.encode(batches, task_metadata=make_task({"name": "MiniSTS", **sts_spec}).metadata,
                          hf_split="test", hf_subset="default", batch_size=8)
     np.testing.assert_allclose(got, st_model.encode(texts, convert_to_numpy=True), atol=1e-5)
+
+
+def test_a_sentence_transformer_object_is_encoded_with_its_own_pooling(minilm):
+    """A SentenceTransformer in memory: its transformer, tokenizer and recipe (mean pooling, Normalize) are used,
+    and the final layer equals its own encode(); a middle layer equals the folder's."""
+    from sentence_transformers import SentenceTransformer
+
+    st_model = SentenceTransformer(minilm, device="cpu")
+    texts = ["A sentence about layers.", "Another one, somewhat longer than the first sentence.", "Short."]
+    encoder = layer_encoder(st_model, "final")
+    assert encoder.mteb_model_meta.experiment_kwargs == {"layer": "final", "pooling": "mean", "normalize": True}
+    got = encoder.sweep.vectors(texts, encoder.address, batch_size=2)
+    np.testing.assert_allclose(got, st_model.encode(texts, convert_to_numpy=True), atol=1e-5)
+    middle = layer_encoder(st_model, 3)
+    from_folder = layer_encoder(minilm, 3)
+    np.testing.assert_allclose(middle.sweep.vectors(texts, middle.address, batch_size=2),
+                               from_folder.sweep.vectors(texts, from_folder.address, batch_size=2), atol=1e-6)
+    from repgeom_eval.mteb_layers.encoder import weights_hash
+
+    assert middle.revision == weights_hash(st_model[0].auto_model) != from_folder.revision  # in memory: the weights

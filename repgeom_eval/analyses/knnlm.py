@@ -228,9 +228,10 @@ def knnlm(
     t0 = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
     t_load = time.perf_counter() - t0
-    if not loaded.spec.causal:
-        raise RepgeomError(f"a kNN-LM needs a causal language model; {loaded.info.name} is a {loaded.spec.name} "
-                           "encoder")
+    if not loaded.layout.causal:
+        raise RepgeomError(f"a kNN-LM needs a causal language model; {loaded.info.name} is a "
+                           f"{loaded.info.model_type} model without causal attention")
+    loaded.check_logits("a kNN-LM")
     check_context(chunk_len, loaded.info.max_positions)
     addrs = []
     for key in keys:

@@ -5,12 +5,7 @@ Each option is declared once, as a field below, with its command-line flag and h
 (:meth:`RunConfig.from_namespace`), the resume key of a checkpointed run (:meth:`RunConfig.checkpoint_key`) and the
 ``config`` block of the results file (:meth:`RunConfig.config_block`). Adding an option means adding a field.
 
-Field metadata:
-
-* ``flags`` / ``cli``: the argparse flags and keyword arguments (no ``flags``: not on the command line);
-* ``from_cli``: turns the parsed value into the field's value;
-* ``key``: part of the resume key (everything that changes the numbers);
-* ``config``: written into the results' ``config`` block (``False``: not written).
+The field machinery (flags, resume key, config block) is in repgeom_eval/option_fields.py.
 """
 
 from __future__ import annotations
@@ -19,11 +14,12 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.option_fields import add_option_arguments, option, options_from_namespace, plain as _plain
 
 DEFAULT_SHARD_SIZE = 1024  # texts read, batched and checkpointed together
 PREPROCESS_METHODS = ("none", "center", "standardize", "whiten")
@@ -54,15 +50,6 @@ def split_names(items: str | Sequence[str]) -> tuple[str, ...]:
     """``"a,b"`` or ``["a", "b,c"]`` → ``("a", "b", "c")`` (spaces and commas both separate)."""
     items = [items] if isinstance(items, str) else list(items)
     return tuple(m.strip() for item in items for m in str(item).split(",") if m.strip())
-
-
-def option(default: Any = MISSING, *flags: str, key: bool = True, config: bool = True, from_cli: Any = None,
-           default_factory: Any = MISSING, **cli: Any) -> Any:
-    """A :class:`RunConfig` field: its default, command-line flags and where it is recorded."""
-    meta = {"flags": flags, "cli": cli, "key": key, "config": config, "from_cli": from_cli}
-    if default_factory is not MISSING:
-        return field(default_factory=default_factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -151,27 +138,12 @@ class RunConfig:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Add a flag for every option that has one."""
-        for f in fields(cls):
-            flags = f.metadata["flags"]
-            if not flags:
-                continue
-            cli = dict(f.metadata["cli"])
-            default = cli.pop("cli_default", f.default)
-            if cli.get("action") not in ("store_true", "store_false"):
-                cli["default"] = default
-            cli.setdefault("dest", f.name)
-            parser.add_argument(*flags, **cli)
+        add_option_arguments(cls, parser)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace, **overrides: Any) -> "RunConfig":
         """The configuration parsed by :meth:`add_arguments` (plus ``overrides`` for options without a flag)."""
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.metadata["flags"] and hasattr(args, f.name):
-                value = getattr(args, f.name)
-                convert = f.metadata["from_cli"]
-                values[f.name] = convert(value) if convert else value
-        return cls(**(values | overrides))
+        return cls(**(options_from_namespace(cls, args) | overrides))
 
     # -- what a run records ------------------------------------------------------------------------------------------
     def checkpoint_key(self, resolved: Mapping[str, Any]) -> dict[str, Any]:
@@ -187,12 +159,3 @@ class RunConfig:
         out = {("layer_spec" if f.name == "layers" else f.name): getattr(self, f.name)
                for f in fields(self) if f.metadata["config"]}
         return _plain(out | dict(resolved))
-
-
-def _plain(value: Any) -> Any:
-    """Tuples and read-only mappings as JSON-ready lists and dicts."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return value

@@ -37,7 +37,7 @@ from repgeom_eval.measurement.states import RunState, energy_metric
 from repgeom_eval.measurement.texts import TextSet, TextSource, open_source
 from repgeom_eval.metric import Consumes
 from repgeom_eval.modeling.addresses import resolve_request
-from repgeom_eval.modeling.loading import LoadedModel, load_model
+from repgeom_eval.modeling.loading import LoadedModel, as_loaded, load_model
 from repgeom_eval.output.versions import versions
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 
@@ -45,16 +45,21 @@ __all__ = ["MeasureResult", "RunConfig", "measure"]
 
 
 def measure(
-    model: str | LoadedModel,
+    model: Any,
     data: str | Path | Sequence[str] | TextSet | TextSource,
     config: RunConfig | None = None,
     *,
     host: PluginHost | None = None,
+    tokenizer: Any = None,
+    model_options: Any = None,
     **options: Any,
 ) -> MeasureResult:
     """Measure ``metrics`` at every address in ``layers`` over ``data`` with one forward pass per batch.
 
-    ``model`` is a hub id, a local directory, a ``.gguf`` file or an already loaded :class:`LoadedModel`;
+    ``model`` is a hub id, a local directory or a ``.gguf`` file (loaded with ``model_options``, a
+    :class:`~repgeom_eval.modeling.options.ModelOptions`: revision, PEFT adapter, device map ...), an already loaded
+    :class:`LoadedModel`, or a model in memory: a transformers model (give its ``tokenizer``), a PEFT model or a
+    ``SentenceTransformer``;
     ``data`` is a ``.jsonl``/``.txt`` path, an ``hf:NAME?split=...`` dataset stream, a list of strings or a
     :class:`TextSet`. The options are a :class:`~repgeom_eval.measurement.config.RunConfig`, given whole as
     ``config`` or as keywords (``layers="all"``, ``metrics=["dispersion"]``, ``pooling``, ``batch_size``,
@@ -88,8 +93,13 @@ def measure(
     dist = Distributed.from_env(config.device)
     try:
         t0 = time.perf_counter()
-        loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=config.dtype, device=dist.device(config.device), host=host)
+        if isinstance(model, (str, Path)):
+            from repgeom_eval.modeling.loading import loading_policy
+
+            opts = (model_options or loading_policy()).replace(dtype=config.dtype, device=dist.device(config.device))
+            loaded = load_model(str(model), host=host, options=opts)
+        else:
+            loaded = as_loaded(model, tokenizer, host=host)
         run = MeasureRun(config, loaded, source, dist, host, specs, prep, t_load=time.perf_counter() - t0)
         return run.execute(t_start)
     finally:

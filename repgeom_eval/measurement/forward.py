@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import NonFiniteError
+from repgeom_eval.errors import ModelForwardError, NonFiniteError, RepgeomError
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
+from repgeom_eval.modeling.discovery import build_inputs
 from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.modeling.loading import LoadedModel
 
@@ -94,21 +95,16 @@ def pad_token_ids(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
 
 def model_inputs(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  **extra: torch.Tensor) -> dict[str, Any]:
-    """The keyword arguments of one forward pass, on the model's device.
+    """The keyword arguments of one forward pass, on the model's device (see
+    :func:`~repgeom_eval.modeling.discovery.build_inputs`: position ids from the mask where the load check showed
+    they reproduce the model's own, ``use_cache=False``, only inputs the forward accepts).
 
     Without ``attention_mask`` the model sees ``input_ids`` alone, as lm-eval's HFLM calls it (right padding under
     causal attention leaves the real tokens untouched).
     """
-    dev = loaded.device
-    inputs: dict[str, Any] = {"input_ids": input_ids.to(dev)}
-    inputs.update({k: v.to(dev) for k, v in extra.items()})
-    if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask.to(dev)
-        if loaded.spec.position_ids_from_mask:
-            inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).to(dev)
-    if loaded.spec.causal:
-        inputs["use_cache"] = False
-    return inputs
+    layout = loaded.layout
+    return build_inputs(loaded.device, input_ids, attention_mask, accepted=layout.accepted_inputs,
+                        position_ids=layout.position_ids, **extra)
 
 
 def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None, ids: Sequence[Any]) -> None:
@@ -157,10 +153,13 @@ class Forward:
         self.loaded = loaded
         self.addresses = list(points)
         self.need_logits = logits
-        self._capture = Capture(loaded.model, points, stop_early=not logits)
+        if logits:
+            loaded.check_logits("this command")
+        self._capture = Capture(loaded.model, points, stop_early=not logits, runner=loaded.runner)
         tok = loaded.tokenizer
         self.pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         self.zero_counts: dict[Address, list[int]] = {}  # address → [real tokens with a zero vector, real tokens]
+        self._warned_rows = False
 
     @classmethod
     def at(cls, loaded: LoadedModel, addresses: Sequence[Address], logits: bool = False) -> "Forward":
@@ -199,7 +198,12 @@ class Forward:
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, row_ids: Sequence[Any] | None,
              **extra: torch.Tensor) -> Batch:
-        captured = self._capture.run(**model_inputs(self.loaded, ids, mask, **extra))
+        side = padding_side_of(mask)
+        if side is not None and side not in self.loaded.layout.padding_sides:
+            captured, outputs_logits = self._rows_alone(ids, mask, extra, side)
+        else:
+            captured = self._call(model_inputs(self.loaded, ids, mask, **extra))
+            outputs_logits = None
         # on the model's device, beside the hidden states (pooling indexes both with the same rows)
         bool_mask = (mask if mask is not None else torch.ones_like(ids)).bool().to(self.loaded.device)
         names = list(row_ids) if row_ids is not None else list(range(len(ids)))
@@ -213,11 +217,70 @@ class Forward:
             counts[0] += int(((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum())  # one reduction, no copy
             counts[1] += int(real.sum())
             hidden[addr] = h
-        logits = None
-        if self.need_logits:
-            outputs = self._capture.outputs
-            logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+        logits = outputs_logits
+        if self.need_logits and logits is None:
+            logits = _logits(self._capture.outputs)
         return Batch(ids, bool_mask, hidden, logits)
+
+    def _call(self, inputs: dict[str, Any]) -> dict[Address, torch.Tensor]:
+        """One forward pass; a failure inside the model's own code is one line naming the model and the batch."""
+        try:
+            return self._capture.run(**inputs)
+        except RepgeomError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's (or transformers') code: any exception type
+            info = self.loaded.info
+            ids = inputs["input_ids"]
+            hint = "; try a smaller --batch-size" if "out of memory" in str(exc).lower() else ""
+            raise ModelForwardError(
+                f"model {info.name!r} ({info.model_type}) failed in its own forward pass on a batch of "
+                f"{ids.shape[0]} text(s) of {ids.shape[-1]} tokens: {type(exc).__name__}: "
+                f"{(str(exc).strip().splitlines() or [''])[0][:300]}{hint} (--debug shows the traceback)") from exc
+
+    def _rows_alone(self, ids: torch.Tensor, mask: torch.Tensor, extra: dict[str, torch.Tensor],
+                    side: str) -> tuple[dict[Address, torch.Tensor], torch.Tensor | None]:
+        """Run each text of a padded batch on its own, for a model whose load check found that padding on this side
+        changes its real tokens' hidden states; the results are laid out as the padded batch."""
+        if not self._warned_rows:
+            self._warned_rows = True
+            warnings.warn(f"model {self.loaded.info.name!r} ({self.loaded.info.model_type}): padding on the {side} "
+                          "changes its hidden states (its load check), so the texts of each batch run one at a time",
+                          stacklevel=4)
+        out: dict[Address, torch.Tensor] = {}
+        logits = None
+        for i in range(len(ids)):
+            real = mask[i].bool()
+            row_extra = {k: v[i:i + 1, real] if v.dim() == 2 and v.shape == ids.shape else v[i:i + 1]
+                         for k, v in extra.items()}
+            row = ids[i:i + 1, real]
+            got = self._call(model_inputs(self.loaded, row, torch.ones_like(row), **row_extra))
+            where = real.nonzero().flatten().to(self.loaded.device)
+            for addr, h in got.items():
+                if addr not in out:
+                    out[addr] = h.new_zeros((len(ids), ids.shape[1], h.shape[-1]))
+                out[addr][i, where] = h[0]
+            if self.need_logits:
+                row_logits = _logits(self._capture.outputs)
+                if logits is None:
+                    logits = row_logits.new_zeros((len(ids), ids.shape[1], row_logits.shape[-1]))
+                logits[i, where] = row_logits[0]
+        return out, logits
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs.logits if hasattr(outputs, "logits") else outputs[0]
+
+
+def padding_side_of(mask: torch.Tensor | None) -> str | None:
+    """``"right"``, ``"left"`` or ``"mixed"`` for a padded mask; None when nothing is padded."""
+    if mask is None or bool(mask.bool().all()):
+        return None
+    m = mask.long()
+    if bool((m[:, 1:] <= m[:, :-1]).all()):
+        return "right"
+    if bool((m[:, 1:] >= m[:, :-1]).all()):
+        return "left"
+    return "mixed"
 
 
 def parse_addresses(loaded: LoadedModel, layers: str | Sequence[str], host: Any = None) -> list[Address]:

@@ -21,9 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from repgeom_eval.modeling.architectures import SITES, SiteHook
+from repgeom_eval.modeling.architectures import SITES
+from repgeom_eval.modeling.hooks import HookPoint
 from repgeom_eval.errors import RepgeomError, UnknownNameError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,6 +82,7 @@ def parse_layers(
     model_info: "ModelInfo | None" = None,
     _depth: int = 0,
     selector_names: Iterable[str] = (),
+    hidden_map: Sequence[str | None] | None = None,
 ) -> list[Address]:
     """Parse a layer specification into canonical addresses (deduplicated, order preserved).
 
@@ -92,10 +92,12 @@ def parse_layers(
         selectors: looks up a named layer selector (returns ``None`` if unknown).
         model_info: passed to selectors.
         selector_names: the registered selectors' names, offered as suggestions when a name is unknown.
+        hidden_map: the canonical address of each of the model's own ``hidden_states[k]`` (found when it loaded);
+            by default ``hidden_states[k]`` is the output of block k-1 and the last one is ``final``.
     """
     out: list[Address] = []
     for item in _split_items(spec):
-        for addr in _parse_item(item, n_layers, selectors, model_info, _depth, tuple(selector_names)):
+        for addr in _parse_item(item, n_layers, selectors, model_info, _depth, tuple(selector_names), hidden_map):
             if addr not in out:
                 out.append(addr)
     if not out:
@@ -104,11 +106,11 @@ def parse_layers(
 
 
 def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth: int,
-                selector_names: tuple[str, ...]) -> list[Address]:
+                selector_names: tuple[str, ...], hidden_map: Sequence[str | None] | None) -> list[Address]:
     if item in ALIASES:
         return [Address(item)]
     if re.fullmatch(r"[+-]?\d+", item):
-        return [hidden_state_address(int(item), n_layers)]
+        return [hidden_state_address(int(item), n_layers, hidden_map)]
     site, sep, layer_spec = item.partition(":")
     site = site.strip()
     if not sep:
@@ -118,7 +120,7 @@ def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth
                 raise RepgeomError(f"layer selector {site!r} expands recursively")
             got = selector(model_info)
             got = [got] if isinstance(got, str) else list(got)  # a selector may return one spec string
-            return parse_layers(got, n_layers, selectors, model_info, depth + 1, selector_names)
+            return parse_layers(got, n_layers, selectors, model_info, depth + 1, selector_names, hidden_map)
         if site in SITES:
             raise RepgeomError(f"layer address {site!r} needs a layer: {site}:3, {site}:-1, {site}:* or {site}:[0,-1]")
         raise UnknownNameError(
@@ -145,14 +147,25 @@ def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth
     return out
 
 
-def hidden_state_address(k: int, n_layers: int) -> Address:
-    """The canonical address of ``hidden_states[k]`` (negative k counts from the end, -1 = final)."""
-    if not -(n_layers + 1) <= k <= n_layers:
+def hidden_state_address(k: int, n_layers: int, hidden_map: Sequence[str | None] | None = None) -> Address:
+    """The canonical address of ``hidden_states[k]`` (negative k counts from the end, -1 = the last one).
+
+    ``hidden_map`` (from the model's load check) names what each ``hidden_states[k]`` of this model is; without it,
+    ``hidden_states[k]`` is the output of block k-1 and the last one is ``final``, as on nearly every model.
+    """
+    n_hidden = len(hidden_map) if hidden_map is not None else n_layers + 1
+    if not -n_hidden <= k < n_hidden:
         raise RepgeomError(
-            f"hidden-state index {k} is out of range: the model has {n_layers + 1} hidden states "
-            f"(valid: 0..{n_layers} or -{n_layers + 1}..-1)"
+            f"hidden-state index {k} is out of range: the model has {n_hidden} hidden states "
+            f"(valid: 0..{n_hidden - 1} or -{n_hidden}..-1)"
         )
-    k %= n_layers + 1
+    k %= n_hidden
+    if hidden_map is not None:
+        name = hidden_map[k]
+        if name is None:
+            raise RepgeomError(f"hidden_states[{k}] of this model equals no layer address that can be hooked; see "
+                               "`repgeom addresses --model MODEL` for what its hidden states are")
+        return parse_address(name)
     if k == 0:
         return Address("embed")
     if k == n_layers:
@@ -160,65 +173,44 @@ def hidden_state_address(k: int, n_layers: int) -> Address:
     return Address("resid_post", k - 1)
 
 
-@dataclass(frozen=True)
-class HookPoint:
-    """A concrete place to read a tensor: a module's input or output."""
-
-    module_name: str  # qualified name inside the model
-    direction: str  # "input" or "output"
-
-
-def _get_submodule(root: nn.Module, path: str, what: str) -> nn.Module:
-    try:
-        return root.get_submodule(path) if path else root
-    except AttributeError:
-        raise RepgeomError(f"{what}: module {path!r} not found in {type(root).__name__}; "
-                           "the architecture table does not match this model") from None
+def parse_address(name: str) -> Address:
+    """``"resid_post:3"`` → ``Address("resid_post", 3)``; ``"final"`` → ``Address("final")`` (canonical forms only)."""
+    site, _, layer = name.partition(":")
+    return Address(site, int(layer)) if layer else Address(site)
 
 
 def resolve(addresses: Sequence[Address], loaded: "LoadedModel") -> dict[Address, HookPoint]:
-    """Map canonical addresses to hook points of ``loaded.model``; errors name the valid choices."""
-    spec, config = loaded.spec, loaded.model.config
-    base = loaded.model.base_model
-    prefix = "" if base is loaded.model else loaded.model.base_model_prefix + "."
-    blocks_path = spec.blocks
-    blocks = _get_submodule(base, blocks_path, f"architecture {spec.name!r}")
-    n_layers = len(blocks)  # type: ignore[arg-type]
-    missing = spec.missing_sites(config)
+    """Map canonical addresses to the hook points found and checked when the model loaded; a site the load check
+    refused is an error that gives its reason and the sites this model has."""
+    layout = loaded.layout
     out: dict[Address, HookPoint] = {}
     for addr in addresses:
         if addr.site == "embed":
-            site_hook, layer = SiteHook("", "input"), 0
+            site = layout.embed
         elif addr.site == "final":
-            if spec.final_norm is not None:
-                _get_submodule(base, spec.final_norm, f"architecture {spec.name!r}")
-                out[addr] = HookPoint(prefix + spec.final_norm, "output")
-                continue
-            site_hook, layer = spec.sites["resid_post"], n_layers - 1
+            site = layout.final
         else:
-            if addr.site in missing:
-                valid = [s for s in SITES if s not in missing]
-                raise RepgeomError(
-                    f"address {addr} is not available on this {spec.name} model: {missing[addr.site]} "
-                    f"(available sites: {', '.join(valid + list(ALIASES))})"
-                )
-            site_hook, layer = spec.sites[addr.site], addr.layer
-            assert layer is not None
-            if layer >= n_layers:
-                raise RepgeomError(f"address {addr} is out of range: the model has {n_layers} blocks")
-        rel = f"{blocks_path}.{layer}" + (f".{site_hook.module}" if site_hook.module else "")
-        _get_submodule(base, rel, f"address {addr}")
-        out[addr] = HookPoint(prefix + rel, site_hook.direction)
+            assert addr.layer is not None
+            if not 0 <= addr.layer < layout.n_layers:
+                raise RepgeomError(f"address {addr} is out of range: the model has {layout.n_layers} blocks")
+            site = layout.sites[addr.layer][addr.site]
+        if site.point is None:
+            valid = [s for s in SITES if any(block[s].ok for block in layout.sites)]
+            valid += [a for a in ALIASES if getattr(layout, a).ok]
+            raise RepgeomError(f"address {addr} is not available on this {layout.model_type} model: {site.note} "
+                               f"(available sites: {', '.join(valid)}; `repgeom addresses` lists them)")
+        out[addr] = site.point
     return out
 
 
 def available_addresses(loaded: "LoadedModel") -> list[Address]:
     """Every canonical address this model supports, in depth order (``repgeom addresses``)."""
-    missing = loaded.spec.missing_sites(loaded.model.config)
-    out = [Address("embed")]
-    for layer in range(loaded.info.n_layers):
-        out += [Address(s, layer) for s in SITES if s not in missing]
-    out.append(Address("final"))
+    layout = loaded.layout
+    out = [Address("embed")] if layout.embed.ok else []
+    for layer, block in enumerate(layout.sites):
+        out += [Address(s, layer) for s in SITES if block[s].ok]
+    if layout.final.ok:
+        out.append(Address("final"))
     return out
 
 
@@ -240,7 +232,8 @@ def parse_request(request: str | Sequence[str], info: "ModelInfo", host: Any = N
     def selector(name: str):
         return host.layer_selectors.get(name) if name in host.layer_selectors else None
 
-    found = parse_layers(request, info.n_layers, selector, info, selector_names=host.layer_selectors.names())
+    found = parse_layers(request, info.n_layers, selector, info, selector_names=host.layer_selectors.names(),
+                         hidden_map=hidden_map_of(info))
     return sorted(found, key=lambda a: a.depth_key(info.n_layers))
 
 
@@ -263,7 +256,7 @@ def resolve_request(request: str | Sequence[str], loaded: "LoadedModel", host: A
     reported under that alias, and a warning names what was renamed; two requested names of one tensor become one.
     """
     addresses = parse_request(request, loaded.info, host)
-    aliases = [Address(a) for a in ALIASES]
+    aliases = [Address(a) for a in ALIASES if getattr(loaded.layout, a).ok]
     points = resolve(list(dict.fromkeys(addresses + aliases)), loaded)
     alias_of = {points[a]: a for a in aliases}
     kept: list[Address] = []
@@ -279,7 +272,8 @@ def resolve_request(request: str | Sequence[str], loaded: "LoadedModel", host: A
                       f"reporting it once, as {name}", stacklevel=3)
     reported_as = {str(addr): str(name) for name, others in renamed.items() for addr in others}
     n_layers = loaded.info.n_layers
-    bare = {item: alias_of.get(points[a], a) for item, a in bare_indices(request, n_layers).items()}
+    bare = {item: alias_of.get(points[a], a) for item, a in bare_indices(request, n_layers,
+                                                                           hidden_map_of(loaded.info)).items()}
     if bare:
         reported_as |= {item: str(a) for item, a in bare.items()}
         last = [item for item, a in bare.items() if str(a) == "final"]
@@ -293,7 +287,14 @@ def resolve_request(request: str | Sequence[str], loaded: "LoadedModel", host: A
     return LayerPlan(tuple(kept), {a: points[a] for a in kept}, reported_as)
 
 
-def bare_indices(request: str | Sequence[str], n_layers: int) -> dict[str, Address]:
+def bare_indices(request: str | Sequence[str], n_layers: int,
+                 hidden_map: Sequence[str | None] | None = None) -> dict[str, Address]:
     """The bare hidden-state indices of a request (``"12"``, ``"-1"``) and the canonical address of each."""
-    return {item: hidden_state_address(int(item), n_layers)
+    return {item: hidden_state_address(int(item), n_layers, hidden_map)
             for item in _split_items(request) if re.fullmatch(r"[+-]?\d+", item)}
+
+
+def hidden_map_of(info: Any) -> Sequence[str | None] | None:
+    """What each ``hidden_states[k]`` of the model is, as its load check found (None before any model is loaded)."""
+    layers = getattr(info, "layers", None) or {}
+    return layers.get("hidden_states")

@@ -14,26 +14,78 @@ cross-entropy, then read :meth:`Capture.tensors` — the hidden states of that s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from repgeom_eval.modeling.addresses import Address, HookPoint
+if TYPE_CHECKING:  # pragma: no cover
+    from repgeom_eval.modeling.addresses import Address
 
 
-class _StopForward(Exception):
-    """Raised inside a hook once every requested tensor is captured."""
+@dataclass(frozen=True)
+class HookPoint:
+    """A concrete place to read a tensor, by qualified module name inside the model (found and checked by
+    :mod:`repgeom_eval.modeling.discovery`).
+
+    ``direction``: ``"input"`` or ``"output"`` of the module, or ``"hidden_states"``: entry ``index`` of the
+    ``hidden_states`` the module returns (models whose blocks cannot be hooked one by one).
+    """
+
+    module_name: str
+    direction: str
+    index: int | None = None
+    # which call of the module in one forward pass (0 = the first): a module can run more than once (nanochat's one
+    # norm module normalises the embeddings and, later, the last block's output)
+    call: int = 0
+    # the model changes this tensor in place later in its forward pass (Falcon adds attention into the MLP's
+    # output): the hook keeps a copy of it as it was
+    copy: bool = field(default=False, compare=False)
+    # the module sees the tokens flattened to [B*T, D] (OPT's feed-forward): the hook restores [B, T, D]
+    flat: bool = field(default=False, compare=False)
+
+    def __str__(self) -> str:
+        where = self.module_name or "<model>"
+        if self.direction == "hidden_states":
+            return f"hidden_states[{self.index}] of {where}"
+        nth = f" (call {self.call + 1})" if self.call else ""
+        return f"{self.direction} of {where}{nth}"
 
 
-def _first_tensor(value: Any) -> torch.Tensor:
+def output_tensor(value: Any) -> torch.Tensor:
+    """The tensor a forward hook reads from a module's output: the output itself, the first element of a tuple
+    (blocks return ``(hidden, attention_weights)``), or the first field of a ``ModelOutput``."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
         return value[0]
     if hasattr(value, "to_tuple"):  # a transformers ModelOutput
-        return _first_tensor(value.to_tuple())
+        return output_tensor(value.to_tuple())
     raise TypeError(f"cannot find a tensor in {type(value).__name__}")
+
+
+def input_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The tensor a forward pre-hook reads from a module's input: the first positional tensor, else the
+    ``hidden_states`` keyword (transformers 5 often passes it by keyword), else the first tensor keyword."""
+    if args:
+        return output_tensor(args)
+    tensor = kwargs.get("hidden_states")
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError("no tensor among the module's inputs")
+
+
+def _ask_hidden_states(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Pre-hook: make the module return its hidden_states, whoever calls it (lm-eval's own forward included)."""
+    return args, {**kwargs, "output_hidden_states": True}
+
+
+class _StopForward(Exception):
+    """Raised inside a hook once every requested tensor is captured."""
 
 
 class Capture:
@@ -52,29 +104,40 @@ class Capture:
             hidden = cap.tensors()                                  # part of out.loss's graph
     """
 
-    def __init__(self, model: nn.Module, points: Mapping[Address, HookPoint], stop_early: bool = True,
-                 keep_grad: bool = False):
+    def __init__(self, model: nn.Module, points: Mapping["Address", HookPoint], stop_early: bool = True,
+                 keep_grad: bool = False, runner: nn.Module | None = None):
         if keep_grad and stop_early:
             raise ValueError("keep_grad=True is for training, which needs the whole forward pass: "
                              "pass stop_early=False")
         self.model = model
+        self.runner = runner if runner is not None else model  # what run() calls (the encoder of a seq2seq model)
         self.points = dict(points)
         self.stop_early = stop_early
         self.keep_grad = keep_grad
         self._handles: list[Any] = []
-        self._by_point: dict[HookPoint, list[Address]] = {}
+        self._by_point: dict[HookPoint, list["Address"]] = {}
         for addr, point in self.points.items():
             self._by_point.setdefault(point, []).append(addr)
         self._captured: dict[HookPoint, torch.Tensor] = {}
+        self._calls: dict[HookPoint, int] = {}  # calls seen per point in this forward pass (HookPoint.call)
+        self._batch_shape: tuple[int, ...] = ()
         self.outputs: Any = None
 
     def __enter__(self) -> "Capture":
         modules = dict(self.model.named_modules())
         try:
+            # every pass starts afresh, whoever runs it: a second Capture's pass over the same model (lm-eval's extra
+            # pass) must not leave this one's call counts (HookPoint.call) or tensors behind
+            self._handles.append(self.runner.register_forward_pre_hook(self._new_pass))
+            if any(p.flat for p in self._by_point):
+                self._handles.append(self.runner.register_forward_pre_hook(self._batch_shape_hook, with_kwargs=True))
             for point in self._by_point:
                 module = modules[point.module_name] if point.module_name else self.model
                 if point.direction == "input":
                     handle = module.register_forward_pre_hook(self._pre_hook(point), with_kwargs=True)
+                elif point.direction == "hidden_states":
+                    self._handles.append(module.register_forward_pre_hook(_ask_hidden_states, with_kwargs=True))
+                    handle = module.register_forward_hook(self._hidden_states_hook(point))
                 else:
                     handle = module.register_forward_hook(self._post_hook(point))
                 self._handles.append(handle)
@@ -88,30 +151,54 @@ class Capture:
             h.remove()
         self._handles.clear()
 
+    def _batch_shape_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        self._batch_shape = tuple(ids.shape[:2])
+
+    def _new_pass(self, module: nn.Module, args: tuple) -> None:
+        self._captured = {}
+        self._calls = {}
+
+    def _nth(self, point: HookPoint) -> bool:
+        """Count this call of the point's module; True when it is the call the point reads."""
+        seen = self._calls.get(point, 0)
+        self._calls[point] = seen + 1
+        return seen == point.call
+
     def _store(self, point: HookPoint, tensor: torch.Tensor) -> None:
+        if point.flat and tensor.dim() == 2:
+            tensor = tensor.reshape(*self._batch_shape, tensor.shape[-1])
+        if point.copy:
+            tensor = tensor.clone()
         self._captured[point] = tensor if self.keep_grad else tensor.detach()
         if self.stop_early and len(self._captured) == len(self._by_point):
             raise _StopForward
 
     def _pre_hook(self, point: HookPoint):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if args:
-                tensor = _first_tensor(args)
-            else:  # transformers 5 often passes hidden_states by keyword
-                tensor = kwargs.get("hidden_states")
-                if tensor is None:
-                    tensor = next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-            self._store(point, tensor)
+            if self._nth(point):
+                self._store(point, input_tensor(args, kwargs))
 
         return hook
 
     def _post_hook(self, point: HookPoint):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self._store(point, _first_tensor(output))
+            if self._nth(point):
+                self._store(point, output_tensor(output))
 
         return hook
 
-    def run(self, **inputs: Any) -> dict[Address, torch.Tensor]:
+    def _hidden_states_hook(self, point: HookPoint):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._nth(point):
+                entry = output.hidden_states[point.index]
+                self._store(point, entry[0] if isinstance(entry, (tuple, list)) else entry)  # PEGASUS-X pairs
+
+        return hook
+
+    def run(self, **inputs: Any) -> dict["Address", torch.Tensor]:
         """Run the model once; return the captured tensor of every address (and set ``self.outputs``).
 
         Runs under ``torch.inference_mode`` unless ``keep_grad`` is set.
@@ -119,7 +206,7 @@ class Capture:
         self.clear()
         with torch.inference_mode(not self.keep_grad):
             try:
-                self.outputs = self.model(**inputs)
+                self.outputs = self.runner(**inputs)
             except _StopForward:
                 pass
         return self.tensors()
@@ -127,11 +214,13 @@ class Capture:
     def clear(self) -> None:
         """Forget what the previous forward pass captured."""
         self._captured = {}
+        self._calls = {}
         self.outputs = None
 
-    def tensors(self) -> dict[Address, torch.Tensor]:
+    def tensors(self) -> dict["Address", torch.Tensor]:
         """The tensor of every address captured by the latest forward pass; an error names any that never fired."""
         missing = [str(a) for p, addrs in self._by_point.items() if p not in self._captured for a in addrs]
+        self._calls = {}
         if missing:
             raise RuntimeError(f"hooks for {', '.join(missing)} never fired during the forward pass")
         out = {addr: self._captured[point] for addr, point in self.points.items()}

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.modeling.architectures import ArchitectureSpec
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.modeling.discovery import Layout
+from repgeom_eval.modeling.options import LoadingPolicy, ModelOptions  # noqa: F401 - LoadingPolicy: earlier name
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,13 +35,21 @@ class ModelInfo:
     n_parameters: int
     vocab_size: int | None
     max_positions: int | None
-    source: str  # "directory", "gguf" or "hub"
+    source: str  # "directory", "gguf", "hub" or "memory"
     random_init_tensors: list[str] = field(default_factory=list)  # only with --allow-random-init
+    n_hidden_states: int | None = None  # entries of the model's own hidden_states (L + 1 on nearly every model)
+    # how the layers were found (modeling/discovery.py): blocks, table, block kinds, refused sites, notes
+    layers: dict[str, Any] = field(default_factory=dict)
+    # checkpoint tensors that no measured hidden state reads and that stay randomly initialised (a pooler, an LM head
+    # of another class): harmless for geometry, refused where logits are needed
+    unused_random_tensors: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)  # model options other than their defaults (--peft ...)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        if not out["random_init_tensors"]:  # the normal case: the checkpoint filled every tensor
-            del out["random_init_tensors"]
+        for key in ("random_init_tensors", "unused_random_tensors", "layers", "options"):
+            if not out[key]:  # the normal case: the checkpoint filled every tensor
+                del out[key]
         return out
 
 
@@ -48,41 +57,46 @@ class ModelInfo:
 class LoadedModel:
     model: Any  # transformers.PreTrainedModel
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
-    spec: ArchitectureSpec
+    layout: Layout  # every layer-address site, found and checked when the model loaded
     info: ModelInfo
     device: torch.device
 
+    @property
+    def runner(self) -> Any:
+        """The module a measurement calls: the model, or the encoder of an encoder-decoder model."""
+        return self.model.get_submodule(self.layout.runner) if self.layout.runner else self.model
 
-@dataclass(frozen=True)
-class LoadingPolicy:
-    """What a load may do beyond reading a checkpoint as saved; set per command from its flags.
-
-    ``trust_remote_code``: run a model's own Python code (``--trust-remote-code``); without it such a model is
-    refused, never an interactive prompt. ``allow_random_init``: accept a checkpoint whose tensors do not fill the
-    architecture (``--allow-random-init``; the missing ones keep their random initialisation, and every output
-    says so in its ``model`` block); without it such a checkpoint is refused, naming the tensors.
-    """
-
-    trust_remote_code: bool = False
-    allow_random_init: bool = False
+    def check_logits(self, what: str) -> None:
+        """Refuse to compute ``what`` from logits the model does not make, or makes from random tensors."""
+        if not self.layout.logits:
+            raise RepgeomError(f"{what} needs next-token logits, but model {self.info.name!r} "
+                               f"({self.info.model_type}) has no language-model head in this form")
+        if self.info.unused_random_tensors:
+            shown = ", ".join(self.info.unused_random_tensors[:3])
+            raise RepgeomError(f"{what} needs next-token logits, but model {self.info.name!r} lacks the tensors "
+                               f"{shown} in its checkpoint, so its logits would be random; save the model with "
+                               "its language-model head")
 
 
-_POLICY = [LoadingPolicy()]
+_POLICY: list[ModelOptions] = [ModelOptions()]
 
 
-def loading_policy() -> LoadingPolicy:
-    """The policy in force (see :func:`set_loading_policy`)."""
+def loading_policy() -> ModelOptions:
+    """The model options in force (set by the CLI from the command's flags; see :func:`use_model_options`)."""
     return _POLICY[-1]
 
 
 @contextlib.contextmanager
-def use_loading_policy(policy: LoadingPolicy) -> Iterator[LoadingPolicy]:
-    """Within the block, :func:`load_model` (and the tokenizer reads of ``gap``) follow ``policy``."""
-    _POLICY.append(policy)
+def use_model_options(options: ModelOptions) -> Iterator[ModelOptions]:
+    """Within the block, :func:`load_model` (and the tokenizer reads of ``gap``) follow ``options``."""
+    _POLICY.append(options)
     try:
-        yield policy
+        yield options
     finally:
         _POLICY.pop()
+
+
+use_loading_policy = use_model_options  # the earlier name
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -151,29 +165,44 @@ def model_inputs(names: str | Sequence[str]) -> tuple[list[str], list[str]]:
 
 def load_model(
     name: str,
-    dtype: str | torch.dtype | None = "auto",
-    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
     host: Any = None,
-    policy: LoadingPolicy | None = None,
+    policy: ModelOptions | None = None,
+    *,
+    options: ModelOptions | None = None,
 ) -> LoadedModel:
-    """Load model + tokenizer, look up the architecture table, put the model in eval mode on ``device``.
+    """Load model + tokenizer, find and check its layers (:mod:`~repgeom_eval.modeling.discovery`), put the model in
+    eval mode on its device.
 
-    The checkpoint is measured as saved or refused: tensors the architecture needs but the files lack, tensors the
-    files hold but the architecture has no place for, and tensors of the wrong shape are a :class:`RepgeomError`
-    naming them, unless ``policy.allow_random_init`` (default: :func:`loading_policy`). A model that needs its own
-    Python code loads only with ``policy.trust_remote_code``.
+    ``options`` (a :class:`~repgeom_eval.modeling.options.ModelOptions`; ``policy`` is its earlier name; default: the
+    options in force, :func:`loading_policy`) say how: revision, dtype, device or device map, remote code, random
+    initialisation, a PEFT adapter, quantization; ``dtype`` and ``device``, when given, take precedence.
+
+    The checkpoint is measured as saved or refused: tensors that the measured hidden states read but the files lack,
+    tensors the files hold in the modules those states come from but the architecture has no place for, and tensors
+    of the wrong shape are a :class:`RepgeomError` naming them, unless ``allow_random_init``. Tensors no hidden state
+    reads (a pooler, the LM head of another class) are listed in ``info.unused_random_tensors`` instead, and refused
+    only where logits are needed. A model that needs its own Python code loads only with ``trust_remote_code``.
     """
     import transformers
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
-    policy = policy or loading_policy()
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    opts = (options or policy or loading_policy()).replace(dtype=dtype, device=device)
+    policy = opts
+    dev = resolve_device(opts.device)
+    torch_dtype = resolve_dtype(opts.dtype, dev)
     target, extra, source = locate_model(name)
-    remote = {"trust_remote_code": policy.trust_remote_code}
+    if opts.revision and source != "hub":
+        raise RepgeomError(f"--revision {opts.revision!r} names a version on the Hugging Face Hub, but {name!r} is a "
+                           "local model; drop --revision")
+    remote = {"trust_remote_code": opts.trust_remote_code}
+    if opts.revision:
+        remote["revision"] = opts.revision
+    weights = _weights_options(opts, name)
     cache = _gguf_cache_dir(Path(target) / extra["gguf_file"], torch_dtype) if source == "gguf" else None
     from_cache = cache is not None and (cache / "config.json").is_file()
     if from_cache:
@@ -193,8 +222,7 @@ def load_model(
                 f"Hugging Face Hub or found in its cache ({_first_line(exc)}); pass a local model directory"
             ) from None
         raise RepgeomError(f"cannot read the model config of {name!r}: {_first_line(exc)}") from None
-    spec: ArchitectureSpec = host.architectures.get(config.model_type)
-    auto = AutoModelForCausalLM if spec.causal else AutoModel
+    auto = auto_class(config, host)
     if source == "directory" or from_cache:
         check_safetensors(Path(target), name)
     verbosity = transformers.logging.get_verbosity()
@@ -207,13 +235,13 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
             try:
                 model, report = auto.from_pretrained(target, dtype=torch_dtype, output_loading_info=True, **extra,
-                                                     **remote)
+                                                     **remote, **weights)
             except RuntimeError as exc:
                 if "ignore_mismatched_sizes" not in str(exc):
                     raise
                 # Tensors of the wrong shape: load again to learn which (the check below refuses them by name).
                 model, report = auto.from_pretrained(target, dtype=torch_dtype, output_loading_info=True,
-                                                     ignore_mismatched_sizes=True, **extra, **remote)
+                                                     ignore_mismatched_sizes=True, **extra, **remote, **weights)
     except Exception as exc:  # noqa: BLE001 - sorted below: a user's broken files get one line, bugs a traceback
         bad = _bad_config(name, exc)
         if bad is not None:
@@ -227,10 +255,13 @@ def load_model(
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.utils.logging.enable_progress_bar()
-    random_init = _check_loading_report(name, report, policy)
     if cache is not None and not from_cache:
         _save_gguf_cache(model, tokenizer, cache)
-    model.to(dev).eval().requires_grad_(False)
+    if not weights:  # a device map or a quantized model is already where accelerate put it
+        model.to(dev)
+    model.eval().requires_grad_(False)
+    if opts.peft:
+        model = _apply_adapter(model, opts.peft, name)
     if tokenizer.pad_token is None:
         # Only the attention mask matters for padded positions; any existing token will do.
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
@@ -239,9 +270,118 @@ def load_model(
                            "different lengths cannot be batched; name one in its tokenizer_config.json (e.g. "
                            "\"pad_token\": \"<pad>\")")
     loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
-    if random_init:
-        loaded.info.random_init_tensors = random_init
+    random_init, unused = _check_loading_report(name, report, policy, model, loaded.layout)
+    loaded.info.random_init_tensors = random_init
+    loaded.info.unused_random_tensors = unused
+    loaded.info.options = opts.non_default()
+    for note in loaded.layout.notes:
+        if "encoder is measured" in note or "multimodal" in note:
+            warnings.warn(f"model {name!r}: {note}", stacklevel=2)
     return loaded
+
+
+def _weights_options(opts: ModelOptions, name: str) -> dict[str, Any]:
+    """``from_pretrained`` keywords for a device map and quantization (both through accelerate/bitsandbytes)."""
+    import importlib.util
+
+    out: dict[str, Any] = {}
+    if opts.device_map:
+        if importlib.util.find_spec("accelerate") is None:
+            raise RepgeomError("--device-map needs the accelerate package: pip install accelerate")
+        out["device_map"] = opts.device_map
+    if opts.quantization:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise RepgeomError(f"--quantization {opts.quantization} needs the bitsandbytes package: "
+                               "pip install bitsandbytes")
+        from transformers import BitsAndBytesConfig
+
+        bits = {"8bit": {"load_in_8bit": True}, "4bit": {"load_in_4bit": True}}[opts.quantization]
+        out["quantization_config"] = BitsAndBytesConfig(**bits)
+        out.setdefault("device_map", "auto")
+    return out
+
+
+def _apply_adapter(model: Any, adapter: str, name: str) -> Any:
+    """The model with a PEFT adapter applied: the base model's own modules, with the adapter's layers inside them
+    (so every address is found and read as on the base model)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise RepgeomError("--peft needs the peft package: pip install peft") from None
+    path = Path(os.path.expanduser(adapter))
+    if path.exists() and not (path / "adapter_config.json").is_file():
+        raise RepgeomError(f"--peft {adapter!r}: the folder has no adapter_config.json; pass a PEFT adapter folder "
+                           "(written by PeftModel.save_pretrained)")
+    try:
+        wrapped = PeftModel.from_pretrained(model, str(path) if path.exists() else adapter)
+    except Exception as exc:  # noqa: BLE001 - peft raises ValueError, OSError, KeyError ... for a foreign adapter
+        raise RepgeomError(f"cannot apply the adapter {adapter!r} to model {name!r}: {_first_line(exc)}") from None
+    return wrapped.eval().get_base_model()
+
+
+def as_loaded(model: Any, tokenizer: Any = None, *, name: str | None = None, host: Any = None,
+              options: ModelOptions | None = None) -> LoadedModel:
+    """Whatever a user holds, as a :class:`LoadedModel`: a path, hub id or ``.gguf`` file (loaded with ``options``), a
+    :class:`LoadedModel`, a transformers model in memory (with its ``tokenizer``), a PEFT model, or a
+    sentence-transformers ``SentenceTransformer`` (its transformer and tokenizer; :func:`st_pooling` reads its
+    pooling)."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return load_model(str(model), host=host, options=options)
+    inner = transformer_of(model)
+    if inner is not None:  # a SentenceTransformer: its first module holds the transformers model and tokenizer
+        hf, tok = inner
+        return wrap_model(hf, tokenizer or tok, name=name or _st_name(model), source="memory", host=host)
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):  # a PeftModel: the adapted base model
+        model = model.get_base_model()
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise RepgeomError(f"cannot measure a {type(model).__name__}: pass a model path or hub id, a transformers "
+                           "model (with tokenizer=...), a PEFT model or a SentenceTransformer")
+    if tokenizer is None:
+        raise RepgeomError(f"an in-memory {type(model).__name__} needs its tokenizer: pass tokenizer=... beside it")
+    if getattr(tokenizer, "pad_token", "x") is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+    return wrap_model(model, tokenizer, name=name, source="memory", host=host)
+
+
+def transformer_of(model: Any) -> tuple[Any, Any] | None:
+    """``(transformers model, tokenizer)`` inside a sentence-transformers ``SentenceTransformer``, else None."""
+    if type(model).__name__ != "SentenceTransformer" or not hasattr(model, "_first_module"):
+        return None
+    first = model._first_module()
+    hf = getattr(first, "auto_model", None)
+    if hf is None:
+        raise RepgeomError(f"the SentenceTransformer's first module ({type(first).__name__}) holds no transformers "
+                           "model; only transformer-based sentence-transformers models can be measured")
+    return hf, getattr(first, "tokenizer", None) or getattr(model, "tokenizer", None)
+
+
+def _st_name(model: Any) -> str:
+    card = getattr(model, "model_card_data", None)
+    return getattr(card, "base_model", None) or getattr(model[0].auto_model.config, "_name_or_path", "") \
+        or "SentenceTransformer"
+
+
+def auto_class(config: Any, host: Any = None) -> Any:
+    """The transformers Auto class a checkpoint is loaded with: causal LMs with their head (for logits), encoders
+    and encoder-decoder models (whose encoder is measured) as the bare model, multimodal wrappers with theirs."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = config.model_type
+    spec = host.architectures.get(model_type) if host is not None and model_type in host.architectures else None
+    if spec is not None:
+        return transformers.AutoModelForCausalLM if spec.causal else transformers.AutoModel
+    auto_map = getattr(config, "auto_map", None) or {}
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModel
+    encoder = model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if (model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map) and not encoder:
+        return transformers.AutoModelForCausalLM
+    if model_type in getattr(auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModel
 
 
 def check_safetensors(directory: Path, name: str) -> None:
@@ -282,15 +422,22 @@ def _refuse_remote_code(name: str, exc: BaseException) -> None:
                            "trust its source (it runs on this machine)") from None
 
 
-def _check_loading_report(name: str, report: dict[str, Any], policy: LoadingPolicy) -> list[str]:
-    """Refuse a checkpoint whose tensors do not match the architecture (transformers would quietly initialise the
-    missing ones at random); with ``allow_random_init``, warn and return the names of the random tensors."""
+def _check_loading_report(name: str, report: dict[str, Any], policy: LoadingPolicy, model: Any,
+                          layout: Layout) -> tuple[list[str], list[str]]:
+    """Refuse a checkpoint whose tensors do not fill what the measured hidden states read (transformers would quietly
+    initialise the missing ones at random); with ``allow_random_init``, warn and return their names. Tensors that no
+    measured hidden state reads (a pooler, the LM head of another class) are returned apart: harmless for geometry,
+    refused where logits are needed (:meth:`LoadedModel.check_logits`)."""
     missing = sorted(report.get("missing_keys") or [])
     unexpected = sorted(report.get("unexpected_keys") or [])
     mismatched = sorted(str(k[0]) if isinstance(k, (tuple, list)) else str(k)
                         for k in (report.get("mismatched_keys") or []))
+    relevant = _reads(model, layout)
+    unused = [k for k in missing + mismatched if not relevant(k)]
+    missing, mismatched = [k for k in missing if relevant(k)], [k for k in mismatched if relevant(k)]
+    unexpected = [k for k in unexpected if relevant(k)]
     if not (missing or unexpected or mismatched):
-        return []
+        return [], unused
     parts = []
     for label, keys in (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", mismatched)):
         if keys:
@@ -302,36 +449,73 @@ def _check_loading_report(name: str, report: dict[str, Any], policy: LoadingPoli
                            "Fix the checkpoint (or its config.json), or pass --allow-random-init to measure it anyway")
     warnings.warn(f"model {name!r}: {detail}; those tensors keep their random initialisation "
                   "(--allow-random-init)", stacklevel=3)
-    return missing + mismatched
+    return missing + mismatched, unused
+
+
+def _reads(model: Any, layout: Layout):
+    """``key → bool``: whether a checkpoint tensor belongs to what the measured hidden states are computed from.
+
+    The module that holds the tensor (or its nearest ancestor that ran in the load check's probe) decides: one that
+    ran before ``final`` was read counts, one that ran only afterwards (a pooler, an LM head) does not. A key that
+    belongs to no module of this class (the head of another class in the checkpoint) does not; anything undecided
+    counts (strict)."""
+    names = {n for n, _ in model.named_modules()}
+
+    def relevant(key: str) -> bool:
+        parts = key.split(".")
+        owner = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in names), "")
+        if not owner:
+            return False
+        while owner:
+            if owner in layout.depends_on:
+                return True
+            if owner in layout.after_final:
+                return False
+            owner = owner.rpartition(".")[0]
+        return True
+
+    return relevant
 
 
 def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, source: str = "memory",
                host: Any = None) -> LoadedModel:
     """A :class:`LoadedModel` for a model already in memory (e.g. one being trained), left as it is.
 
-    Looks up the architecture table by ``config.model_type``, so layer addresses resolve on it as on a loaded one.
+    Its layers are found and checked by :func:`~repgeom_eval.modeling.discovery.discover` (once per model object),
+    with the architecture table registered for its ``config.model_type``, if any, on top.
     """
+    from repgeom_eval.modeling.discovery import describe, discover
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
     config = model.config
-    spec: ArchitectureSpec = host.architectures.get(config.model_type)
-    blocks = model.base_model.get_submodule(spec.blocks)
+    model_type = getattr(config, "model_type", "")
+    spec = host.architectures.get(model_type) if model_type in host.architectures else None
+    layout = discover(model, spec, model_type if spec is not None else None)
     param = next(model.parameters(), None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     info = ModelInfo(
         name=name or getattr(config, "_name_or_path", "") or type(model).__name__,
-        model_type=config.model_type,
+        model_type=model_type,
         architecture=type(model).__name__,
-        n_layers=len(blocks),
-        hidden_size=int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0)),
+        n_layers=layout.n_layers,
+        hidden_size=int(getattr(text_config, "hidden_size", 0) or getattr(text_config, "n_embd", 0)
+                        or getattr(text_config, "d_model", 0) or 0),
         dtype=str(param.dtype if param is not None else torch.get_default_dtype()).replace("torch.", ""),
         n_parameters=sum(p.numel() for p in model.parameters()),
-        vocab_size=getattr(config, "vocab_size", None),
-        max_positions=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None),
+        vocab_size=getattr(text_config, "vocab_size", None),
+        max_positions=_positive(getattr(text_config, "max_position_embeddings", None)
+                                or getattr(text_config, "n_positions", None)),  # XLNet says -1: no limit
         source=source,
+        n_hidden_states=len(layout.hidden_states),
+        layers=dict(describe(layout)),
     )
     device = param.device if param is not None else torch.device("cpu")
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, info=info, device=device)
+    return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info, device=device)
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,14 +21,14 @@ from tqdm.auto import tqdm
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
-from repgeom_eval.modeling.loading import LoadedModel, load_model
+from repgeom_eval.modeling.loading import LoadedModel, as_loaded, load_model
 from repgeom_eval.measurement.forward import Batch, Forward, context_length, token_lengths
 from repgeom_eval.measurement.plan import Item, plan_shard
 from repgeom_eval.measurement.texts import Record
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 from repgeom_eval.measurement.pooling import check_pooling, pool
 
-from .st_config import STConfig, st_config_for
+from .st_config import STConfig, st_config_for, st_config_of
 
 #: ``--pooling`` choices: the repgeom poolings plus ``st`` (the model's own) and ``auto`` (``st`` if the model is a
 #: sentence-transformers model, else ``mean`` as in paper B).
@@ -60,25 +61,30 @@ class LayerEmbedder:
     """A loaded model plus its embedding recipe; :meth:`embed` returns the vectors of many addresses at once.
 
     Args:
-        model: Hugging Face hub id, local model directory (a sentence-transformers folder works), ``.gguf`` file, or
-            an already loaded :class:`~repgeom_eval.modeling.loading.LoadedModel`.
+        model: Hugging Face hub id, local model directory (a sentence-transformers folder works), ``.gguf`` file, an
+            already loaded :class:`~repgeom_eval.modeling.loading.LoadedModel`, or a model in memory: a
+            ``SentenceTransformer`` (its own pooling), a transformers model (with ``tokenizer``) or a PEFT model.
         pooling: ``auto`` (the model's sentence-transformers pooling if it has one, else ``mean``), ``st``, ``mean``,
             ``last`` or ``cls``/``first``.
         normalize: unit-normalise the embeddings; ``None`` = the model's own choice (its Normalize module), else off.
         max_length: truncate texts to this many tokens; ``None`` = the model's ``max_seq_length`` (ST) or context.
     """
 
-    def __init__(self, model: str | LoadedModel, *, pooling: str = "auto", normalize: bool | None = None,
+    def __init__(self, model: Any, *, pooling: str = "auto", normalize: bool | None = None,
                  max_length: int | None = None, dtype: str | torch.dtype | None = "auto",
-                 device: str | torch.device | None = "cpu", host: PluginHost | None = None):
+                 device: str | torch.device | None = "cpu", host: PluginHost | None = None, tokenizer: Any = None):
         self.host = host or get_host()
         if pooling not in POOLING_CHOICES:
             raise RepgeomError(f"unknown pooling {pooling!r} (valid: {', '.join(POOLING_CHOICES)})")
-        self.source = model if isinstance(model, str) else model.info.name
-        self.st: STConfig | None = st_config_for(model) if isinstance(model, str) else None
+        self.st: STConfig | None
         if isinstance(model, LoadedModel):
-            self.loaded = model
+            self.loaded, self.source, self.st = model, model.info.name, None
+        elif not isinstance(model, str):  # a model in memory: transformers, PEFT or SentenceTransformer
+            self.st = st_config_of(model)
+            self.loaded = as_loaded(model, tokenizer, host=self.host)
+            self.source = self.loaded.info.name
         else:
+            self.source, self.st = model, st_config_for(model)
             target = model
             if self.st is not None and self.st.transformer_path:
                 if not Path(model).expanduser().is_dir():

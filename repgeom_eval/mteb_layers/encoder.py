@@ -239,12 +239,14 @@ class LayerEncoder(AbsEncoder):
         return f"LayerEncoder({self.name!r}, layer={str(self.address)!r}, pooling={self.sweep.embedder.recipe.pooling!r})"
 
 
-def layer_encoder(model: str, layer: str | int = "final", *, pooling: str = "auto", normalize: bool | None = None,
+def layer_encoder(model: Any, layer: str | int = "final", *, pooling: str = "auto", normalize: bool | None = None,
                   max_length: int | None = None, dtype: str = "auto", device: str | None = "cpu",
-                  name: str | None = None, revision: str | None = None) -> LayerEncoder:
-    """An mteb encoder for one layer of ``model`` (hub id, local folder, sentence-transformers folder or .gguf)."""
+                  name: str | None = None, revision: str | None = None, tokenizer: Any = None) -> LayerEncoder:
+    """An mteb encoder for one layer of ``model``: a hub id, local folder, sentence-transformers folder or .gguf file,
+    or a model in memory (a ``SentenceTransformer``, with its own pooling; a transformers model with its
+    ``tokenizer``; a PEFT model)."""
     embedder = LayerEmbedder(model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype,
-                             device=device or "cpu")
+                             device=device or "cpu", tokenizer=tokenizer)
     addresses = embedder.addresses(layer)
     if len(addresses) != 1:
         raise RepgeomError(f"layer {layer!r} names {len(addresses)} addresses; an encoder embeds with one "
@@ -293,12 +295,27 @@ def content_hash(path: str | Path) -> str:
 
 
 def model_revision(source: str, loaded: Any) -> str:
-    """The Hub commit of a hub model, or the content hash of a local folder or file."""
+    """The Hub commit of a hub model, the content hash of a local folder or file, or of the weights of a model in
+    memory (which may differ from any folder it came from)."""
+    if loaded.info.source == "memory":
+        return weights_hash(loaded.model)
     path = _local_path(source)
     if path is not None:
         return content_hash(path)
     commit = getattr(loaded.model.config, "_commit_hash", None)
     return str(commit) if commit else "no_revision_available"
+
+
+def weights_hash(model: Any) -> str:
+    """First 16 hex digits of a SHA-256 over a model's parameters and buffers (names, shapes, dtypes, bytes)."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 def _base_meta(embedder: LayerEmbedder) -> ModelMeta:

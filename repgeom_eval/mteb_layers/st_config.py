@@ -115,3 +115,26 @@ def st_config_for(model: str) -> STConfig | None:
             except Exception:  # noqa: BLE001 - missing file, offline, gated: all mean "not available"
                 return None
     return read_st_config(read)
+
+
+def st_config_of(model: Any) -> STConfig | None:
+    """The recipe of a ``SentenceTransformer`` object in memory (None for anything else): its Pooling module's mode,
+    a Normalize module, ``max_seq_length``, lower-casing and prompts, as :func:`read_st_config` reads them from a
+    folder."""
+    if type(model).__name__ != "SentenceTransformer":
+        return None
+    modules = list(model)
+    kinds = [type(m).__name__ for m in modules]
+    if "Pooling" not in kinds or not kinds or kinds[0] != "Transformer":
+        return None
+    pooling = modules[kinds.index("Pooling")]
+    mode = _pooling_mode(pooling.get_config_dict())
+    if mode not in ST_POOLINGS:
+        raise RepgeomError(f"this SentenceTransformer pools with {mode!r}, which the layer encoder does not reproduce "
+                           f"(supported: {', '.join(ST_POOLINGS)}); choose pooling mean, last or cls")
+    first = modules[0]
+    return STConfig(pooling=ST_POOLINGS[mode], normalize="Normalize" in kinds,
+                    max_seq_length=getattr(model, "max_seq_length", None),
+                    lowercase=bool(getattr(first, "do_lower_case", False)), transformer_path="",
+                    prompts={k: v for k, v in (getattr(model, "prompts", None) or {}).items() if v},
+                    skipped_modules=[k for k in kinds[1:] if k not in ("Pooling", "Normalize")])

@@ -1,0 +1,85 @@
+"""How a model is loaded: one group of options, declared once, shared by every command that loads a model.
+
+The fields carry their command-line flags (``--revision``, ``--dtype``, ``--device``, ``--device-map``,
+``--trust-remote-code``, ``--allow-random-init``, ``--peft``, ``--quantization``), named after the
+``--model_args`` keys lm-eval users know. Every command adds them with :meth:`ModelOptions.add_arguments`; the CLI
+turns the parsed flags into a :class:`ModelOptions` that :func:`repgeom_eval.modeling.loading.load_model` follows
+(``use_model_options``); from Python, pass one as ``load_model(name, options=ModelOptions(...))``. Torch-free, so
+that ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.option_fields import add_option_arguments, option, options_from_namespace
+
+DTYPE_CHOICES = ("auto", "float32", "float64", "bfloat16", "float16")
+QUANTIZATION_CHOICES = ("8bit", "4bit")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Every option of loading a model (the model itself, a path or hub id, is given beside it)."""
+
+    dtype: str = option("auto", "--dtype", choices=list(DTYPE_CHOICES),
+                        help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16, float64")
+    device: str = option("cpu", "--device", help="cpu, cuda, cuda:1 or auto")
+    revision: str | None = option(None, "--revision", metavar="REV",
+                                  help="hub branch, tag or commit of the model (and its tokenizer)")
+    device_map: str | None = option(None, "--device-map", metavar="MAP",
+                                    help="spread a large model over devices with accelerate (e.g. auto); "
+                                         "replaces --device")
+    trust_remote_code: bool = option(False, "--trust-remote-code", action="store_true",
+                                     help="allow models that need their own Python code (it runs on this machine); "
+                                          "without it such a model is refused")
+    allow_random_init: bool = option(False, "--allow-random-init", action="store_true",
+                                     help="measure a checkpoint whose tensors do not fill what the measured hidden "
+                                          "states read (they stay random; the output's model block lists them); "
+                                          "without it such a checkpoint is refused")
+    peft: str | None = option(None, "--peft", "--adapter", metavar="ADAPTER",
+                              help="a PEFT adapter (LoRA ...) folder applied on top of the model (needs peft)")
+    quantization: str | None = option(None, "--quantization", choices=list(QUANTIZATION_CHOICES),
+                                      help="load the weights in 8 or 4 bits with bitsandbytes (needs it, and "
+                                           "usually a GPU)")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES and not hasattr(self.dtype, "is_floating_point"):
+            raise RepgeomError(f"unknown dtype {self.dtype!r} (valid: {', '.join(DTYPE_CHOICES)})")
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise RepgeomError(f"unknown quantization {self.quantization!r} (valid: {', '.join(QUANTIZATION_CHOICES)})")
+        for name in ("revision", "device_map", "peft"):
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, None)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+        """Add the group's flags (``only``: a subset, for commands that read a model's files without loading it)."""
+        group = parser.add_argument_group("model options")
+        add_option_arguments(cls, group, only)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> "ModelOptions":
+        return cls(**options_from_namespace(cls, args))
+
+    def replace(self, **changes: Any) -> "ModelOptions":
+        from dataclasses import replace
+
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def non_default(self) -> dict[str, Any]:
+        """The options that differ from their defaults (recorded in every output's ``model`` block)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("dtype", "device") and value != f.default:
+                out[f.name] = value
+        return out
+
+
+#: The earlier name of the two loading flags, kept for plugins that import it.
+LoadingPolicy = ModelOptions
