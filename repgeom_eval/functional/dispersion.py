@@ -9,6 +9,9 @@ Q (not N) keeps zero rows exact: a zero vector has cosine 0 with everything. All
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +32,41 @@ def dispersion_from_sums(s: torch.Tensor, q: torch.Tensor, n: torch.Tensor | int
     sq = (s.double() * s.double()).sum(-1)
     value = 1.0 - (sq - q.double()) / torch.where(pairs > 0, pairs, torch.ones_like(pairs))
     return torch.where(n >= 2, value, torch.full_like(value, float("nan")))
+
+
+@dataclass(frozen=True)
+class DispersionSums:
+    """The sufficient statistics of a set of unit vectors — S = Σu (float64), Q = Σ‖u‖², n — which add across
+    batches, shards and ranks; :meth:`dispersion` is D over the set (the one type for them, on NumPy)."""
+
+    s: np.ndarray
+    q: float
+    n: float
+
+    @classmethod
+    def of(cls, u: np.ndarray) -> "DispersionSums":
+        """The sums of the rows of ``u`` (already unit vectors)."""
+        u = np.asarray(u, dtype=np.float64)
+        return cls(u.sum(0), float(np.einsum("ij,ij->", u, u)), float(u.shape[0]))
+
+    def __add__(self, other: "DispersionSums") -> "DispersionSums":
+        return DispersionSums(self.s + other.s, self.q + other.q, self.n + other.n)
+
+    merge = __add__
+
+    def dispersion(self) -> float:
+        """D over the set (docs/metrics.md#cosine-dispersion); NaN with fewer than 2 vectors."""
+        if self.n < 2:
+            return float("nan")
+        return float(1.0 - (self.s @ self.s - self.q) / (self.n * (self.n - 1)))
+
+    def pack(self) -> np.ndarray:
+        """One flat array (for an all-gather): S, then Q and n."""
+        return np.concatenate([self.s, [self.q, self.n]])
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray) -> "DispersionSums":
+        return cls(packed[:-2], float(packed[-2]), float(packed[-1]))
 
 
 def dispersion(x: torch.Tensor) -> torch.Tensor:
