@@ -6,6 +6,9 @@ Quick start::
     result = rg.measure("path/to/model", ["first text", "second text", "third"], layers="all",
                         metrics=["dispersion", "token_dispersion"])
     result.results["final"]["dispersion"]
+
+Everything a plugin author or a user imports is a name of this package (``__all__``, pinned by
+tests/test_public_api.py); the modules behind it may move, the names here do not.
 """
 
 __version__ = "0.1.0"
@@ -14,35 +17,51 @@ __version__ = "0.1.0"
 # lazily), so that `repgeom --help` and `repgeom plugins` can import every plugin cheaply; tests/test_startup.py checks.
 from .hookspecs import hookimpl  # noqa: E402
 from .modeling.architectures import ArchitectureSpec, SiteHook, post_ln_encoder, pre_ln_decoder  # noqa: E402
-from .errors import ParameterError, PluginError, RepgeomError, UnknownNameError  # noqa: E402
+from .errors import (ParameterError, PluginError, RepgeomError, UnknownNameError, check_param,  # noqa: E402
+                     is_count, is_real)
 from .metric import Consumes, LayerBatch, Metric  # noqa: E402
 from .plugin_system.kinds import Command  # noqa: E402
+from . import moved as _moved  # noqa: E402  (old module paths keep working for one release, with a warning)
+
+_moved.install()
+
+# Heavy pieces (torch, transformers) load on first access, so `import repgeom_eval` in a plugin stays cheap.
+_LAZY = {
+    "RunConfig": "repgeom_eval.measurement.config",
+    "measure": "repgeom_eval.measurement.engine",
+    "MeasureResult": "repgeom_eval.measurement.engine",
+    "load_model": "repgeom_eval.modeling.loading",
+    "LoadedModel": "repgeom_eval.modeling.loading",
+    "ModelInfo": "repgeom_eval.modeling.loading",
+    "ModelOptions": "repgeom_eval.modeling.options",
+    "get_host": "repgeom_eval.plugin_system.host",
+    "PluginHost": "repgeom_eval.plugin_system.host",
+    "AuxLoss": "repgeom_eval.training.auxloss",
+    "build_aux_loss": "repgeom_eval.training.auxloss",
+    "check_metric": "repgeom_eval.testing",
+    "make_tiny_model": "repgeom_eval.testing",
+    "save_tiny": "repgeom_eval.tiny_models",
+}
 
 
 def __getattr__(name: str):
-    # Heavy pieces (torch, transformers) load on first access, so `import repgeom_eval` in a plugin stays cheap.
-    if name == "RunConfig":
-        from .measurement.config import RunConfig
+    if name in _LAZY:
+        import importlib
 
-        return RunConfig
-    if name in {"measure", "MeasureResult"}:
-        from .measurement import engine as _m
-
-        return getattr(_m, name)
-    if name in {"load_model", "LoadedModel", "ModelInfo"}:
-        from .modeling import loading as _models
-
-        return getattr(_models, name)
-    if name in {"get_host", "PluginHost"}:
-        from .plugin_system import host
-
-        return getattr(host, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'repgeom_eval' has no attribute {name!r}")
 
 
 __all__ = [
-    "ArchitectureSpec", "Command", "Consumes", "LayerBatch", "Metric", "ParameterError", "PluginError",
-    "RepgeomError", "SiteHook",
-    "UnknownNameError", "hookimpl", "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo",
-    "get_host", "PluginHost", "post_ln_encoder", "pre_ln_decoder", "__version__",
+    # plugin author's API (light)
+    "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "SiteHook", "pre_ln_decoder",
+    "post_ln_encoder", "AuxLoss", "build_aux_loss",
+    # errors and parameter checks
+    "RepgeomError", "ParameterError", "PluginError", "UnknownNameError", "check_param", "is_real", "is_count",
+    # running
+    "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo", "ModelOptions", "get_host",
+    "PluginHost",
+    # testing helpers (a plugin's own tests)
+    "check_metric", "make_tiny_model", "save_tiny",
+    "__version__",
 ]

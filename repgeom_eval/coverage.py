@@ -67,7 +67,7 @@ def _compare(row: dict, loaded, t0: float) -> dict:
     from repgeom_eval.errors import RepgeomError
     from repgeom_eval.measurement.forward import Forward, model_inputs
     from repgeom_eval.modeling.addresses import available_addresses, resolve, resolve_request
-    from repgeom_eval.modeling.discovery import hidden_states_of
+    from repgeom_eval.modeling.probe import hidden_states_of
 
     layout = loaded.layout
     # 3. every hidden state, padded batch through Forward vs each text alone through the model itself

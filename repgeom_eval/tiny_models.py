@@ -737,7 +737,7 @@ def forward_hidden_states(model: PreTrainedModel, input_ids: torch.Tensor | None
         g = torch.Generator().manual_seed(seed)
         rows = _OVERRIDES.get(config.model_type, _Override()).rows
         input_ids = allowed[torch.randint(len(allowed), (2 * (getattr(config, rows) if rows else 1), 7), generator=g)]
-    from repgeom_eval.modeling.discovery import accepted_inputs, build_inputs
+    from repgeom_eval.modeling.probe import accepted_inputs, build_inputs
 
     runner = model.get_encoder() if getattr(config, "is_encoder_decoder", False) else model
     # use_cache=False where the forward takes it: linear-attention hybrids need a special cache object otherwise

@@ -135,8 +135,8 @@ def _modules_containing(text: str) -> list[str]:
 
 
 def test_model_inputs_are_built_in_one_place():
-    assert _modules_containing('["position_ids"]') == ["repgeom_eval/modeling/discovery.py"]
-    assert _modules_containing('"use_cache"') == ["repgeom_eval/modeling/discovery.py"]
+    assert _modules_containing('["position_ids"]') == ["repgeom_eval/modeling/probe.py"]
+    assert _modules_containing('"use_cache"') == ["repgeom_eval/modeling/probe.py"]
 
 
 def test_layer_requests_are_parsed_in_one_place():

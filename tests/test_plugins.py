@@ -296,7 +296,7 @@ def test_aux_losses_must_be_auxloss_subclasses():
     def repgeom_register_aux_losses(registry):
         registry.add(my_loss, name="my_loss")
 
-    with pytest.warns(PluginLoadWarning, match="expected a subclass of repgeom_eval.training.auxloss.AuxLoss.*"
+    with pytest.warns(PluginLoadWarning, match="expected a subclass of repgeom_eval.AuxLoss.*"
                       "register the class, not a loss function"):
         host = PluginHost(entry_points=[], strict=False, extra_plugins=[
             ("fn", plugin_module("fn", repgeom_register_aux_losses=repgeom_register_aux_losses))])

@@ -25,7 +25,7 @@ import torch
 
 from repgeom_eval.errors import ModelForwardError, NonFiniteError, RepgeomError
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
-from repgeom_eval.modeling.discovery import build_inputs
+from repgeom_eval.modeling.probe import build_inputs
 from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.modeling.loading import LoadedModel
 

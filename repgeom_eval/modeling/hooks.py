@@ -13,15 +13,12 @@ cross-entropy, then read :meth:`Capture.tensors` — the hidden states of that s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:  # pragma: no cover
-    from repgeom_eval.modeling.addresses import Address
 
 
 @dataclass(frozen=True)
@@ -104,7 +101,7 @@ class Capture:
             hidden = cap.tensors()                                  # part of out.loss's graph
     """
 
-    def __init__(self, model: nn.Module, points: Mapping["Address", HookPoint], stop_early: bool = True,
+    def __init__(self, model: nn.Module, points: Mapping[Hashable, HookPoint], stop_early: bool = True,
                  keep_grad: bool = False, runner: nn.Module | None = None):
         if keep_grad and stop_early:
             raise ValueError("keep_grad=True is for training, which needs the whole forward pass: "
@@ -115,7 +112,7 @@ class Capture:
         self.stop_early = stop_early
         self.keep_grad = keep_grad
         self._handles: list[Any] = []
-        self._by_point: dict[HookPoint, list["Address"]] = {}
+        self._by_point: dict[HookPoint, list[Hashable]] = {}
         for addr, point in self.points.items():
             self._by_point.setdefault(point, []).append(addr)
         self._captured: dict[HookPoint, torch.Tensor] = {}
@@ -198,7 +195,7 @@ class Capture:
 
         return hook
 
-    def run(self, **inputs: Any) -> dict["Address", torch.Tensor]:
+    def run(self, **inputs: Any) -> dict[Hashable, torch.Tensor]:
         """Run the model once; return the captured tensor of every address (and set ``self.outputs``).
 
         Runs under ``torch.inference_mode`` unless ``keep_grad`` is set.
@@ -217,7 +214,7 @@ class Capture:
         self._calls = {}
         self.outputs = None
 
-    def tensors(self) -> dict["Address", torch.Tensor]:
+    def tensors(self) -> dict[Hashable, torch.Tensor]:
         """The tensor of every address captured by the latest forward pass; an error names any that never fired."""
         missing = [str(a) for p, addrs in self._by_point.items() if p not in self._captured for a in addrs]
         self._calls = {}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.modeling.discovery import Layout
+from repgeom_eval.modeling.layout import Layout
 from repgeom_eval.modeling.options import LoadingPolicy, ModelOptions  # noqa: F401 - LoadingPolicy: earlier name
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -23,7 +23,7 @@ import pluggy
 
 from repgeom_eval import hookspecs
 from repgeom_eval.errors import PluginError, PluginUnavailableError, UnknownNameError
-from repgeom_eval.plugin_system.kinds import Command, Registry
+from repgeom_eval.plugin_system.kinds import KINDS, Registry
 
 ENTRY_POINT_GROUP = "repgeom_eval"
 STRICT_ENV = "REPGEOM_STRICT_PLUGINS"
@@ -75,44 +75,6 @@ def disabled_from_env() -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in raw.replace(",", " ").split() if n))
 
 
-def _check_metric(obj: Any) -> str | None:
-    from repgeom_eval.metric import Metric
-
-    if not (isinstance(obj, type) and issubclass(obj, Metric)):
-        return f"expected a subclass of repgeom_eval.Metric, got {obj!r}"
-    return None
-
-
-def _check_architecture(obj: Any) -> str | None:
-    from repgeom_eval.modeling.architectures import ArchitectureSpec
-
-    return None if isinstance(obj, ArchitectureSpec) else f"expected an ArchitectureSpec, got {obj!r}"
-
-
-def _check_callable(obj: Any) -> str | None:
-    return None if callable(obj) else f"expected a callable, got {obj!r}"
-
-
-def _check_aux_loss(obj: Any) -> str | None:
-    from repgeom_eval.training.auxloss import AuxLoss
-
-    if isinstance(obj, type) and issubclass(obj, AuxLoss):
-        return None
-    return (f"expected a subclass of repgeom_eval.training.auxloss.AuxLoss, got {obj!r}; `repgeom train` builds "
-            "the class with the config's parameters and calls the instance on the hidden states, so register the "
-            "class, not a loss function (docs/plugins.md#auxiliary-losses)")
-
-
-def _check_command(obj: Any) -> str | None:
-    return None if isinstance(obj, Command) else f"expected a repgeom_eval.plugin_system.kinds.Command, got {obj!r}"
-
-
-def _check_token_set(obj: Any) -> str | None:
-    if callable(obj) or isinstance(obj, (list, tuple, frozenset, set)):
-        return None
-    return f"expected a callable or a collection of strings, got {obj!r}"
-
-
 class PluginHost:
     """All registries, filled from the entry points (or from an explicit list, for tests)."""
 
@@ -137,24 +99,12 @@ class PluginHost:
         self._versions: dict[str, str | None] = {}
         self._first_exc: BaseException | None = None  # the cause of a strict-mode error (--debug shows it)
 
-        self.metrics: Registry = Registry("metric", _check_metric, "see `repgeom plugins` for installed metrics")
-        self.architectures: Registry = Registry(
-            "architecture (config.model_type)",
-            _check_architecture,
-            "add an ArchitectureSpec through a plugin (docs/plugins.md) to support it",
-        )
-        self.layer_selectors: Registry = Registry("layer selector", _check_callable)
-        self.aux_losses: Registry = Registry("aux loss", _check_aux_loss)
-        self.token_sets: Registry = Registry("token set", _check_token_set)
-        self.commands: Registry = Registry("command", _check_command)
-        self._registries = {
-            "repgeom_register_metrics": self.metrics,
-            "repgeom_register_architectures": self.architectures,
-            "repgeom_register_layer_selectors": self.layer_selectors,
-            "repgeom_register_aux_losses": self.aux_losses,
-            "repgeom_register_token_sets": self.token_sets,
-            "repgeom_register_commands": self.commands,
-        }
+        # one registry per plugin kind, all described by the one table (plugin_system/kinds.py)
+        self._registries: dict[str, Registry] = {}
+        for k in KINDS:
+            registry: Registry = Registry(k.label, k.check, k.unknown_hint)
+            setattr(self, k.attribute, registry)
+            self._registries[k.hook] = registry
 
         for hook_name, registry in self._registries.items():
             registry.explain_missing = self._explainer(hook_name, registry)
@@ -289,13 +239,12 @@ class PluginHost:
         return explain
 
     # -- reading -------------------------------------------------------------------------------------------------
-    KINDS = ("metric", "architecture", "layer_selector", "aux_loss", "token_set", "command")
+    KINDS = tuple(k.kind for k in KINDS)
 
     def registry(self, kind: str) -> Registry:
         """The registry of one kind: ``metric``, ``architecture``, ``layer_selector``, ``aux_loss``, ``token_set``
         or ``command`` (the ``kind`` column of ``repgeom plugins``)."""
-        registries = dict(zip(self.KINDS, (self.metrics, self.architectures, self.layer_selectors, self.aux_losses,
-                                           self.token_sets, self.commands)))
+        registries = {k.kind: getattr(self, k.attribute) for k in KINDS}
         if kind not in registries:
             raise UnknownNameError("plugin kind", kind, registries)
         return registries[kind]

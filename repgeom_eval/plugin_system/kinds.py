@@ -49,6 +49,74 @@ class Command:
     run: Callable[[Any], int | None]
 
 
+# -- the plugin kinds, in one table ---------------------------------------------------------------------------------
+
+
+def _check_subclass(base: str, what: str, hint: str = "") -> Callable[[Any], str | None]:
+    """A check that the object is a subclass of ``base`` (``"module:Class"`` of the plugin author's API, imported
+    when the first item of the kind is checked: never training or modeling code)."""
+
+    def check(obj: Any) -> str | None:
+        module, _, name = base.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        if isinstance(obj, type) and issubclass(obj, cls):
+            return None
+        return f"expected a subclass of {what}, got {obj!r}" + (f"; {hint}" if hint else "")
+
+    return check
+
+
+def _check_instance(base: str, what: str) -> Callable[[Any], str | None]:
+    def check(obj: Any) -> str | None:
+        module, _, name = base.partition(":")
+        return None if isinstance(obj, getattr(importlib.import_module(module), name)) else \
+            f"expected {what}, got {obj!r}"
+
+    return check
+
+
+def _check_callable(obj: Any) -> str | None:
+    return None if callable(obj) else f"expected a callable, got {obj!r}"
+
+
+def _check_token_set(obj: Any) -> str | None:
+    if callable(obj) or isinstance(obj, (list, tuple, frozenset, set)):
+        return None
+    return f"expected a callable or a collection of strings, got {obj!r}"
+
+
+@dataclass(frozen=True)
+class PluginKind:
+    """One kind of thing a plugin registers: everything the host, ``repgeom plugins`` and the docs say about it."""
+
+    kind: str  # the ``kind`` column of ``repgeom plugins`` and ``PluginHost.registry(kind)``
+    attribute: str  # the host's registry attribute (``host.metrics``)
+    hook: str  # the hookspec that registers it (repgeom_eval/hookspecs.py)
+    label: str  # how messages name one item
+    check: Callable[[Any], str | None]  # why an object is not a valid item (None: it is)
+    unknown_hint: str = ""  # appended to "unknown <label> ..." errors
+
+
+KINDS: tuple[PluginKind, ...] = (
+    PluginKind("metric", "metrics", "repgeom_register_metrics", "metric",
+               _check_subclass("repgeom_eval.metric:Metric", "repgeom_eval.Metric"),
+               "see `repgeom plugins` for installed metrics"),
+    PluginKind("architecture", "architectures", "repgeom_register_architectures", "architecture (config.model_type)",
+               _check_instance("repgeom_eval.modeling.architectures:ArchitectureSpec", "an ArchitectureSpec"),
+               "add an ArchitectureSpec through a plugin (docs/plugins.md) to support it"),
+    PluginKind("layer_selector", "layer_selectors", "repgeom_register_layer_selectors", "layer selector",
+               _check_callable),
+    PluginKind("aux_loss", "aux_losses", "repgeom_register_aux_losses", "aux loss",
+               _check_subclass("repgeom_eval.training.auxloss:AuxLoss", "repgeom_eval.AuxLoss",
+                               "`repgeom train` builds the class with the config's parameters and calls the instance "
+                               "on the hidden states, so register the class, not a loss function "
+                               "(docs/plugins.md#auxiliary-losses)")),
+    PluginKind("token_set", "token_sets", "repgeom_register_token_sets", "token set", _check_token_set),
+    PluginKind("command", "commands", "repgeom_register_commands", "command",
+               _check_instance("repgeom_eval.plugin_system.kinds:Command", "a repgeom_eval.Command")),
+)
+
+
 def _first_doc_line(obj: Any) -> str:
     """A one-line description: ``description``/``help`` attribute, else the object's own docstring."""
     if isinstance(obj, str):  # a lazy target is not imported just to describe it

@@ -1,0 +1,74 @@
+"""What the load check found on one model: every layer-address site, where it is read and how it was checked
+(docs/metrics.md#how-an-address-is-found)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from repgeom_eval.modeling.architectures import SITES
+from repgeom_eval.modeling.hooks import HookPoint
+
+
+@dataclass(frozen=True)
+class Site:
+    """One site at one block: where it is read (``None`` when refused) and how it was checked, or why not.
+
+    A refused site is either ``absent`` (the block has no such tensor: no ``resid_mid`` in a parallel block, no
+    ``attn_out`` in a Mamba block) or unverified (the load check could not confirm it, so it is not guessed)."""
+
+    point: HookPoint | None
+    note: str
+    absent: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.point is not None
+
+
+@dataclass
+class Layout:
+    """What discovery found on one model: every site's hook point, each checked on the probe input."""
+
+    model_type: str
+    runner: str  # qualified name of the module called for a measurement ("" = the model; the encoder of a seq2seq)
+    blocks: str  # qualified name of the ModuleList of blocks
+    n_layers: int
+    embed: Site
+    final: Site
+    hidden_states: tuple[str | None, ...]  # canonical address of hidden_states[k] (None: matches no address)
+    sites: list[dict[str, Site]]  # per block: every site of SITES → Site
+    block_kinds: list[str]
+    causal: bool
+    logits: bool
+    accepted_inputs: frozenset[str]
+    position_ids: bool  # pass position_ids = cumsum(mask) - 1
+    padding_sides: tuple[str, ...]  # padding sides that leave every real token's hidden states unchanged
+    depends_on: frozenset[str] = frozenset()  # modules that run before `final` is read (what the hidden states use)
+    after_final: frozenset[str] = frozenset()  # modules that run only after it (a pooler, the LM head)
+    notes: list[str] = field(default_factory=list)
+    table: str | None = None  # the registered architecture table applied on top, if any
+
+    def site(self, name: str, layer: int) -> Site:
+        return self.sites[layer][name]
+
+    def missing_sites(self) -> dict[str, str]:
+        """Sites refused at every block, with the first block's reason (what ``repgeom addresses`` lists)."""
+        out = {}
+        for s in SITES:
+            if not any(block[s].ok for block in self.sites):
+                out[s] = self.sites[0][s].note if self.sites else "the model has no blocks"
+        return out
+
+
+def describe(layout: Layout) -> Mapping[str, Any]:
+    """A JSON-able summary (results files, ``repgeom addresses --json``)."""
+    return {
+        "model_type": layout.model_type, "blocks": layout.blocks, "n_layers": layout.n_layers,
+        "runner": layout.runner or "<model>", "table": layout.table, "causal": layout.causal,
+        "position_ids_from_mask": layout.position_ids, "padding_sides": list(layout.padding_sides),
+        "block_kinds": sorted(set(layout.block_kinds)), "hidden_states": list(layout.hidden_states),
+        "refused": layout.missing_sites(), "notes": list(layout.notes),
+        "last_block_sites": [s for s, site in layout.sites[-1].items() if site.ok] if layout.sites else [],
+    }

@@ -1,0 +1,56 @@
+"""The public API: the names plugin authors and users import from ``repgeom_eval`` itself, pinned; old module paths
+keep working for one release, with a warning naming the new one."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import repgeom_eval
+from repgeom_eval.moved import MOVED
+
+PUBLIC = {
+    "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "SiteHook", "pre_ln_decoder",
+    "post_ln_encoder", "AuxLoss", "build_aux_loss",
+    "RepgeomError", "ParameterError", "PluginError", "UnknownNameError", "check_param", "is_real", "is_count",
+    "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo", "ModelOptions", "get_host",
+    "PluginHost",
+    "check_metric", "make_tiny_model", "save_tiny",
+    "__version__",
+}
+
+
+def test_the_public_names_are_pinned():
+    assert set(repgeom_eval.__all__) == PUBLIC, "a public name was added or removed: update PUBLIC and the docs"
+    for name in PUBLIC:
+        assert getattr(repgeom_eval, name) is not None, name
+
+
+def test_what_a_plugin_imports_first_is_light():
+    code = ("import sys, repgeom_eval\n"
+            "from repgeom_eval import hookimpl, Metric, LayerBatch, Consumes, ParameterError, check_param\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_warns_and_gives_the_module_where_it_lives(old):
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(MOVED[old])
+    assert any(issubclass(w.category, DeprecationWarning) and MOVED[old] in str(w.message) for w in caught)
+    sys.modules.pop(old, None)
+
+
+def test_names_moved_to_the_package_root_are_the_same_objects():
+    from repgeom_eval.modeling.options import ModelOptions
+    from repgeom_eval.training.auxloss import AuxLoss
+
+    assert repgeom_eval.AuxLoss is AuxLoss and repgeom_eval.ModelOptions is ModelOptions
