@@ -108,7 +108,7 @@ def child(mode: str, folders: list[str]) -> None:
 
     torch.set_num_threads(2)
     from repgeom_eval.analyses.gap import screening
-    from repgeom_eval.analyses.gap.weights import EmbeddingInfo, OutputEmbeddings
+    from repgeom_eval.modeling.checkpoint_tensors import EmbeddingInfo, OutputEmbeddings
     from repgeom_eval.entrypoints import gap_cmd
 
     t0 = time.perf_counter()

@@ -90,10 +90,11 @@ def model_dir(tiny: bool, work: Path, dtype: str) -> str:
     import torch
 
     from repgeom_eval.demo import smollm2_path
-    from repgeom_eval.modeling.loading import _gguf_cache_dir, load_model
+    from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
+    from repgeom_eval.modeling.loading import load_model
 
     gguf = smollm2_path()
-    cache = _gguf_cache_dir(gguf, getattr(torch, dtype))
+    cache = gguf_cache_dir(gguf, getattr(torch, dtype))
     if cache is None or not (cache / "config.json").is_file():
         load_model(str(gguf), dtype=dtype)  # writes the de-quantized directory once
     if cache is None or not (cache / "config.json").is_file():

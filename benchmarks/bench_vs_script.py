@@ -238,13 +238,14 @@ def model_dir(tiny: bool, work: Path) -> str:
     import torch
 
     from repgeom_eval.demo import smollm2_path
-    from repgeom_eval.modeling.loading import _gguf_cache_dir, load_model
+    from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
+    from repgeom_eval.modeling.loading import load_model
 
     gguf = smollm2_path()
-    cache = _gguf_cache_dir(gguf, torch.float32)
+    cache = gguf_cache_dir(gguf, torch.float32)
     if cache is None or not (cache / "config.json").is_file():
         load_model(str(gguf))  # writes the de-quantized model directory once
-        cache = _gguf_cache_dir(gguf, torch.float32)
+        cache = gguf_cache_dir(gguf, torch.float32)
     if cache is None or not (cache / "config.json").is_file():
         sys.exit("the GGUF cache is switched off or not writable (REPGEOM_GGUF_CACHE); cannot benchmark SmolLM2")
     return str(cache)

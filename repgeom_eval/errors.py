@@ -72,6 +72,12 @@ class ModelForwardError(RepgeomError):
     """The model's own forward pass raised on an input (a limit of that model, or of transformers' code for it)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name if it has none): how one-line errors quote a cause."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def check_param(metric: str, name: str, value: object, ok: bool, expected: str) -> None:
     """Raise a :class:`ParameterError` naming the metric, the parameter, its value and what it must be, unless
     ``ok``."""

@@ -45,9 +45,9 @@ def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch
         b = cached.model(**enc, output_hidden_states=True).hidden_states
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     monkeypatch.setenv("REPGEOM_GGUF_CACHE", "0")
-    from repgeom_eval.modeling.loading import _gguf_cache_dir
+    from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
 
-    assert _gguf_cache_dir(smollm2_path(), torch.float32) is None
+    assert gguf_cache_dir(smollm2_path(), torch.float32) is None
 
 
 def test_sites_on_the_real_model(smollm2):

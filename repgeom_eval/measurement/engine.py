@@ -37,7 +37,8 @@ from repgeom_eval.measurement.states import RunState, energy_metric
 from repgeom_eval.measurement.texts import TextSet, TextSource, open_source
 from repgeom_eval.metric import Consumes
 from repgeom_eval.modeling.addresses import resolve_request
-from repgeom_eval.modeling.loading import LoadedModel, as_loaded, load_model
+from repgeom_eval.modeling.in_memory import as_loaded
+from repgeom_eval.modeling.loading import LoadedModel, load_model
 from repgeom_eval.output.versions import versions
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 

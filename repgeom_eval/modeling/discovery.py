@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch import nn
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.errors import RepgeomError, first_line
 from repgeom_eval.modeling.architectures import SITES, ArchitectureSpec
 from repgeom_eval.modeling.blocks import analyze_block
 from repgeom_eval.modeling.hooks import HookPoint
@@ -95,7 +95,7 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
             out = runner(**base, output_hidden_states=True, return_dict=True)
         except Exception as exc:  # noqa: BLE001 - any failure of a foreign forward pass is reported in one line
             raise DiscoveryError(f"model type {model_type!r}: the load check's probe forward pass (random token ids, "
-                                 f"text only) failed: {type(exc).__name__}: {_line(exc)}") from None
+                                 f"text only) failed: {type(exc).__name__}: {first_line(exc)[:300]}") from None
     hidden = hidden_states_of(out)
     if not hidden:
         raise DiscoveryError(f"model type {model_type!r} returns no hidden_states from its forward pass "
@@ -123,11 +123,6 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
     _check_shapes(model, layout, rec, hidden, tuple(ids.shape))
     check_inputs(runner, layout, ids, device, pad_id_of(model, config, ids))
     return layout
-
-
-def _line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
 
 
 def _outer_last_hidden_state(rec: Recorder) -> torch.Tensor | None:

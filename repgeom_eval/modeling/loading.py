@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
 import re
@@ -15,9 +14,14 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.errors import RepgeomError, first_line
+from repgeom_eval.modeling.gguf_cache import gguf_cache_dir, save_gguf_cache
 from repgeom_eval.modeling.layout import Layout
-from repgeom_eval.modeling.options import LoadingPolicy, ModelOptions  # noqa: F401 - LoadingPolicy: earlier name
+from repgeom_eval.modeling.weights_check import check_loading_report, check_safetensors
+from repgeom_eval.modeling.options import LoadingPolicy, ModelOptions
+
+__all__ = ["LoadedModel", "LoadingPolicy", "ModelInfo", "ModelOptions", "auto_class", "load_model", "loading_policy",
+           "locate_model", "model_files", "use_model_options", "wrap_model"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,7 +150,7 @@ def locate_model(name: str) -> tuple[str, dict[str, Any], str]:
     return name, {}, "hub"
 
 
-def model_inputs(names: str | Sequence[str]) -> tuple[list[str], list[str]]:
+def model_files(names: str | Sequence[str]) -> tuple[list[str], list[str]]:
     """(files, folders) that loading ``names`` reads, for :func:`repgeom_eval.output.files.check_outputs`: a
     ``.gguf`` file is a file input, a model directory a folder nothing may be written into; a hub id (or a path
     that does not exist: loading reports it) is neither."""
@@ -203,7 +207,7 @@ def load_model(
     if opts.revision:
         remote["revision"] = opts.revision
     weights = _weights_options(opts, name)
-    cache = _gguf_cache_dir(Path(target) / extra["gguf_file"], torch_dtype) if source == "gguf" else None
+    cache = gguf_cache_dir(Path(target) / extra["gguf_file"], torch_dtype) if source == "gguf" else None
     from_cache = cache is not None and (cache / "config.json").is_file()
     if from_cache:
         target, extra = str(cache), {}
@@ -219,9 +223,9 @@ def load_model(
         if source == "hub":
             raise RepgeomError(
                 f"model {name!r} is not a local directory or .gguf file, and it could not be fetched from the "
-                f"Hugging Face Hub or found in its cache ({_first_line(exc)}); pass a local model directory"
+                f"Hugging Face Hub or found in its cache ({first_line(exc)}); pass a local model directory"
             ) from None
-        raise RepgeomError(f"cannot read the model config of {name!r}: {_first_line(exc)}") from None
+        raise RepgeomError(f"cannot read the model config of {name!r}: {first_line(exc)}") from None
     auto = auto_class(config, host)
     if source == "directory" or from_cache:
         check_safetensors(Path(target), name)
@@ -250,13 +254,13 @@ def load_model(
                                 pickle.UnpicklingError)) and type(exc).__name__ != "SafetensorError":
             raise
         _refuse_remote_code(name, exc)
-        raise RepgeomError(f"cannot load model {name!r}: {_first_line(exc)}") from None
+        raise RepgeomError(f"cannot load model {name!r}: {first_line(exc)}") from None
     finally:  # restore the caller's logging settings
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.utils.logging.enable_progress_bar()
     if cache is not None and not from_cache:
-        _save_gguf_cache(model, tokenizer, cache)
+        save_gguf_cache(model, tokenizer, cache)
     if not weights:  # a device map or a quantized model is already where accelerate put it
         model.to(dev)
     model.eval().requires_grad_(False)
@@ -270,7 +274,7 @@ def load_model(
                            "different lengths cannot be batched; name one in its tokenizer_config.json (e.g. "
                            "\"pad_token\": \"<pad>\")")
     loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
-    random_init, unused = _check_loading_report(name, report, policy, model, loaded.layout)
+    random_init, unused = check_loading_report(name, report, policy, model, loaded.layout)
     loaded.info.random_init_tensors = random_init
     loaded.info.unused_random_tensors = unused
     loaded.info.options = opts.non_default()
@@ -315,52 +319,8 @@ def _apply_adapter(model: Any, adapter: str, name: str) -> Any:
     try:
         wrapped = PeftModel.from_pretrained(model, str(path) if path.exists() else adapter)
     except Exception as exc:  # noqa: BLE001 - peft raises ValueError, OSError, KeyError ... for a foreign adapter
-        raise RepgeomError(f"cannot apply the adapter {adapter!r} to model {name!r}: {_first_line(exc)}") from None
+        raise RepgeomError(f"cannot apply the adapter {adapter!r} to model {name!r}: {first_line(exc)}") from None
     return wrapped.eval().get_base_model()
-
-
-def as_loaded(model: Any, tokenizer: Any = None, *, name: str | None = None, host: Any = None,
-              options: ModelOptions | None = None) -> LoadedModel:
-    """Whatever a user holds, as a :class:`LoadedModel`: a path, hub id or ``.gguf`` file (loaded with ``options``), a
-    :class:`LoadedModel`, a transformers model in memory (with its ``tokenizer``), a PEFT model, or a
-    sentence-transformers ``SentenceTransformer`` (its transformer and tokenizer; :func:`st_pooling` reads its
-    pooling)."""
-    if isinstance(model, LoadedModel):
-        return model
-    if isinstance(model, (str, os.PathLike)):
-        return load_model(str(model), host=host, options=options)
-    inner = transformer_of(model)
-    if inner is not None:  # a SentenceTransformer: its first module holds the transformers model and tokenizer
-        hf, tok = inner
-        return wrap_model(hf, tokenizer or tok, name=name or _st_name(model), source="memory", host=host)
-    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):  # a PeftModel: the adapted base model
-        model = model.get_base_model()
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise RepgeomError(f"cannot measure a {type(model).__name__}: pass a model path or hub id, a transformers "
-                           "model (with tokenizer=...), a PEFT model or a SentenceTransformer")
-    if tokenizer is None:
-        raise RepgeomError(f"an in-memory {type(model).__name__} needs its tokenizer: pass tokenizer=... beside it")
-    if getattr(tokenizer, "pad_token", "x") is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
-    return wrap_model(model, tokenizer, name=name, source="memory", host=host)
-
-
-def transformer_of(model: Any) -> tuple[Any, Any] | None:
-    """``(transformers model, tokenizer)`` inside a sentence-transformers ``SentenceTransformer``, else None."""
-    if type(model).__name__ != "SentenceTransformer" or not hasattr(model, "_first_module"):
-        return None
-    first = model._first_module()
-    hf = getattr(first, "auto_model", None)
-    if hf is None:
-        raise RepgeomError(f"the SentenceTransformer's first module ({type(first).__name__}) holds no transformers "
-                           "model; only transformer-based sentence-transformers models can be measured")
-    return hf, getattr(first, "tokenizer", None) or getattr(model, "tokenizer", None)
-
-
-def _st_name(model: Any) -> str:
-    card = getattr(model, "model_card_data", None)
-    return getattr(card, "base_model", None) or getattr(model[0].auto_model.config, "_name_or_path", "") \
-        or "SentenceTransformer"
 
 
 def auto_class(config: Any, host: Any = None) -> Any:
@@ -384,24 +344,6 @@ def auto_class(config: Any, host: Any = None) -> Any:
     return transformers.AutoModel
 
 
-def check_safetensors(directory: Path, name: str) -> None:
-    """Open the header of every ``*.safetensors`` file of a model directory (milliseconds: the tensors stay on
-    disk), so that a truncated, empty or garbage weights file is one line naming it rather than a traceback from the
-    middle of ``from_pretrained``."""
-    try:
-        from safetensors import safe_open
-    except ImportError:  # pragma: no cover - a core dependency
-        return
-    for f in sorted(directory.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                fh.keys()
-        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError ...: the file is unusable either way
-            detail = _first_line(exc).removeprefix("Error while deserializing header: ")
-            raise RepgeomError(f"model {name!r}: weights file {f.name} is truncated, empty or not a safetensors file "
-                               f"({detail}); download or save the checkpoint again") from None
-
-
 def _bad_config(name: str, exc: BaseException) -> RepgeomError | None:
     """A config.json value of the wrong type (``"hidden_size": "32"``), which transformers 5 validates through
     huggingface_hub's strict dataclasses: one line naming the field, or None for any other error."""
@@ -420,61 +362,6 @@ def _refuse_remote_code(name: str, exc: BaseException) -> None:
     if "trust_remote_code" in text:
         raise RepgeomError(f"model {name!r} needs its own Python code to load; pass --trust-remote-code if you "
                            "trust its source (it runs on this machine)") from None
-
-
-def _check_loading_report(name: str, report: dict[str, Any], policy: LoadingPolicy, model: Any,
-                          layout: Layout) -> tuple[list[str], list[str]]:
-    """Refuse a checkpoint whose tensors do not fill what the measured hidden states read (transformers would quietly
-    initialise the missing ones at random); with ``allow_random_init``, warn and return their names. Tensors that no
-    measured hidden state reads (a pooler, the LM head of another class) are returned apart: harmless for geometry,
-    refused where logits are needed (:meth:`LoadedModel.check_logits`)."""
-    missing = sorted(report.get("missing_keys") or [])
-    unexpected = sorted(report.get("unexpected_keys") or [])
-    mismatched = sorted(str(k[0]) if isinstance(k, (tuple, list)) else str(k)
-                        for k in (report.get("mismatched_keys") or []))
-    relevant = _reads(model, layout)
-    unused = [k for k in missing + mismatched if not relevant(k)]
-    missing, mismatched = [k for k in missing if relevant(k)], [k for k in mismatched if relevant(k)]
-    unexpected = [k for k in unexpected if relevant(k)]
-    if not (missing or unexpected or mismatched):
-        return [], unused
-    parts = []
-    for label, keys in (("missing", missing), ("unexpected", unexpected), ("of the wrong shape", mismatched)):
-        if keys:
-            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-            parts.append(f"{len(keys)} tensor(s) {label} ({shown})")
-    detail = "; ".join(parts)
-    if not policy.allow_random_init:
-        raise RepgeomError(f"model {name!r} does not match its architecture: {detail}; its weights would be random. "
-                           "Fix the checkpoint (or its config.json), or pass --allow-random-init to measure it anyway")
-    warnings.warn(f"model {name!r}: {detail}; those tensors keep their random initialisation "
-                  "(--allow-random-init)", stacklevel=3)
-    return missing + mismatched, unused
-
-
-def _reads(model: Any, layout: Layout):
-    """``key → bool``: whether a checkpoint tensor belongs to what the measured hidden states are computed from.
-
-    The module that holds the tensor (or its nearest ancestor that ran in the load check's probe) decides: one that
-    ran before ``final`` was read counts, one that ran only afterwards (a pooler, an LM head) does not. A key that
-    belongs to no module of this class (the head of another class in the checkpoint) does not; anything undecided
-    counts (strict)."""
-    names = {n for n, _ in model.named_modules()}
-
-    def relevant(key: str) -> bool:
-        parts = key.split(".")
-        owner = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in names), "")
-        if not owner:
-            return False
-        while owner:
-            if owner in layout.depends_on:
-                return True
-            if owner in layout.after_final:
-                return False
-            owner = owner.rpartition(".")[0]
-        return True
-
-    return relevant
 
 
 def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, source: str = "memory",
@@ -514,71 +401,8 @@ def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, sourc
     return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info, device=device)
 
 
+model_inputs = model_files  # the earlier name (callers move to model_files)
+
+
 def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
-    """Where the de-quantized form of a ``.gguf`` file is kept, or None when the cache is switched off.
-
-    transformers parses a GGUF file several times (config, tokenizer, weights) and de-quantizes every tensor: about
-    a minute for SmolLM2-135M on 2 cores. The result is saved once as a plain model directory (safetensors) and
-    later loads read that in seconds. Keyed by the file's content, the dtype and the transformers version;
-    ``REPGEOM_GGUF_CACHE=0`` switches it off, ``REPGEOM_CACHE`` moves it (default ``~/.cache/repgeom-eval``).
-    """
-    if os.environ.get("REPGEOM_GGUF_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    import hashlib
-
-    import transformers
-
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    digest.update(f"{dtype}|{transformers.__version__}".encode())
-    root = Path(os.environ.get("REPGEOM_CACHE") or Path.home() / ".cache" / "repgeom-eval").expanduser()
-    return root / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
-
-
-def _save_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> None:
-    """Save the converted model next to its final place, then rename it in: readers never see half a cache entry.
-    A cache that cannot be written (read-only home, full disk) costs only speed: warn and go on."""
-    import shutil
-    import tempfile
-
-    import transformers
-
-    tmp = None
-    verbosity = transformers.logging.get_verbosity()
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
-        transformers.logging.set_verbosity_error()
-        # save_pretrained refuses a model loaded through the GGUF quantizer (even though its weights are plain
-        # de-quantized tensors now): write the weights and a config without the quantizer's entry directly.
-        from safetensors.torch import save_model
-
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, cache)
-    except OSError as exc:
-        if not (cache / "config.json").is_file():  # another process may have won the race: that is fine
-            warnings.warn(f"could not cache the converted GGUF model under {cache}: {exc}; the next load converts "
-                          "it again (set REPGEOM_GGUF_CACHE=0 to stop trying)", stacklevel=3)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-        if tmp is not None and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

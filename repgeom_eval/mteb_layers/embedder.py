@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
-from repgeom_eval.modeling.loading import LoadedModel, as_loaded, load_model
+from repgeom_eval.modeling.in_memory import as_loaded
+from repgeom_eval.modeling.loading import LoadedModel, load_model
 from repgeom_eval.measurement.forward import Batch, Forward, context_length, token_lengths
 from repgeom_eval.measurement.plan import Item, plan_shard
 from repgeom_eval.measurement.texts import Record

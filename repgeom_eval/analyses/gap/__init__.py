@@ -13,7 +13,7 @@ Spearman correlation of ``--scores`` comes from :mod:`repgeom_eval.functional.st
 """
 
 from ...functional.gap_distances import DISTANCES, SIGN, dispersion_gap
-from .weights import EmbeddingInfo, OutputEmbeddings, load_tokenizer, open_output_embeddings, read_output_embeddings
+from repgeom_eval.modeling.checkpoint_tensors import EmbeddingInfo, OutputEmbeddings, load_tokenizer, open_output_embeddings, read_output_embeddings
 from .screening import GapResult, screen
 from .vocabulary import (
     DEFAULT_DOMAIN,

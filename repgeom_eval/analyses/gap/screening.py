@@ -20,7 +20,7 @@ from typing import Any
 
 from ...errors import RepgeomError
 from ...functional.gap_distances import DISTANCES, SIGN, dispersion_gap
-from .weights import load_tokenizer, locate_checkpoint, open_output_embeddings
+from repgeom_eval.modeling.checkpoint_tensors import load_tokenizer, locate_checkpoint, open_output_embeddings
 from .vocabulary import (DEFAULT_DOMAIN, DEFAULT_REFERENCE, DEFAULT_SEED, DEFAULT_SIZE, Vocabulary, resolve_token_set,
                          vocabulary_difference)
 

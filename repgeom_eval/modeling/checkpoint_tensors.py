@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import RepgeomError
+from repgeom_eval.errors import RepgeomError, first_line
 from repgeom_eval.modeling.loading import loading_policy, locate_model
 
 # Output-embedding tensor names of checkpoints whose keys predate the model class (tried last, shape-checked).
@@ -87,11 +87,6 @@ class OutputEmbeddings:
         return self._read_full()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def locate_checkpoint(model: str) -> tuple[Path, dict[str, Any], str]:
     """(directory, extra from_pretrained kwargs, source kind) for a directory, a .gguf file or a cached hub id."""
     target, extra, source = locate_model(model)
@@ -122,7 +117,7 @@ def load_tokenizer(model: str) -> Any:
             return AutoTokenizer.from_pretrained(str(directory), **extra,
                                                  trust_remote_code=loading_policy().trust_remote_code)
     except (OSError, ValueError, ImportError, TypeError) as exc:
-        raise RepgeomError(f"cannot load the tokenizer of model {model!r}: {_first_line(exc)}") from None
+        raise RepgeomError(f"cannot load the tokenizer of model {model!r}: {first_line(exc)}") from None
     finally:
         transformers.logging.set_verbosity_warning()
 
@@ -295,7 +290,7 @@ def _open_safetensors(name: str, directory: Path) -> OutputEmbeddings:
     try:
         config = AutoConfig.from_pretrained(str(directory), trust_remote_code=loading_policy().trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise RepgeomError(f"cannot read the model config of {name!r}: {_first_line(exc)}") from None
+        raise RepgeomError(f"cannot read the model config of {name!r}: {first_line(exc)}") from None
     try:
         output_names, input_names, expected, tied, prefix, skeleton = _skeleton_candidates(config)
     except RepgeomError:

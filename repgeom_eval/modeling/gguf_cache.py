@@ -1,0 +1,72 @@
+"""The de-quantized form of a ``.gguf`` file, kept as a plain model directory so that later loads take seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
+    """Where the de-quantized form of a ``.gguf`` file is kept, or None when the cache is switched off.
+
+    transformers parses a GGUF file several times (config, tokenizer, weights) and de-quantizes every tensor: about
+    a minute for SmolLM2-135M on 2 cores. The result is saved once as a plain model directory (safetensors) and
+    later loads read that in seconds. Keyed by the file's content, the dtype and the transformers version;
+    ``REPGEOM_GGUF_CACHE=0`` switches it off, ``REPGEOM_CACHE`` moves it (default ``~/.cache/repgeom-eval``).
+    """
+    if os.environ.get("REPGEOM_GGUF_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    import hashlib
+
+    import transformers
+
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    digest.update(f"{dtype}|{transformers.__version__}".encode())
+    root = Path(os.environ.get("REPGEOM_CACHE") or Path.home() / ".cache" / "repgeom-eval").expanduser()
+    return root / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
+
+
+def save_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> None:
+    """Save the converted model next to its final place, then rename it in: readers never see half a cache entry.
+    A cache that cannot be written (read-only home, full disk) costs only speed: warn and go on."""
+    import shutil
+    import tempfile
+
+    import transformers
+
+    tmp = None
+    verbosity = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
+        transformers.logging.set_verbosity_error()
+        # save_pretrained refuses a model loaded through the GGUF quantizer (even though its weights are plain
+        # de-quantized tensors now): write the weights and a config without the quantizer's entry directly.
+        from safetensors.torch import save_model
+
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cache)
+    except OSError as exc:
+        if not (cache / "config.json").is_file():  # another process may have won the race: that is fine
+            warnings.warn(f"could not cache the converted GGUF model under {cache}: {exc}; the next load converts "
+                          "it again (set REPGEOM_GGUF_CACHE=0 to stop trying)", stacklevel=3)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
