@@ -84,13 +84,7 @@ class Distributed:
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank (in rank order)."""
-        if not self.active:
-            return [obj]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        return all_gather(obj, self.world)
 
     def barrier(self) -> None:
         if self.active:
@@ -107,3 +101,21 @@ class Distributed:
 
     def config(self) -> dict[str, Any]:
         return {"world_size": self.world, "backend": self.backend}
+
+
+def all_gather(obj: Any, world_size: int, what: str = "the results") -> list[Any]:
+    """Every rank's ``obj`` on every rank, in rank order; ``[obj]`` for one rank. A collective: every rank calls it,
+    one with nothing to give passes ``None``. The one all-gather of the project: measure's ranks and lm-eval's
+    accelerate ranks alike (``world_size`` as the caller's framework reports it). ``what`` names what is missing
+    when ``torch.distributed`` is not initialised."""
+    if world_size <= 1:
+        return [obj]
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RepgeomError(f"{world_size} ranks are reported but torch.distributed is not initialised; {what} of "
+                           "every rank are needed")
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
