@@ -56,12 +56,12 @@ class Condensation(Metric):
         if not (isinstance(eps, (int, float)) and eps > 0):
             raise RepgeomError(f"{self.name}: eps must be a positive number, got {eps!r}")
         self.eps, self.bins, self.per_text = float(eps), bins, per_text
-        self.add_state("sums", torch.zeros(2, dtype=torch.float64), "sum")  # Σ m_incl, Σ m_excl
-        self.add_state("counts", torch.zeros(2, dtype=torch.float64), "sum")  # texts with S ≥ 1, with S ≥ 2
-        self.add_state("hist", torch.zeros(bins, dtype=torch.float64), "sum")
+        self.add_state("sums", torch.zeros(2, dtype=torch.float64), "sum", shape=(2,))  # Σ m_incl, Σ m_excl
+        self.add_state("counts", torch.zeros(2, dtype=torch.float64), "sum", shape=(2,))  # texts with S ≥ 1, ≥ 2
+        self.add_state("hist", torch.zeros(bins, dtype=torch.float64), "sum", shape=(bins,))
         if per_text:
-            self.add_state("values", [], "cat")
-            self.add_state("index", [], "cat")
+            self.add_state("values", [], "cat", shape=("N",))
+            self.add_state("index", [], "cat", shape=("N",))
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.hidden is not None and batch.mask is not None

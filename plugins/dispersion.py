@@ -27,13 +27,13 @@ class Dispersion(Metric):
     def __init__(self, per_text: bool = False):
         super().__init__()
         self.per_text = per_text
-        self.add_state("sum_u", torch.zeros(0, dtype=torch.float64), "sum")
-        self.add_state("sum_sq", torch.zeros((), dtype=torch.float64), "sum")
-        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")
-        self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("sum_u", torch.zeros(0, dtype=torch.float64), "sum", shape=("D",))
+        self.add_state("sum_sq", torch.zeros((), dtype=torch.float64), "sum", shape=())
+        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum", shape=())
+        self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum", shape=())
         if per_text:
-            self.add_state("units", [], "cat")
-            self.add_state("index", [], "cat")
+            self.add_state("units", [], "cat", shape=("N", "D"))
+            self.add_state("index", [], "cat", shape=("N",))
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.pooled is not None
@@ -74,6 +74,20 @@ class Dispersion(Metric):
     def diagnostics(self):
         return {"n_vectors": int(self.n), "n_zero_vectors": int(self.n_zero)}
 
+    def check_state(self, state, width=None):
+        problems = super().check_state(state, width)
+        n, n_zero, sq, s = state["n"], state["n_zero"], state["sum_sq"], state["sum_u"]
+        if not (self.is_count(n) and self.is_count(n_zero) and n_zero <= n):
+            return problems + [f"counts n={float(n)}, n_zero={float(n_zero)} are not whole numbers with n_zero ≤ n"]
+        tol = 1e-6 * max(float(n), 1.0)
+        if abs(float(sq) - float(n - n_zero)) > tol:  # every non-zero unit vector adds exactly 1
+            problems.append(f"sum_sq = {float(sq)} but n − n_zero = {float(n - n_zero)} unit vectors were added")
+        if s.numel() and float(torch.linalg.vector_norm(s)) > float(sq) + tol:
+            problems.append("sum_u is longer than the number of unit vectors summed")
+        if self.per_text and "units" in state and state["units"].shape[0] != int(n):
+            problems.append(f"{state['units'].shape[0]} per-text vectors for n = {int(n)}")
+        return problems
+
 
 class TokenDispersion(Metric):
     """Dispersion of the token vectors within each text, averaged over texts (docs/metrics.md#token_dispersion).
@@ -88,12 +102,12 @@ class TokenDispersion(Metric):
     def __init__(self, per_text: bool = False):
         super().__init__()
         self.per_text = per_text
-        self.add_state("total", torch.zeros((), dtype=torch.float64), "sum")
-        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum")
-        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("total", torch.zeros((), dtype=torch.float64), "sum", shape=())
+        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum", shape=())
+        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum", shape=())
         if per_text:
-            self.add_state("values", [], "cat")
-            self.add_state("index", [], "cat")
+            self.add_state("values", [], "cat", shape=("N",))
+            self.add_state("index", [], "cat", shape=("N",))
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.hidden is not None and batch.mask is not None
@@ -126,6 +140,17 @@ class TokenDispersion(Metric):
 
     def diagnostics(self):
         return {"n_texts": int(self.count), "n_skipped_short": int(self.skipped)}
+
+    def check_state(self, state, width=None):
+        problems = super().check_state(state, width)
+        count, skipped, total = state["count"], state["skipped"], state["total"]
+        if not (self.is_count(count) and self.is_count(skipped)):
+            return problems + [f"counts count={float(count)}, skipped={float(skipped)} are not whole numbers"]
+        if not -1e-9 <= float(total) <= 2 * float(count) + 1e-9:  # each text's dispersion lies in [0, 2]
+            problems.append(f"total = {float(total)} is outside [0, 2·count] for count = {int(count)}")
+        if self.per_text and "values" in state and state["values"].shape[0] != int(count + skipped):
+            problems.append(f"{state['values'].shape[0]} per-text values for {int(count + skipped)} texts")
+        return problems
 
 
 @hookimpl

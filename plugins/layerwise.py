@@ -63,10 +63,10 @@ class _GramAccumulator(Metric):
     """
 
     def _init_gram_state(self) -> None:
-        self.add_state("gram", torch.zeros(0, dtype=torch.float64), "sum")
-        self.add_state("rows", [], "cat")
-        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")
-        self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("gram", torch.zeros(0, dtype=torch.float64), "sum", shape=("D", "D"))
+        self.add_state("rows", [], "cat", shape=("N", "D"))
+        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum", shape=())
+        self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum", shape=())
 
     def _add_rows(self, z: torch.Tensor) -> None:
         z = z.double().cpu()
@@ -118,12 +118,12 @@ class PromptEntropy(Metric):
         _check_choice(self.name, "variant", variant, VARIANTS)
         self.variant = variant
         self.per_text = per_text
-        self.add_state("sums", torch.zeros(len(ENTROPY_KEYS), dtype=torch.float64), "sum")
-        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum")
-        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("sums", torch.zeros(len(ENTROPY_KEYS), dtype=torch.float64), "sum", shape=(len(ENTROPY_KEYS),))
+        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum", shape=())
+        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum", shape=())
         if per_text:
-            self.add_state("values", [], "cat")
-            self.add_state("index", [], "cat")
+            self.add_state("values", [], "cat", shape=("N", 2))
+            self.add_state("index", [], "cat", shape=("N",))
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.hidden is not None and batch.mask is not None, "prompt_entropy consumes TOKENS"
@@ -194,8 +194,8 @@ class DatasetEntropy(_GramAccumulator):
         if centering == "none":
             self._init_gram_state()
         else:
-            self.add_state("vectors", [], "cat")
-            self.add_state("index", [], "cat")
+            self.add_state("vectors", [], "cat", shape=("N", "D"))
+            self.add_state("index", [], "cat", shape=("N",))
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.pooled is not None
@@ -282,12 +282,12 @@ class Curvature(Metric):
         _check_choice(self.name, "variant", variant, CURVATURE_VARIANTS)
         self.variant = variant
         self.per_text = per_text
-        self.add_state("sums", torch.zeros(2, dtype=torch.float64), "sum")
-        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum")
-        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("sums", torch.zeros(2, dtype=torch.float64), "sum", shape=(2,))
+        self.add_state("count", torch.zeros((), dtype=torch.float64), "sum", shape=())
+        self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum", shape=())
         if per_text:
-            self.add_state("values", [], "cat")
-            self.add_state("index", [], "cat")
+            self.add_state("values", [], "cat", shape=("N",))
+            self.add_state("index", [], "cat", shape=("N",))
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.hidden is not None and batch.mask is not None, "curvature consumes TOKENS"

@@ -26,8 +26,8 @@ class MassiveActivations(Metric):
         super().__init__()
         check_param("massive_activations", "top_k", top_k, is_count(top_k), "an integer ≥ 1")
         self.top_k = top_k
-        self.add_state("energy", torch.zeros(0, dtype=torch.float64), "sum")
-        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("energy", torch.zeros(0, dtype=torch.float64), "sum", shape=("D",))
+        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum", shape=())
 
     def update(self, batch: LayerBatch) -> None:
         x = batch.pooled.double()
@@ -41,7 +41,7 @@ class MassiveActivations(Metric):
             return {"top1_share": float("nan"), "topk_share": float("nan"), "top_dimensions": [], "top_shares": [],
                     "effective_dimensions": float("nan")}
         shares = self.energy / total
-        k = min(self.top_k, shares.numel())
+        k = min(self.top_k, shares.numel())  # top_k beyond the width: every dimension, and the output says so
         values, dims = torch.topk(shares, k)
         return {
             "top1_share": float(values[0]),
@@ -51,6 +51,26 @@ class MassiveActivations(Metric):
             # participation ratio of the energy: D for a perfectly spread energy, 1 when one dimension has it all
             "effective_dimensions": float(1.0 / (shares * shares).sum()),
         }
+
+
+    def diagnostics(self):
+        width = self.energy.numel()
+        if width and self.top_k > width:
+            return {"top_k_used": width,
+                    "warning": f"top_k = {self.top_k} exceeds the layer's {width} dimensions: every dimension is "
+                               f"listed (top_k_used = {width} in the diagnostics)"}
+        return {}
+
+    def check_state(self, state, width=None):
+        problems = super().check_state(state, width)
+        n, energy = state["n"], state["energy"]
+        if not self.is_count(n):
+            problems.append(f"n = {float(n)} is not a whole number")
+        if energy.numel() and bool((energy < 0).any()):
+            problems.append("energy (a sum of squares) has negative entries")
+        if energy.numel() and float(n) < 1:
+            problems.append("energy holds sums but n = 0 vectors were added")
+        return problems
 
 
 @hookimpl

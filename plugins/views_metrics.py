@@ -53,9 +53,9 @@ class _TwoViewMetric(Metric):
     default_pooling = "mean"
 
     def _init_views(self) -> None:
-        self.add_state("view_a", [], "cat")
-        self.add_state("view_b", [], "cat")
-        self.add_state("index", [], "cat")
+        self.add_state("view_a", [], "cat", shape=("N", "D"))
+        self.add_state("view_b", [], "cat", shape=("N", "D"))
+        self.add_state("index", [], "cat", shape=("N",))
 
     def update(self, batch: LayerBatch) -> None:
         u = _unit_views(self, batch)
@@ -162,11 +162,11 @@ class LiDAR(Metric):
         check_param("lidar", "delta", delta, is_real(delta) and delta > 0, "a finite number > 0")
         check_param("lidar", "eps", eps, is_real(eps) and eps >= 0, "a finite number ≥ 0")
         self.n_views, self.delta, self.eps, self.variant = n_views, delta, eps, variant
-        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum")
+        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum", shape=())
         # Sizes depend on D, known at the first update: empty defaults (merge treats an empty sum as zero).
-        self.add_state("sum_mean", torch.zeros(0, dtype=torch.float64), "sum")
-        self.add_state("sum_outer_mean", torch.zeros(0, dtype=torch.float64), "sum")
-        self.add_state("scatter", torch.zeros(0, dtype=torch.float64), "sum")
+        self.add_state("sum_mean", torch.zeros(0, dtype=torch.float64), "sum", shape=("D",))
+        self.add_state("sum_outer_mean", torch.zeros(0, dtype=torch.float64), "sum", shape=("D", "D"))
+        self.add_state("scatter", torch.zeros(0, dtype=torch.float64), "sum", shape=("D", "D"))
 
     def update(self, batch: LayerBatch) -> None:
         x = _unit_views(self, batch)

@@ -79,10 +79,17 @@ class Metric:
     def __init__(self) -> None:
         self._defaults: dict[str, Any] = {}
         self._reductions: dict[str, str] = {}
+        self._shapes: dict[str, tuple[int | str, ...] | None] = {}
 
     # -- state -------------------------------------------------------------------------------------------------
-    def add_state(self, name: str, default: torch.Tensor | list, reduce: str) -> None:
-        """Declare a state. ``"cat"`` states start as an empty list and are concatenated on merge."""
+    def add_state(self, name: str, default: torch.Tensor | list, reduce: str,
+                  shape: tuple[int | str, ...] | None = None) -> None:
+        """Declare a state. ``"cat"`` states start as an empty list and are concatenated on merge.
+
+        ``shape`` declares the state's shape once it holds data, for the checks of a saved state (a resumed
+        checkpoint): each dimension a number, ``"D"`` (the width of the layer's vectors), or another name that
+        must agree wherever it appears (``"N"`` for the rows of ``cat`` states that grow together)
+        (docs/plugins.md#state-checks)."""
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
         if reduce == "cat":
@@ -92,6 +99,7 @@ class Metric:
             raise ValueError(f"state {name!r}: default must be a tensor")
         self._defaults[name] = default
         self._reductions[name] = reduce
+        self._shapes[name] = tuple(shape) if shape is not None else None
         setattr(self, name, copy.deepcopy(default))
 
     def reset(self) -> None:
@@ -115,6 +123,35 @@ class Metric:
         for name, reduce in self._reductions.items():
             value = state[name].clone()
             setattr(self, name, [value] if reduce == "cat" and value.numel() else [] if reduce == "cat" else value)
+
+    def check_state(self, state: dict[str, torch.Tensor], width: int | None = None) -> list[str]:
+        """Why ``state`` (a saved :meth:`state_dict`) cannot be this metric's, as short phrases; empty when it can.
+
+        Checks every declared shape (``add_state(..., shape=...)``; ``width`` is the layer's ``D`` when known);
+        states that never received data (empty) pass. A subclass adds what its sums must satisfy (a count that is
+        a whole number, a sum of squared unit norms no larger than the count ...): extend the list that
+        ``super().check_state(...)`` returns."""
+        problems: list[str] = []
+        symbols: dict[str, int] = {"D": width} if width else {}
+        for name, shape in self._shapes.items():
+            value = state.get(name)
+            if shape is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
+                continue
+            if value.ndim != len(shape):
+                problems.append(f"{name} has shape {tuple(value.shape)}, expected {len(shape)} dimension(s) {shape}")
+                continue
+            for dim, want in zip(value.shape, shape):
+                if isinstance(want, int) and dim != want:
+                    problems.append(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+                elif isinstance(want, str) and symbols.setdefault(want, dim) != dim:
+                    problems.append(f"{name} has {want} = {dim} where the rest of the state (or the layer) has "
+                                    f"{want} = {symbols[want]}")
+        return problems
+
+    @staticmethod
+    def is_count(value: torch.Tensor) -> bool:
+        """A state that counts things: a non-negative whole number (for :meth:`check_state`)."""
+        return bool(value.numel() == 1 and torch.isfinite(value) and value >= 0 and value == value.round())
 
     def merge(self, other: "Metric") -> "Metric":
         """Fold ``other``'s state (another shard of the same data) into this metric, in place; returns self."""

@@ -507,6 +507,7 @@ RESUME_CASES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "run.json edited": (_run_json(lambda k: k.update(batch_size=7)), r"run directory .*belongs to a different run"),
     "run.json garbage": (_run_json("\x00\x01 not json"), r"run\.json: unreadable run key"),
     "run.json absurdly deep": (_run_json(DEEP), r"run\.json: unreadable run key"),
+    "run.json a list": (_run_json("[1, 2, 3]"), r"run\.json: the run key is a JSON list, not an object"),
 }
 
 
@@ -531,3 +532,112 @@ def test_an_intact_checkpoint_resumes(checkpoints, base, tmp_path, capsys):
     assert main([str(a) for a in _resume_args(s, tmp_path / "run")] + ["--resume", "-o", str(s.result)]) == 0
     fresh = json.loads((checkpoints / "run-result.json").read_text())
     assert json.loads(s.result.read_text())["results"] == fresh["results"]
+
+
+# -- every field of a saved state, changed (docs/…: a resumed run is refused or exact) ----------------------------------
+
+def _leaves(state, path=""):
+    """(path, value) of every field of a checkpoint's state, as RunDir.save digests them."""
+    if isinstance(state, dict) and state:
+        for k in sorted(state, key=str):
+            yield from _leaves(state[k], f"{path}.{k}" if path else str(k))
+    else:
+        yield path, state
+
+
+def _changed(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 0:
+            return torch.ones(1, dtype=value.dtype)
+        out = value.clone().reshape(-1)
+        out[0] = out[0] + 1
+        return out.reshape(value.shape)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, list):
+        return value[:-1] if value else [0]
+    if isinstance(value, dict):  # an empty mapping
+        return {"0": 0}
+    return 0 if value is None else f"{value}x"
+
+
+def _set(state, path, value):
+    keys = path.split(".")
+    d = state
+    for k in keys[:-1]:
+        d = d[k] if k in d else d[int(k)]
+    last = keys[-1] if keys[-1] in d else int(keys[-1])
+    d[last] = value
+
+
+def test_every_field_of_a_saved_state_changed_is_refused_naming_it(checkpoints, base, tmp_path, capsys):
+    import torch
+
+    model, data = base
+    src = checkpoints / "run" / "state.rank0-of-1.pt"
+    saved = torch.load(src, map_location="cpu", weights_only=True)
+    body = {k: v for k, v in saved.items() if k not in ("version", "key", "digests")}
+    fields = [p for p, _ in _leaves(body)]
+    assert len(fields) >= 10, fields
+    for i, field in enumerate(fields):
+        run = tmp_path / f"run{i}"
+        shutil.copytree(checkpoints / "run", run)
+        state = torch.load(run / "state.rank0-of-1.pt", map_location="cpu", weights_only=True)
+        _set(state, field, _changed(dict(_leaves(body))[field]))
+        torch.save(state, run / "state.rank0-of-1.pt")
+        s = Setup(tmp_path, model, data, tmp_path / f"out{i}")
+        s.out.mkdir()
+        args = _resume_args(s, run) + ["--resume", "-o", s.result]
+        run_refused(args, capsys, rf"field {re.escape(field)} was changed after it was written", [model, data, run],
+                    s.out)
+
+
+def _rewrite(change):
+    """A consistent rewrite: the state changed and its digests recomputed, as a buggy writer would leave it."""
+    def apply(run: Path, other: Path) -> None:
+        import torch
+
+        from repgeom_eval.measurement.checkpoint import field_digests
+
+        f = run / "state.rank0-of-1.pt"
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        body = {k: v for k, v in state.items() if k not in ("version", "key", "digests")}
+        change(body)
+        torch.save({**state, **body, "digests": field_digests(body)}, f)
+    return apply
+
+
+def _metric(body):
+    return body["metrics"]["final"]["dispersion"]
+
+
+REWRITE_CASES = {
+    "a state shortened (48 → 7)": (lambda b: _metric(b).update(sum_u=_metric(b)["sum_u"][:7]),
+                                   r"metrics\.final\.dispersion: sum_u has D = 7 where .* has D = "),
+    "n set to 0": (lambda b: _metric(b).update(n=_metric(b)["n"] * 0),
+                   r"metrics\.final\.dispersion: sum_sq = .* but n − n_zero = 0"),
+    "a negative count": (lambda b: _metric(b).update(n_zero=_metric(b)["n_zero"] - 1),
+                         r"metrics\.final\.dispersion: counts .* are not whole numbers with n_zero ≤ n"),
+    "a sum doubled": (lambda b: _metric(b).update(sum_sq=_metric(b)["sum_sq"] * 2),
+                      r"metrics\.final\.dispersion: sum_sq = "),
+    "one shard fewer said done": (lambda b: b.update(next_shard=b["next_shard"] - 1, complete=False),
+                                  r"counts\.n_tokens is \d+, but the \d+ shard\(s\) it says are done hold \d+"),
+    "a count edited": (lambda b: b["counts"].__setitem__(3, b["counts"][3] + 1),
+                       r"counts\.n_sequences is \d+, but the \d+ shard\(s\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REWRITE_CASES))
+def test_a_consistently_rewritten_state_is_checked_against_the_run(case, checkpoints, base, tmp_path, capsys):
+    change, pattern = REWRITE_CASES[case]
+    model, data = base
+    s = Setup(tmp_path, model, data, tmp_path / "out")
+    s.out.mkdir()
+    run = tmp_path / "run"
+    shutil.copytree(checkpoints / "run", run)
+    _rewrite(change)(run, checkpoints / "other")
+    run_refused(_resume_args(s, run) + ["--resume", "-o", s.result], capsys, pattern, [model, data, run], s.out)

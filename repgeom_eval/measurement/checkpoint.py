@@ -20,7 +20,7 @@ import torch
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open, jsonable
 
-STATE_VERSION = 2  # 2: the energy diagnostic is saved as massive_activations metric state
+STATE_VERSION = 3  # 2: the energy diagnostic is saved as massive_activations metric state; 3: with field digests
 _FULL_HASH_LIMIT = 1 << 30  # files above 1 GiB are hashed by 64 sampled blocks of 1 MiB plus their size
 
 
@@ -71,6 +71,9 @@ class RunDir:
             except (OSError, ValueError, RecursionError) as exc:
                 raise RepgeomError(f"{key_file}: unreadable run key ({type(exc).__name__}: {str(exc)[:120]}); "
                                    "delete the run directory to start over") from None
+            if not isinstance(old, dict):
+                raise RepgeomError(f"{key_file}: the run key is a JSON {type(old).__name__}, not an object; delete "
+                                   "the run directory to start over")
             self._check_key(old, key_file)
         others = sorted(p.name for p in self.path.glob("state.rank*-of-*.pt")) if self.path.is_dir() else []
         if others and not resume:
@@ -111,12 +114,43 @@ class RunDir:
         if state.get("key") != self.key:
             raise RepgeomError(f"checkpoint {self.state_file} was written for another run than {self.path}/run.json "
                                "describes; delete the run directory to start over")
-        return state
+        saved_digests, body = state.get("digests"), {k: v for k, v in state.items() if k not in _ENVELOPE}
+        now = field_digests(body)
+        if not isinstance(saved_digests, dict):
+            raise RepgeomError(f"checkpoint {self.state_file} has no field digests; delete it to redo its shards")
+        changed = sorted(set(saved_digests) ^ set(now) | {f for f in now if saved_digests.get(f) != now[f]})
+        if changed:
+            raise RepgeomError(f"checkpoint {self.state_file}: field {changed[0]} was changed after it was written"
+                               + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
+                               + "; delete the run directory to start over")
+        return body
 
     def save(self, state: dict[str, Any]) -> None:
-        """Write this rank's state atomically (a kill mid-write leaves the previous checkpoint intact)."""
+        """Write this rank's state atomically (a kill mid-write leaves the previous checkpoint intact), with a
+        digest of every field, so that a field changed afterwards is named when the run resumes."""
         with atomic_open(self.state_file, "wb") as fh:
-            torch.save({**state, "version": STATE_VERSION, "key": self.key}, fh)
+            torch.save({**state, "version": STATE_VERSION, "key": self.key, "digests": field_digests(state)}, fh)
+
+
+_ENVELOPE = ("version", "key", "digests")
+
+
+def field_digests(state: Any, path: str = "") -> dict[str, str]:
+    """``{"metrics.final.dispersion.sum_u": sha256, ...}``: one digest per leaf of a checkpoint's state (a tensor's
+    dtype, shape and bytes; any other value's JSON)."""
+    if isinstance(state, dict):
+        out: dict[str, str] = {}
+        for k in sorted(state, key=str):
+            out.update(field_digests(state[k], f"{path}.{k}" if path else str(k)))
+        return out or {path: hashlib.sha256(b"{}").hexdigest()}
+    digest = hashlib.sha256()
+    if isinstance(state, torch.Tensor):
+        t = state.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    else:
+        digest.update(json.dumps(jsonable(state), sort_keys=True, default=str).encode())
+    return {path: digest.hexdigest()}
 
 
 def _difference(key: str, then: Any, now: Any) -> str:

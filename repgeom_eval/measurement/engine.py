@@ -33,7 +33,7 @@ from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metric
 from repgeom_eval.measurement.plan import ShardPlan, plan_shard
 from repgeom_eval.measurement.preprocess import Preprocessor
 from repgeom_eval.measurement.results import MeasureResult, report
-from repgeom_eval.measurement.states import RunState, energy_metric
+from repgeom_eval.measurement.states import RunState, energy_metric, shard_counts
 from repgeom_eval.measurement.texts import TextSet, TextSource, open_source
 from repgeom_eval.metric import Consumes
 from repgeom_eval.modeling.addresses import resolve_request
@@ -166,7 +166,8 @@ class MeasureRun:
         saved = ckpt.load()
         if saved is not None:
             try:
-                self.state.load(saved, cfg.shard_size, self.source.n_texts)
+                self.state.load(saved, cfg.shard_size, self.source.n_texts,
+                                {a: loaded.layout.width(a) for a in self.addresses})
             except (KeyError, TypeError, ValueError, IndexError) as exc:
                 raise RepgeomError(f"checkpoint {ckpt.state_file} does not fit this run ({type(exc).__name__}: "
                                    f"{str(exc)[:160]}); delete the run directory to start over") from None
@@ -193,9 +194,14 @@ class MeasureRun:
         with Forward(self.loaded, self.plan.points) as fwd, tqdm(
             total=expected, unit="seq", desc=desc, disable=not show, leave=False
         ) as bar:
+            recount = [0, 0, 0, 0]
             for shard_no, shard in enumerate(self.source.shards(cfg.shard_size)):
-                if shard_no < start_shard:
-                    continue  # done before the checkpoint: read past it, no forward pass
+                if shard_no < start_shard:  # done before the checkpoint: no forward pass, only recounted
+                    recount = [a + b for a, b in zip(recount, shard_counts(self._plan(shard), self.context))]
+                    continue
+                if shard_no == start_shard and start_shard and hasattr(sink, "shard_done"):
+                    self._check_resumed_counts(recount)
+                    recount = []
                 sp = self._plan(shard)
                 for u, unit in enumerate(sp.units):
                     if not dist.owns(u):
@@ -207,6 +213,14 @@ class MeasureRun:
                         bar.update(len(rows))
                 if hasattr(sink, "shard_done"):
                     sink.shard_done(shard_no, sp)
+            if start_shard and recount and hasattr(sink, "shard_done"):  # a finished run: every shard was skipped
+                self._check_resumed_counts(recount)
+
+    def _check_resumed_counts(self, recount: list[int]) -> None:
+        try:
+            self.state.check_counts(recount, f"checkpoint {self.checkpoint.state_file if self.checkpoint else ''}")
+        except ValueError as exc:
+            raise RepgeomError(f"{exc}; delete the run directory to start over") from None
 
     def _forward_batch(self, fwd: Forward, sp: ShardPlan, rows: list[int], sink: Any) -> None:
         t0 = time.perf_counter()

@@ -72,6 +72,14 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
         if per_text:  # scores keyed by metric (per_text_key), a text's several values averaged
             for i, row in per_text_table(key, metric_list).items():
                 per_text_cols.setdefault(i, {})[key] = row
+    # a metric's diagnostics "warning" (a parameter it could not honour as given ...) is shown, once per text
+    said: dict[tuple[str, str], list[str]] = {}
+    for key, per_metric in out.diagnostics.items():
+        for name, diag in per_metric.items():
+            if isinstance(diag, dict) and isinstance(diag.get("warning"), str):
+                said.setdefault((name, diag["warning"]), []).append(key)
+    for (name, text), keys in said.items():
+        warnings.warn(f"{name}: {text} (at {compact(keys)})", stacklevel=4)
     flagged = _energy_diagnostics(run, out.diagnostics, massive_share_warning)
     if flagged:  # one warning for the whole run, not one line per layer
         warnings.warn(

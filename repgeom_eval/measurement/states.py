@@ -69,17 +69,26 @@ class RunState:
     def count_shard(self, shard_no: int, sp: ShardPlan) -> None:
         """Counts that every process computes identically from the plan (so they are never summed over ranks)."""
         self.next_shard = shard_no + 1
-        self.n_empty += len(sp.empty)
+        tokens, truncated, empty, sequences = shard_counts(sp, self.context)
+        self.n_tokens += tokens
+        self.n_truncated += truncated
+        self.n_empty += empty
+        self.n_sequences += sequences
         self.empty_ids += [sp.ids[t] for t in sp.empty][: max(0, 5 - len(self.empty_ids))]
-        for it, n in zip(sp.items, sp.lengths):
-            if it.view < 0:
-                self.n_tokens += min(n, self.context)
-                self.n_truncated += n > self.context
-                if self.per_text:
-                    self.text_info[it.text] = (sp.ids[it.text], n)
         if self.per_text:
+            for it, n in zip(sp.items, sp.lengths):
+                if it.view < 0:
+                    self.text_info[it.text] = (sp.ids[it.text], n)
             self.text_info.update({t: (sp.ids[t], None) for t in sp.empty})
-        self.n_sequences += len(sp.items)
+
+    def check_counts(self, expected: list[int], where: str) -> None:
+        """The counts a resumed checkpoint holds must be those of the shards it says are done (recounted from the
+        data): a checkpoint edited to skip or repeat shards is refused, naming the field."""
+        have = [self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences]
+        for name, got, want in zip(("n_tokens", "n_truncated", "n_empty", "n_sequences"), have, expected):
+            if got != want:
+                raise ValueError(f"{where}: counts.{name} is {got}, but the {self.resumed_from} shard(s) it says are "
+                                 f"done hold {want}")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -93,10 +102,13 @@ class RunState:
             "prep": self.prep_transforms,
         }
 
-    def load(self, saved: dict[str, Any], shard_size: int, n_texts: int | None) -> None:
+    def load(self, saved: dict[str, Any], shard_size: int, n_texts: int | None,
+             widths: dict[Address, int | None] | None = None) -> None:
         """Take a checkpoint's state, after checking that it fits this run: every metric state of the same
-        kind and dtype as a fresh one, one hidden size across them, finite values, sane counts, a shard index the
-        data can have. Anything else raises ValueError (the caller refuses the checkpoint in one line)."""
+        kind and dtype as a fresh one, of the shapes the metric declares (its ``D`` the layer's width, from
+        ``widths``), satisfying the metric's own invariants (:meth:`Metric.check_state`), finite, with sane counts and
+        a shard index the data can have. Anything else raises ValueError (the caller refuses the checkpoint in one
+        line naming the file and the field)."""
         next_shard = saved["next_shard"]
         counts = saved["counts"]
         if not (isinstance(next_shard, int) and next_shard >= 0):
@@ -106,16 +118,24 @@ class RunState:
         if not (isinstance(counts, (list, tuple)) and len(counts) == 5
                 and all(isinstance(c, int) and c >= 0 for c in counts)):
             raise ValueError(f"counts {counts!r} are not five non-negative integers")
-        widths: set[int] = set()
+        seen: set[int] = set()
+        widths = widths or {}
         for addr, ms in self.states.items():
             for spec, m in ms:
                 state = saved["metrics"][str(addr)][spec.name]
-                _check_state(f"{spec.name} at {addr}", m.state_dict(), state, widths)
+                _check_state(f"{spec.name} at {addr}", m.state_dict(), state, seen)
+                with spec.guard("check_state", addr):
+                    problems = m.check_state(state, widths.get(addr))
+                if problems:
+                    raise ValueError(f"metrics.{addr}.{spec.name}: {'; '.join(problems)}")
                 with spec.guard("load_state_dict", addr):
                     m.load_state_dict(state)
         for addr, m in self.energy.items():
             state = saved["energy"][str(addr)]
-            _check_state(f"energy at {addr}", m.state_dict(), state, widths)
+            _check_state(f"energy at {addr}", m.state_dict(), state, seen)
+            problems = m.check_state(state, widths.get(addr))
+            if problems:
+                raise ValueError(f"energy.{addr}: {'; '.join(problems)}")
             m.load_state_dict(state)
         self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed = counts
         self.empty_ids = list(saved["empty_ids"])
@@ -145,6 +165,16 @@ class RunState:
                 other = self._energy_cls(top_k=ENERGY_TOP)  # type: ignore[misc]
                 other.load_state_dict(part["energy"][str(addr)])
                 m.merge(other)
+
+
+def shard_counts(sp: ShardPlan, context: int) -> tuple[int, int, int, int]:
+    """(tokens read, texts truncated, empty texts, sequences) of one planned shard."""
+    tokens = truncated = 0
+    for it, n in zip(sp.items, sp.lengths):
+        if it.view < 0:
+            tokens += min(n, context)
+            truncated += n > context
+    return tokens, truncated, len(sp.empty), len(sp.items)
 
 
 def _check_state(what: str, fresh: dict[str, torch.Tensor], saved: Any, widths: set[int]) -> None:

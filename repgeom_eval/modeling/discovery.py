@@ -22,6 +22,7 @@ guessed. Registered architecture tables (``repgeom_register_architectures``) ove
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -293,7 +294,7 @@ def _check_shapes(model: nn.Module, layout: Layout, rec: Recorder, hidden: tuple
             return site
         t = tensor(site.point)
         if shaped(t):
-            return site
+            return replace(site, width=int(t.shape[-1]))
         shape = "nothing" if t is None else f"shape {list(t.shape)}"
         return Site(None, f"model type {layout.model_type!r}, {where}: the hook reads {shape}, not one vector per "
                           f"token (batch {batch[0]} × {batch[1]} tokens × width)")

@@ -21,6 +21,7 @@ class Site:
     point: HookPoint | None
     note: str
     absent: bool = False
+    width: int | None = None  # the vectors' width on the probe (a saved state's "D" is checked against it)
 
     @property
     def ok(self) -> bool:
@@ -52,6 +53,12 @@ class Layout:
 
     def site(self, name: str, layer: int) -> Site:
         return self.sites[layer][name]
+
+    def width(self, address: Any) -> int | None:
+        """The width of the vectors an address reads (``None`` if unknown)."""
+        if address.site in ("embed", "final"):
+            return getattr(self, address.site).width
+        return self.sites[address.layer][address.site].width
 
     def missing_sites(self) -> dict[str, str]:
         """Sites refused at every block, with the first block's reason (what ``repgeom addresses`` lists)."""

@@ -314,7 +314,7 @@ def weights_hash(model: Any) -> str:
     for name, tensor in model.state_dict().items():
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
 
 
