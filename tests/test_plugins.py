@@ -333,3 +333,36 @@ def test_cli_switches_plugins_off_with_p_no(monkeypatch, capsys):
                    "'condensation'\n")
     assert main(["-p", "no:commands"]) == 0  # every built-in command is off: only the help is left
     assert "measure" not in capsys.readouterr().out
+
+
+def test_the_version_recorded_is_the_code_that_runs_and_compatible_releases_keep_saved_runs():
+    """A stale .dist-info (pip install --target --upgrade) is caught by the code's own __version__; a release that
+    declares repgeom_compatible_with is keyed, for resuming, by the release it keeps the states and numbers of."""
+    import types
+
+    import repgeom_eval
+    from repgeom_eval.plugin_system.host import PluginHost, PluginLoadWarning
+
+    module = types.ModuleType("fixed_metric_plugin")
+    module.__version__ = "0.1.1"
+    module.repgeom_compatible_with = "0.1.0"
+
+    class Fixed(repgeom_eval.Metric):
+        name = "fixed_metric"
+
+        def update(self, batch):
+            pass
+
+        def compute(self):
+            return 0.0
+
+    @repgeom_eval.hookimpl
+    def repgeom_register_metrics(registry):
+        registry.add(Fixed)
+
+    module.repgeom_register_metrics = repgeom_register_metrics
+    host = PluginHost(entry_points=[], extra_plugins=[("fixed", module)])
+    assert host.provenance("metric", ["fixed_metric"])["fixed_metric"]["version"] == "0.1.1"
+    assert host.state_identity("metric", ["fixed_metric"])["fixed_metric"]["version"] == "0.1.0"
+    with pytest.warns(PluginLoadWarning, match=r"code says version 0\.1\.1 but the installed metadata says 0\.1\.0"):
+        assert host._code_version("fixed", module, "0.1.0") == "0.1.1"

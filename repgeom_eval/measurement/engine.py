@@ -112,8 +112,8 @@ class MeasureRun:
 
     def __init__(self, config: RunConfig, loaded: LoadedModel, source: TextSource, dist: Distributed,
                  host: PluginHost, specs: list[MetricSpec], prep: Preprocessor, t_load: float):
-        self.config, self.loaded, self.source, self.dist, self.specs, self.prep = (
-            config, loaded, source, dist, specs, prep)
+        self.config, self.loaded, self.source, self.dist, self.specs, self.prep, self.host = (
+            config, loaded, source, dist, specs, prep, host)
         self.plan = resolve_request(config.layers, loaded, host)
         # where each metric comes from (plugin, distribution, version): recorded in the config, part of the resume key
         self.plugins = host.provenance("metric", [spec.name for spec in specs])
@@ -160,7 +160,8 @@ class MeasureRun:
             "preprocess_stats": "sha256:" + file_fingerprint(Path(cfg.preprocess_stats)) if cfg.preprocess_stats
             else None,
             "addresses": [str(a) for a in self.addresses], "metrics": self.state.metric_configs(),
-            "plugins": self.plugins, "max_length": self.context, "dtype": loaded.info.dtype, "world_size": dist.world})
+            "plugins": self.host.state_identity("metric", [spec.name for spec in self.specs]),
+            "max_length": self.context, "dtype": loaded.info.dtype, "world_size": dist.world})
         ckpt = RunDir(cfg.run_dir, key, dist.rank, dist.world, cfg.resume, dist.is_main)
         dist.barrier()  # rank 0 has created the directory
         saved = ckpt.load()

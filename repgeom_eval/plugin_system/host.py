@@ -97,6 +97,7 @@ class PluginHost:
         self.disabled: list[PluginInfo] = []  # switched off: never imported
         self._dists: dict[str, str | None] = {}
         self._versions: dict[str, str | None] = {}
+        self._compatible: dict[str, str] = {}  # plugin → the earlier release whose states and numbers it keeps
         self._first_exc: BaseException | None = None  # the cause of a strict-mode error (--debug shows it)
 
         # one registry per plugin kind, all described by the one table (plugin_system/kinds.py)
@@ -179,9 +180,25 @@ class PluginHost:
         except Exception as exc:  # pluggy validation (wrong argument names ...)
             self._fail(name, dist, "validate", exc, version)
             return
+        version = self._code_version(name, module, version)
         self._dists[name] = dist
         self._versions[name] = version
+        compatible = _declared(module, "repgeom_compatible_with")
+        if compatible is not None:
+            self._compatible[name] = str(compatible)
         self.plugins.append(PluginInfo(name, dist, getattr(module, "__name__", repr(module)), version))
+
+    def _code_version(self, name: str, module: Any, version: str | None) -> str | None:
+        """The version of the code that runs: the plugin's ``__version__`` (its module's, else its package's) over
+        the distribution metadata, which a ``pip install --target --upgrade`` can leave stale beside new code."""
+        code = _declared(module, "__version__")
+        if code is None or str(code) == version:
+            return version
+        if version is not None:
+            warnings.warn(f"repgeom-eval plugin {name!r}: its code says version {code} but the installed metadata "
+                          f"says {version} (a stale .dist-info left by an upgrade?); recording {code}",
+                          PluginLoadWarning, stacklevel=4)
+        return str(code)
 
     def _unknown_hooks(self, module: Any) -> str | None:
         problems = []
@@ -263,6 +280,17 @@ class PluginHost:
                          "version": self._versions.get(entry.plugin)}
         return out
 
+    def state_identity(self, kind: str, names: Iterable[str]) -> dict[str, dict[str, str | None]]:
+        """:meth:`provenance` as a resume key compares it: a plugin that declares ``repgeom_compatible_with =
+        "0.1.0"`` (its release keeps that one's state format and numbers) is keyed by that release, so a bug-fix
+        release does not throw saved runs away (docs/plugins.md#versions-and-saved-runs)."""
+        out = self.provenance(kind, names)
+        for item in out.values():
+            compatible = self._compatible.get(str(item["plugin"]))
+            if compatible is not None:
+                item["version"] = compatible
+        return out
+
     def plugin_versions(self) -> dict[str, dict[str, str | None]]:
         """Every loaded plugin: ``{plugin: {"distribution", "version"}}`` (the analyses' ``config["plugins"]``)."""
         return {p.name: {"distribution": p.distribution, "version": p.version}
@@ -284,6 +312,17 @@ class PluginHost:
                          "version": p.version, "description": f"switched off ({DISABLE_ENV} or -p no:{p.name})",
                          "disabled": True})
         return rows
+
+
+def _declared(module: Any, attribute: str) -> Any:
+    """``module.<attribute>``, else the same attribute of its top-level package (None if neither has it)."""
+    value = getattr(module, attribute, None)
+    if value is None:
+        import sys
+
+        package = sys.modules.get(str(getattr(module, "__name__", "")).split(".")[0])
+        value = getattr(package, attribute, None) if package is not None and package is not module else None
+    return value
 
 
 def _dist_name(ep: md.EntryPoint) -> str | None:
