@@ -171,6 +171,12 @@ def _no_special_tokens(model: Path) -> None:
     f.write_text(json.dumps(config))
 
 
+def _no_tokenizer_files(model: Path) -> None:
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            f.unlink()
+
+
 def _rename_tensors(model: Path) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -195,6 +201,8 @@ MODEL_CASES: dict[str, tuple[Callable[[Path], None], str, tuple[str, ...]]] = {
     "renamed tensors": (_rename_tensors, r"missing .*unexpected", ("measure", "train")),
     "tokenizer without pad/eos/unk/bos": (_no_special_tokens, r"no pad, eos, unk or bos", ("measure", "ppl-bins",
                                                                                              "train")),
+    "no tokenizer files": (_no_tokenizer_files, r"tokenizer is missing or unusable.*in its folder",
+                           ("measure", "ppl-bins", "knnlm", "train")),
 }
 
 

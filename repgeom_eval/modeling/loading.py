@@ -236,7 +236,13 @@ def load_model(
             warnings.simplefilter("ignore")
             transformers.logging.set_verbosity_error()
             transformers.utils.logging.disable_progress_bar()
-            tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
+            except (OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError) as exc:
+                _refuse_remote_code(name, exc)
+                raise RepgeomError(f"model {name!r}: its tokenizer is missing or unusable ({first_line(exc)[:160]}); "
+                                   "put the model's tokenizer files (tokenizer.json, tokenizer_config.json, vocab ...) "
+                                   "in its folder") from None
             try:
                 model, report = auto.from_pretrained(target, dtype=torch_dtype, output_loading_info=True, **extra,
                                                      **remote, **weights)
@@ -273,6 +279,7 @@ def load_model(
         raise RepgeomError(f"model {name!r}: its tokenizer defines no pad, eos, unk or bos token, so texts of "
                            "different lengths cannot be batched; name one in its tokenizer_config.json (e.g. "
                            "\"pad_token\": \"<pad>\")")
+    check_tokenizer(tokenizer, name)
     loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
     random_init, unused = check_loading_report(name, report, policy, model, loaded.layout)
     loaded.info.random_init_tensors = random_init
@@ -321,6 +328,27 @@ def _apply_adapter(model: Any, adapter: str, name: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - peft raises ValueError, OSError, KeyError ... for a foreign adapter
         raise RepgeomError(f"cannot apply the adapter {adapter!r} to model {name!r}: {first_line(exc)}") from None
     return wrapped.eval().get_base_model()
+
+
+TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog, twice: 1 2 3."
+
+
+def check_tokenizer(tokenizer: Any, name: str) -> None:
+    """Refuse a tokenizer that cannot read ordinary text: missing files make transformers build an empty one that
+    turns every word into the unknown token, and every text would then measure the same."""
+    try:
+        ids = list(tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"])
+    except Exception as exc:  # noqa: BLE001 - a broken tokenizer raises anything
+        raise RepgeomError(f"model {name!r}: its tokenizer fails on ordinary text ({first_line(exc)}); put the "
+                           f"model's own tokenizer files beside it") from None
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    unk = getattr(tokenizer, "unk_token_id", None)
+    known = [i for i in ids if i not in special and i != unk]
+    if len(known) < 3:
+        raise RepgeomError(f"model {name!r}: its tokenizer is missing or unusable (ordinary text becomes "
+                           f"{len(ids) - len(known)} unknown or special token(s) of {len(ids)}; vocabulary of "
+                           f"{len(tokenizer)}); put the model's tokenizer files (tokenizer.json, tokenizer_config.json, "
+                           "vocab ...) in its folder")
 
 
 def auto_class(config: Any, host: Any = None) -> Any:
