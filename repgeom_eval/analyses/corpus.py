@@ -25,7 +25,7 @@ from typing import Any
 from repgeom_eval.measurement.texts import data_format, decode_line, parse_json
 from ..errors import RepgeomError
 
-PACKINGS = ("concat", "document")
+from repgeom_eval.option_groups import PACKINGS  # noqa: E402 - declared with --packing
 NO_SOURCE = "all"  # the source name of records without a source field
 
 
