@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:  # piped or captured: no terminal width to respect, keep every column whole
         console = Console(width=140)
-    cfg = result.config
-    title = (f"dispersion gap G = within(T) + between(T, T̄) · T={cfg['domain']} · T̄={cfg['reference']} "
-             f"(size {cfg['size']}, seed {cfg['seed']}) · {cfg['distance']}")
+    conf = result.config
+    title = (f"dispersion gap G = within(T) + between(T, T̄) · T={conf['domain']} · T̄={conf['reference']} "
+             f"(size {conf['size']}, seed {conf['seed']}) · {conf['distance']}")
     table = Table(title=escape(title))
     table.add_column("rank", justify="right", no_wrap=True, min_width=4)
     table.add_column("model", overflow="fold", min_width=12)

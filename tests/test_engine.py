@@ -51,7 +51,7 @@ def test_configuration_is_frozen_and_validated_once():
         config.batch_size = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
         config.metric_params["dispersion"] = {}  # type: ignore[index]
-    for bad, match in [({"batch_size": 0}, "batch size must be positive"), ({"metrics": []}, "no metric"),
+    for bad, match in [({"batch_size": 0}, "--batch-size: expected a positive integer"), ({"metrics": []}, "no metric"),
                        ({"padding_side": "middle"}, "padding_side"), ({"resume": True}, "--run-dir"),
                        ({"preprocess": "scale"}, "unknown preprocess"),
                        ({"save_preprocess_stats": "s.safetensors"}, "no effect without preprocessing")]:

@@ -224,15 +224,16 @@ def ppl_bins(
 ) -> AnalysisResult:
     """Run the perplexity-vs-dispersion analysis (see the module docstring); returns the ``ppl-bins`` result.
     The options: a :class:`~repgeom_eval.analyses.configs.PplBinsConfig`, or its fields as keywords."""
-    c = PplBinsConfig.build(config, options)
-    layers, chunk_len, n_chunks, per_source, n_bins, packing = (c.layers, c.chunk_len, c.n_chunks, c.per_source,
-                                                                c.n_bins, c.packing)
-    seed, max_ppl, batch_size, device = c.seed, c.max_ppl, c.batch_size, c.device
+    cfg = PplBinsConfig.build(config, options)
+    layers, chunk_len, n_chunks, per_source, n_bins, packing = (cfg.layers, cfg.chunk_len, cfg.n_chunks,
+                                                                cfg.per_source, cfg.n_bins, cfg.packing)
+    seed, max_ppl, batch_size, device = cfg.seed, cfg.max_ppl, cfg.batch_size, cfg.device
     t_start = time.perf_counter()
-    docs, data_path = load_documents(data, c.text_field, c.source_field)
+    docs, data_path = load_documents(data, cfg.text_field, cfg.source_field)
     dist = Distributed.from_env(device)  # torchrun / accelerate launch: chunks spread over ranks, rows merged on 0
     t0 = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=c.dtype, device=dist.device(device))
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=cfg.dtype,
+                                                                      device=dist.device(device))
     t_load = time.perf_counter() - t0
     check_context(chunk_len, loaded.info.max_positions)
     addrs = list(resolve_request(layers, loaded).addresses)
@@ -253,7 +254,7 @@ def ppl_bins(
     sampled_per_source: dict[str, int] = {}
     for c in sampled:
         sampled_per_source[c.source] = sampled_per_source.get(c.source, 0) + 1
-    group_size, group_rule = resolve_group_size(c.group_size, sampled_per_source)
+    group_size, group_rule = resolve_group_size(cfg.group_size, sampled_per_source)
     if len(sampled) < group_size * MIN_GROUPS:
         raise RepgeomError(
             f"corpus too small for perplexity bins: {len(sampled)} chunk(s) of {chunk_len} tokens "
@@ -261,7 +262,7 @@ def ppl_bins(
             f"{group_size * MIN_GROUPS}; give more text, or lower --group-size or --chunk-len")
 
     t0 = time.perf_counter()
-    ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, c.progress, dist)
+    ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, cfg.progress, dist)
     t_forward = time.perf_counter() - t0
 
     result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
@@ -281,7 +282,7 @@ def ppl_bins(
                 by_source[s] = {"n_chunks": int(len(rows)), "median_chunk_ppl": float(np.median(ppl[rows])),
                                 "error": str(exc)}
                 result.warn(f"source {s!r}: no per-source correlation ({exc})")
-        confound = confound_check(pooled, by_source, names, c.confound_ratio)
+        confound = confound_check(pooled, by_source, names, cfg.confound_ratio)
         if confound["flagged"]:
             med = ", ".join(f"{s} {v:.3g}" for s, v in confound["median_ppl"].items())
             result.warn(f"domain confound: the sources' median chunk perplexities differ {confound['ratio']:.1f}-fold "
@@ -300,7 +301,7 @@ def ppl_bins(
     result.data = {"path": data_path, "packing": packing, **describe(chunks, docs), "n_chunks_used": len(sampled),
                    "chunks_used_per_source": sampled_per_source,
                    "n_tokens_used": int(sum(len(c) for c in sampled)), "sources": sources}
-    result.config = c.config_block({
+    result.config = cfg.config_block({
         "layers": names, "sampling": (f"{per_source} chunks from every source" if per_source is not None else
                                       "every chunk" if len(picked) == len(chunks) else f"{n_chunks} chunks, uniform"),
         "group_size": group_size, "group_size_rule": group_rule, "dtype": loaded.info.dtype,
@@ -309,8 +310,8 @@ def ppl_bins(
         "dispersion": "token dispersion: mean pairwise cosine distance of the chunk's token vectors",
         "group_value": "mean over the group's chunks (paper A)",
         "special_tokens": "none added (paper A: no BOS on chunks after the first)"})
-    if c.per_chunk_path is not None:
-        write_jsonl(c.per_chunk_path, ({"source": c.source, "doc": c.doc, "start": c.start, "ppl": float(ppl[i]),
+    if cfg.per_chunk_path is not None:
+        write_jsonl(cfg.per_chunk_path, ({"source": c.source, "doc": c.doc, "start": c.start, "ppl": float(ppl[i]),
                                       "dispersion": dict(zip(names, disp[i].tolist()))}
                                      for i, c in enumerate(sampled)))
     result.timings = {"load_model_s": t_load, "tokenize_s": t_tok, "forward_s": t_forward,
