@@ -196,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     if not result.vocabulary["shared"]:
         console.print("[bold red]warning:[/] the vocabularies differ (--force); G is not comparable across them")
     if result.spearman is not None:
-        console.print(f"Spearman ρ(G, accuracy) = {fmt_number(result.spearman['rho'])} over {result.spearman['n']} models")
+        console.print(f"Spearman ρ(G, accuracy) = {fmt_number(result.spearman['rho'])} over "
+                      f"{result.spearman['n']} models")
     console.print(f"{result.timings['total_s']:.1f} s, peak memory {result.timings['peak_rss_mib']:.0f} MiB"
                   + (f"; results: {escape(str(cfg.output))}" if cfg.output else ""), soft_wrap=True)
     return 0

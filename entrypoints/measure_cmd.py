@@ -16,8 +16,8 @@ class MeasureCommand(ModelGroup, DataGroup, RunConfig, OutputGroup, JsonGroup):
     """Every option of ``repgeom measure``: the model, the data, the run (RunConfig) and the outputs."""
 
     data: str = option_like(DataGroup, "data", help=".jsonl with a text field per line, .txt with one text per line, "
-                            "or a Hugging Face datasets stream hf:NAME?split=train (e.g. hf:json?data_files=big.jsonl); "
-                            "read in shards")
+                            "or a Hugging Face datasets stream hf:NAME?split=train (e.g. "
+                            "hf:json?data_files=big.jsonl); read in shards")
     per_text_path: str | None = option(None, "--per-text", metavar="OUT.jsonl", key=False, config=False,
                                        help="also write per-text scores (c_i, token dispersion) to this JSONL file")
 

@@ -274,6 +274,11 @@ class Options:
         return built
 
     @classmethod
+    def from_namespace(cls, args: argparse.Namespace, **overrides: Any):
+        """The earlier name of :meth:`from_args`."""
+        return cls.from_args(args, **overrides)
+
+    @classmethod
     def of(cls, other: Any, **overrides: Any):
         """This configuration's fields taken from ``other`` (a larger configuration holding them, e.g. a command's)."""
         return cls(**({f.name: getattr(other, f.name) for f in fields(cls) if hasattr(other, f.name)} | overrides))

@@ -28,7 +28,7 @@ def parse(argv: list[str]) -> Probe:
 
 
 def test_flags_yaml_and_precedence(tmp_path):
-    assert parse(["-m", "x"]) == Probe(model="x", layers=("all",))  # the command line's list default
+    assert parse(["-m", "x"]) == Probe(model="x", layers=("all",), progress=False)  # no terminal: no bar
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: from-file\nsize: 5\nbatch-size: 9\nlayers: [embed, final]\n")
     got = parse(["--config", str(cfg), "--size", "6"])
@@ -53,7 +53,7 @@ def test_checks_live_in_the_configuration():
     with pytest.raises(RepgeomError, match=r"--size: expected a positive integer, got 0"):
         Probe(model="x", size=0)
     with pytest.raises(RepgeomError, match=r"--mode: unknown value 'c' \(valid: a, b\)"):
-        parse(["-m", "x", "--mode", "c"])  # argparse's choices, and the same check from Python
+        Probe(model="x", mode="c")  # the flag's choices, checked for the Python API and YAML files too
     with pytest.raises(RepgeomError, match="--batch-size: expected a positive integer"):
         Probe(model="x", batch_size=0)
 

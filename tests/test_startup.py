@@ -115,7 +115,8 @@ def test_condensation_defaults_match_the_functional_constants():
     assert (default.eps, default.bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
     from repgeom_eval.analyses.configs import CondensationConfig  # the command's defaults (torch-free)
 
-    assert (CondensationConfig().eps, CondensationConfig().bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
+    command = CondensationConfig()
+    assert (command.eps, command.bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
 
 
 def test_a_plugin_metric_subclass_needs_no_torch_until_used():
@@ -208,8 +209,8 @@ def test_a_command_whose_configure_fails_breaks_only_itself(monkeypatch, capsys)
 
 
 def test_every_command_help_imports_no_torch():
-    """``repgeom COMMAND --help`` for every command: the defaults it prints come from the torch-free configurations (repgeom_eval/option_groups.py,
-    repgeom_eval/analyses/configs.py)."""
+    """``repgeom COMMAND --help`` for every command: the defaults it prints come from the torch-free configurations
+    (repgeom_eval/option_groups.py, repgeom_eval/analyses/configs.py)."""
     from repgeom_eval.plugin_system.host import get_host
 
     probe_all = r"""

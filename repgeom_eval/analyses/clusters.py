@@ -112,8 +112,10 @@ def clusters(
     """Within/between-cluster distances at ``layers`` for every model in ``models`` (same contexts for all).
     The options: a :class:`~repgeom_eval.analyses.configs.ClustersConfig`, or its fields as keywords."""
     cfg = ClustersConfig.build(config, options)
-    layers, ngram, min_count, contexts, context_len, n_clusters, seed, text_field, batch_size, dtype, device, progress = (
-        cfg.layers, cfg.ngram, cfg.min_count, cfg.contexts, cfg.context_len, cfg.n_clusters, cfg.seed, cfg.text_field, cfg.batch_size, cfg.dtype, cfg.device, cfg.progress)
+    (layers, ngram, min_count, contexts, context_len, n_clusters, seed, text_field, batch_size, dtype, device,
+     progress) = (
+        cfg.layers, cfg.ngram, cfg.min_count, cfg.contexts, cfg.context_len, cfg.n_clusters, cfg.seed, cfg.text_field,
+        cfg.batch_size, cfg.dtype, cfg.device, cfg.progress)
     from .gap.vocabulary import vocabulary_difference
 
     t_start = time.perf_counter()

@@ -42,8 +42,9 @@ def condensation(
     result (``results["models"][label]``: layers, mean cosine, histogram densities, ρ, τ).
     The options: a :class:`~repgeom_eval.analyses.configs.CondensationConfig`, or its fields as keywords."""
     cfg = CondensationConfig.build(config, options)
-    layers, bins, eps, max_length, n_texts, text_field, batch_size, dtype, device, progress = (
-        cfg.layers, cfg.bins, cfg.eps, cfg.max_length, cfg.n_texts, cfg.text_field, cfg.batch_size, cfg.dtype, cfg.device, cfg.progress)
+    (layers, bins, eps, max_length, n_texts, text_field, batch_size, dtype, device, progress) = (
+        cfg.layers, cfg.bins, cfg.eps, cfg.max_length, cfg.n_texts, cfg.text_field, cfg.batch_size, cfg.dtype,
+        cfg.device, cfg.progress)
     from repgeom_eval.measurement.engine import measure
 
     t_start = time.perf_counter()

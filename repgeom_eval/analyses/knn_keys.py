@@ -84,8 +84,9 @@ def knn_keys(
     """Dispersion of last-token vectors at each candidate address; returns the ``knn-keys`` result.
     The options: a :class:`~repgeom_eval.analyses.configs.KnnKeysConfig`, or its fields as keywords."""
     cfg = KnnKeysConfig.build(config, options)
-    candidates, ns, n_seeds, seed, chunk_len, packing, text_field, batch_size, dtype, device, progress = (
-        cfg.candidates, cfg.ns, cfg.n_seeds, cfg.seed, cfg.chunk_len, cfg.packing, cfg.text_field, cfg.batch_size, cfg.dtype, cfg.device, cfg.progress)
+    (candidates, ns, n_seeds, seed, chunk_len, packing, text_field, batch_size, dtype, device, progress) = (
+        cfg.candidates, cfg.ns, cfg.n_seeds, cfg.seed, cfg.chunk_len, cfg.packing, cfg.text_field, cfg.batch_size,
+        cfg.dtype, cfg.device, cfg.progress)
     t_start = time.perf_counter()
     ns = sorted({int(n) for n in ns})
     if not ns or ns[0] < 2:

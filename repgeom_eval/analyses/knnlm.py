@@ -192,8 +192,11 @@ def knnlm(
     (default: a temporary directory, removed afterwards).
     The options: a :class:`~repgeom_eval.analyses.configs.KnnlmConfig`, or its fields as keywords."""
     cfg = KnnlmConfig.build(config, options)
-    keys, k, lambdas, temperature, chunk_len, packing, fp16, index, nlist, nprobe, ivf_threshold, store_dir, text_field, batch_size, seed, dtype, device, progress = (
-        cfg.keys, cfg.k, cfg.lambdas, cfg.temperature, cfg.chunk_len, cfg.packing, cfg.fp16, cfg.index, cfg.nlist, cfg.nprobe, cfg.ivf_threshold, cfg.store_dir, cfg.text_field, cfg.batch_size, cfg.seed, cfg.dtype, cfg.device, cfg.progress)
+    (keys, k, lambdas, temperature, chunk_len, packing, fp16, index, nlist, nprobe, ivf_threshold, store_dir,
+     text_field, batch_size, seed, dtype, device, progress) = (
+        cfg.keys, cfg.k, cfg.lambdas, cfg.temperature, cfg.chunk_len, cfg.packing, cfg.fp16, cfg.index, cfg.nlist,
+        cfg.nprobe, cfg.ivf_threshold, cfg.store_dir, cfg.text_field, cfg.batch_size, cfg.seed, cfg.dtype, cfg.device,
+        cfg.progress)
     t_start = time.perf_counter()
     if not temperature > 0:
         raise RepgeomError(f"temperature must be positive, got {temperature}")

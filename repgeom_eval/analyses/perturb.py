@@ -93,8 +93,9 @@ def perturb(
     """Run the requested ``sweeps`` and return the ``perturb`` result (per sweep: values × addresses tables).
     The options: a :class:`~repgeom_eval.analyses.configs.PerturbConfig`, or its fields as keywords."""
     cfg = PerturbConfig.build(config, options)
-    layers, sweeps, ps, lengths, n_prompts, seed, text_field, batch_size, dtype, device, progress = (
-        cfg.layers, cfg.sweeps, cfg.ps, cfg.lengths, cfg.n_prompts, cfg.seed, cfg.text_field, cfg.batch_size, cfg.dtype, cfg.device, cfg.progress)
+    (layers, sweeps, ps, lengths, n_prompts, seed, text_field, batch_size, dtype, device, progress) = (
+        cfg.layers, cfg.sweeps, cfg.ps, cfg.lengths, cfg.n_prompts, cfg.seed, cfg.text_field, cfg.batch_size,
+        cfg.dtype, cfg.device, cfg.progress)
     t_start = time.perf_counter()
     unknown = [s for s in sweeps if s not in SWEEPS]
     if unknown or not sweeps:
