@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 
-from .measure_cmd import add_model_args
+from repgeom_eval.option_fields import option_like
+from repgeom_eval.option_groups import JsonGroup, LayersGroup, ModelGroup
+
+
+@dataclass(frozen=True, kw_only=True)
+class AddressesCommand(ModelGroup, LayersGroup, JsonGroup):
+    """Every option of ``repgeom addresses``."""
+
+    layers: tuple[str, ...] | None = option_like(LayersGroup, "layers", None, flags=("--layers",), cli_default=None,
+                                                 help="show what this layer specification resolves to")
+    json: bool = option_like(JsonGroup, "json", help="print the discovery (hook point, check and status of every "
+                                                     "address) as JSON")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
-    p.add_argument("--layers", nargs="+", default=None, help="show what this layer specification resolves to")
-    p.add_argument("--json", action="store_true",
-                   help="print the discovery (hook point, check and status of every address) as JSON")
+    AddressesCommand.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,11 +35,12 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.modeling.loading import load_model
     from repgeom_eval.plugin_system.host import get_host
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    cfg = AddressesCommand.from_args(args)
+    loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     layout = loaded.layout
     rows: list[tuple[str, object, str]] = []  # (address, site, meaning)
-    if args.layers:
-        plan = resolve_request(args.layers, loaded, get_host())
+    if cfg.layers:
+        plan = resolve_request(list(cfg.layers), loaded, get_host())
         for addr in plan.addresses:
             rows.append((str(addr), _site(layout, addr), SITE_MEANING.get(addr.site, "")))
     else:
@@ -38,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         for layer, block in enumerate(layout.sites):
             rows += [(f"{s}:{layer}", block[s], SITE_MEANING[s]) for s in SITES]
         rows.append(("final", layout.final, SITE_MEANING["final"]))
-    if args.json:
+    if cfg.json:
         doc = dict(describe(layout))
         doc["addresses"] = [{"address": a, "hook": str(site.point) if site.point else None, "ok": site.ok,
                              "check" if site.ok else "refused": site.note} for a, site, _ in rows]
@@ -48,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # logs and pipes get whole lines
     facts = describe(layout)
-    console.print(f"[bold]{args.model}[/bold]: {loaded.info.architecture} ({layout.model_type}), "
+    console.print(f"[bold]{cfg.model}[/bold]: {loaded.info.architecture} ({layout.model_type}), "
                   f"{layout.n_layers} blocks at [cyan]{layout.blocks or '(none: hidden_states only)'}[/cyan]"
                   + (f", table {layout.table!r} applied" if layout.table else ", found by reading the model"))
     console.print(f"blocks: {', '.join(facts['block_kinds'])}; causal: {layout.causal}; position ids from the mask: "

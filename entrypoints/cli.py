@@ -152,7 +152,11 @@ def _main(argv: Sequence[str] | None) -> int:
             return 0
         from repgeom_eval.modeling.options import ModelOptions
 
-        options = ModelOptions.from_namespace(args)  # the command's model options (defaults where it has none)
+        options_class = getattr(args, "_options_class", None)  # the command's configuration (option_fields.Options)
+        if options_class is not None:  # flags and --config FILE, validated before anything runs
+            options = ModelOptions.of(options_class.from_args(args))
+        else:
+            options = ModelOptions.from_namespace(args)  # a command with hand-made flags (defaults where it has none)
         if options == ModelOptions() and "repgeom_eval.modeling.loading" not in sys.modules:
             # With default options there is nothing to set, and nothing to import until something loads a model
             # (and torch with it): `repgeom plugins` need not import the loader just to set them.

@@ -8,24 +8,40 @@ law over chunks of the Python docs with its correlation (``ppl-bins``), (3) the 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
 
 from repgeom_eval.modeling.options import ModelOptions
-from pathlib import Path
+from repgeom_eval.option_fields import Options, option, option_like, positive
+from repgeom_eval.option_groups import ChunksGroup, RunGroup
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoCommand(Options):
+    """Every option of ``repgeom demo`` (all have defaults: the demo runs without arguments)."""
+
+    output_dir: str = option("repgeom-demo", "--output-dir",
+                             help="where results.json and the plot go (default: ./{default})")
+    n_texts: int = option(96, "--n-texts", type=int, check=positive,
+                          help="paragraphs of pydoc_data.topics (default {default})")
+    max_length: int = option(192, "--max-length", type=int, check=positive, help="tokens per text (default {default})")
+    batch_size: int = option_like(RunGroup, "batch_size", 16)
+    model: str | None = option(None, "--model", help="override the model (default: SmolLM2-135M-Instruct GGUF)")
+    dtype: str = option_like(ModelOptions, "dtype")
+    revision: str | None = option_like(ModelOptions, "revision")
+    trust_remote_code: bool = option_like(ModelOptions, "trust_remote_code")
+    ppl_chunks: int = option(240, "--ppl-chunks", type=int, check=positive,
+                             help="chunks of the Python docs for the perplexity-vs-dispersion law (default {default})")
+    chunk_len: int = option_like(ChunksGroup, "chunk_len", 128, help="tokens per chunk (default {default}; paper A: "
+                                                                      "512)")
+    group_size: int = option(10, "--group-size", type=int, check=positive,
+                             help="chunks per perplexity group (default {default})")
+    profile_only: bool = option(False, "--profile-only", action="store_true",
+                                help="only step 1, the dispersion profile")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output-dir", default="repgeom-demo", help="where results.json and the plot go "
-                                                                 "(default: ./repgeom-demo)")
-    p.add_argument("--n-texts", type=int, default=96, help="paragraphs of pydoc_data.topics (default 96)")
-    p.add_argument("--max-length", type=int, default=192, help="tokens per text (default 192)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--model", default=None, help="override the model (default: SmolLM2-135M-Instruct GGUF)")
-    ModelOptions.add_arguments(p, only=["dtype", "revision", "trust_remote_code"])
-    p.add_argument("--ppl-chunks", type=int, default=240,
-                   help="chunks of the Python docs for the perplexity-vs-dispersion law (default 240)")
-    p.add_argument("--chunk-len", type=int, default=128, help="tokens per chunk (default 128; paper A: 512)")
-    p.add_argument("--group-size", type=int, default=10, help="chunks per perplexity group (default 10)")
-    p.add_argument("--profile-only", action="store_true", help="only step 1, the dispersion profile")
+    DemoCommand.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,30 +58,31 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.modeling.loading import model_inputs
     from repgeom_eval.output.files import check_outputs
 
+    cfg = DemoCommand.from_args(args)
     console = Console(soft_wrap=True)  # long paths stay whole (copyable), lines are never hard-wrapped
-    out = Path(args.output_dir)
-    model = args.model or str(smollm2_path())
+    out = Path(cfg.output_dir)
+    model = cfg.model or str(smollm2_path())
     model_files, model_dirs = model_inputs(model)
     written = ["results.json", "dispersion_profile.png", "ppl_bins.json", "ppl_bins_scatter.png",
                "ppl_bins_by_depth.png", "condensation.json", "condensation.png", "report.html"]
     check_outputs({"--output-dir": [out / name for name in written]}, inputs={"--model": model_files},
                   folders={"--model": model_dirs})
     out.mkdir(parents=True, exist_ok=True)
-    texts = python_doc_paragraphs(args.n_texts)
+    texts = python_doc_paragraphs(cfg.n_texts)
     console.print(f"[bold]repgeom demo[/bold]: {Path(model).name} over {len(texts)} paragraphs of the Python docs "
                   f"(pydoc_data.topics), every hidden state, pooling=last")
-    loaded = load_model(model, dtype=args.dtype)  # once, for every step
+    loaded = load_model(model, dtype=cfg.dtype)  # once, for every step
     result = measure(loaded, texts, layers="all", metrics=["dispersion", "token_dispersion"], pooling="last",
-                     batch_size=args.batch_size, max_length=args.max_length, dtype=args.dtype,
+                     batch_size=cfg.batch_size, max_length=cfg.max_length, dtype=cfg.dtype,
                      progress=sys.stderr.isatty())
     result.data["path"] = "pydoc_data.topics (paragraphs)"
     result.write(out / "results.json")
     plot = plot_profile(result.to_dict(), out / "dispersion_profile.png")
     console.print(results_table(result.results, title=f"dispersion by depth · {result.timings['total_s']:.0f}s"))
     console.print(f"results: {out / 'results.json'}\nplot:    {plot}")
-    if args.profile_only:
+    if cfg.profile_only:
         return 0
-    _analyses(args, loaded, texts, out, console)
+    _analyses(cfg, loaded, texts, out, console)
     return 0
 
 
@@ -87,7 +104,7 @@ def depth_profile_line(layers: list[str], correlation: dict) -> str:
             f"(Pearson {c['pearson']:+.3f}, Spearman {c['spearman']:+.3f}); the whole profile: ppl_bins_by_depth.png.")
 
 
-def _analyses(args: argparse.Namespace, loaded, texts: list[str], out: Path, console) -> None:
+def _analyses(cfg: DemoCommand, loaded, texts: list[str], out: Path, console) -> None:
     """Steps 2-4 on the same model, loaded once: the perplexity-vs-dispersion law, condensation, the report."""
     import sys
 
@@ -104,12 +121,12 @@ def _analyses(args: argparse.Namespace, loaded, texts: list[str], out: Path, con
     from repgeom_eval.analyses.ppl_bins import ppl_bins
 
     show = sys.stderr.isatty()
-    console.print(f"\n[bold]perplexity vs dispersion[/bold] (paper A): {args.ppl_chunks} chunks of "
-                  f"{args.chunk_len} tokens of the Python docs, groups of {args.group_size}")
+    console.print(f"\n[bold]perplexity vs dispersion[/bold] (paper A): {cfg.ppl_chunks} chunks of "
+                  f"{cfg.chunk_len} tokens of the Python docs, groups of {cfg.group_size}")
     docs = [topics[k] for k in sorted(topics)]
-    law = ppl_bins(loaded, docs, layers="all", chunk_len=args.chunk_len, n_chunks=args.ppl_chunks,
-                   group_size=args.group_size, n_bins=max(2, args.ppl_chunks // args.group_size),
-                   batch_size=args.batch_size, progress=show)
+    law = ppl_bins(loaded, docs, layers="all", chunk_len=cfg.chunk_len, n_chunks=cfg.ppl_chunks,
+                   group_size=cfg.group_size, n_bins=max(2, cfg.ppl_chunks // cfg.group_size),
+                   batch_size=cfg.batch_size, progress=show)
     law.data["path"] = "pydoc_data.topics (all topics, concatenated)"
     law.write(out / "ppl_bins.json")
     d = law.to_dict()
@@ -124,7 +141,7 @@ def _analyses(args: argparse.Namespace, loaded, texts: list[str], out: Path, con
     console.print(depth_profile_line(law.results["layers"], pooled["correlation"]))
 
     console.print(f"\n[bold]condensation[/bold] (paper C): cosine histograms of {len(texts)} paragraphs, every layer")
-    cond = condensation([loaded], texts, max_length=args.max_length, batch_size=args.batch_size, progress=show)
+    cond = condensation([loaded], texts, max_length=cfg.max_length, batch_size=cfg.batch_size, progress=show)
     cond.data["path"] = "pydoc_data.topics (paragraphs)"
     cond.write(out / "condensation.json")
     save_png(figure_condensation(cond.to_dict()), out / "condensation.png")

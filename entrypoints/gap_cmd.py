@@ -8,41 +8,31 @@ import io
 import json
 import math
 import os
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
+from repgeom_eval.analyses.configs import GapConfig
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.option_fields import option, option_like
+from repgeom_eval.option_groups import JsonGroup, OutputGroup
 
-from .measure_cmd import add_loading_args
-from .ppl_bins_cmd import positive_int  # one argparse type for every command
+
+@dataclass(frozen=True, kw_only=True)
+class GapCommand(GapConfig, OutputGroup, JsonGroup):
+    """Every option of ``repgeom gap``: the checkpoints, the analysis (GapConfig) and the outputs."""
+
+    models: tuple[str, ...] = option(MISSING, "--models", "-m", nargs="+", metavar="MODEL", config=False,
+                                     help="model directories (safetensors, sharded or not), .gguf files, or cached "
+                                          "hub ids; they must share one tokenizer vocabulary")
+    trust_remote_code: bool = option_like(ModelOptions, "trust_remote_code")  # gap reads weights, never loads code
+    scores: str | None = option(None, "--scores", metavar="FILE", config=False,
+                                help="task accuracy per model (JSON object {model: accuracy}, or CSV/TSV lines "
+                                     "model,accuracy): prints the Spearman correlation between G and accuracy")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.defaults import (GAP_DISTANCES as DISTANCES, GAP_DOMAIN as DEFAULT_DOMAIN,
-                                       GAP_REFERENCE as DEFAULT_REFERENCE, GAP_SEED as DEFAULT_SEED,
-                                       GAP_SIZE as DEFAULT_SIZE)
-
-    p.add_argument("--models", "-m", nargs="+", required=True, metavar="MODEL",
-                   help="model directories (safetensors, sharded or not), .gguf files, or cached hub ids; they must "
-                        "share one tokenizer vocabulary")
-    add_loading_args(p, random_init=False)  # gap reads weights, never initialises any
-    p.add_argument("--domain", "-T", default=DEFAULT_DOMAIN,
-                   help="domain token set T: a registered name (digits, python_keywords, ...; `repgeom plugins` "
-                        f"lists them), words:a,b,c, or a file with one word per line (default: {DEFAULT_DOMAIN})")
-    p.add_argument("--reference", "-R", default=DEFAULT_REFERENCE,
-                   help=f"reference token set T̄, same forms; T is excluded from it (default: {DEFAULT_REFERENCE})")
-    p.add_argument("--distance", choices=list(DISTANCES), default="cosine",
-                   help="cosine distance (default, paper A) or Euclidean")
-    p.add_argument("--size", type=positive_int, default=DEFAULT_SIZE,
-                   help=f"sample size of sampled token sets such as general (default: {DEFAULT_SIZE})")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                   help=f"seed of sampled token sets (default: {DEFAULT_SEED})")
-    p.add_argument("--force", action="store_true",
-                   help="compare models even if their vocabularies differ (G is then not comparable)")
-    p.add_argument("--output", "-o", default=None, help="results JSON (written atomically)")
-    p.add_argument("--scores", default=None, metavar="FILE",
-                   help="task accuracy per model (JSON object {model: accuracy}, or CSV/TSV lines model,accuracy): "
-                        "prints the Spearman correlation between G and accuracy")
-    p.add_argument("--json", action="store_true", help="print the results JSON to stdout instead of a table")
+    GapCommand.add_arguments(p)
 
 
 # -- --scores ---------------------------------------------------------------------------------------------------
@@ -143,41 +133,43 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.analyses.gap import screen
     from repgeom_eval.functional.stats import complete_pairs, spearman
     from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.output.console import fmt_number
     from repgeom_eval.output.files import check_outputs, check_writable, jsonable
 
-    model_files, model_dirs = model_inputs(list(args.models))
-    token_files = {label: value for label, value in (("--domain", args.domain), ("--reference", args.reference))
+    cfg = GapCommand.from_args(args)
+    models = list(cfg.models)
+    model_files, model_dirs = model_inputs(models)
+    token_files = {label: value for label, value in (("--domain", cfg.domain), ("--reference", cfg.reference))
                    if os.path.isfile(os.path.expanduser(value))}
-    check_outputs({"--output": args.output}, inputs={"--models": model_files, "--scores": args.scores, **token_files},
+    check_outputs({"--output": cfg.output}, inputs={"--models": model_files, "--scores": cfg.scores, **token_files},
                   folders={"--models": model_dirs})
-    if args.output:
-        check_writable(args.output)  # fail before reading any checkpoint
+    if cfg.output:
+        check_writable(cfg.output)  # fail before reading any checkpoint
     scores = None
-    if args.scores:
-        if len(args.models) < 2:
+    if cfg.scores:
+        if len(models) < 2:
             raise RepgeomError("--scores needs at least 2 models to correlate G with accuracy")
-        scores = match_scores(list(args.models), read_scores(args.scores), args.scores)
-    result = screen(args.models, domain=args.domain, reference=args.reference, distance=args.distance,
-                    seed=args.seed, size=args.size, force=args.force)
-    result.config["scores"] = args.scores
+        scores = match_scores(models, read_scores(cfg.scores), cfg.scores)
+    result = screen(models, GapConfig.of(cfg))
+    result.config["scores"] = cfg.scores
     if scores is not None:
         for row in result.rows:
             row["accuracy"] = scores[row["model"]]
         pairs = complete_pairs([r["G"] for r in result.rows], [r["accuracy"] for r in result.rows])
         result.spearman = {"rho": spearman(pairs.x, pairs.y), "n": pairs.n, "between": "G and accuracy",
-                           "ties": "average ranks", "scores_file": args.scores}
-    if args.output:
-        result.write(args.output)
-    if args.json:
+                           "ties": "average ranks", "scores_file": cfg.scores}
+    if cfg.output:
+        result.write(cfg.output)
+    if cfg.json:
         print(json.dumps(jsonable(result.to_dict()), indent=2))
         return 0
 
     console = Console()
     if not console.is_terminal:  # piped or captured: no terminal width to respect, keep every column whole
         console = Console(width=140)
-    cfg = result.config
-    title = (f"dispersion gap G = within(T) + between(T, T̄) · T={cfg['domain']} · T̄={cfg['reference']} "
-             f"(size {cfg['size']}, seed {cfg['seed']}) · {cfg['distance']}")
+    conf = result.config
+    title = (f"dispersion gap G = within(T) + between(T, T̄) · T={conf['domain']} · T̄={conf['reference']} "
+             f"(size {conf['size']}, seed {conf['seed']}) · {conf['distance']}")
     table = Table(title=escape(title))
     table.add_column("rank", justify="right", no_wrap=True, min_width=4)
     table.add_column("model", overflow="fold", min_width=12)
@@ -187,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
     if scores is not None:
         table.add_column("accuracy", justify="right")
     for r in result.rows:
-        cells = [str(r["rank"]), escape(r["model"]), _fmt(r["G"]), _fmt(r["within_T"]), _fmt(r["between"]),
-                 _fmt(r["within_Tbar"]), str(r["n_T"]), str(r["n_Tbar"])]
+        cells = [str(r["rank"]), escape(r["model"]), *[fmt_number(r[k]) for k in ("G", "within_T", "between",
+                                                                                  "within_Tbar")],
+                 str(r["n_T"]), str(r["n_Tbar"])]
         if any_missing:
             cells.append(str(len(r["missing_T"])))
         if scores is not None:
@@ -203,11 +196,9 @@ def run(args: argparse.Namespace) -> int:
     if not result.vocabulary["shared"]:
         console.print("[bold red]warning:[/] the vocabularies differ (--force); G is not comparable across them")
     if result.spearman is not None:
-        console.print(f"Spearman ρ(G, accuracy) = {_fmt(result.spearman['rho'])} over {result.spearman['n']} models")
+        console.print(f"Spearman ρ(G, accuracy) = {fmt_number(result.spearman['rho'])} over "
+                      f"{result.spearman['n']} models")
     console.print(f"{result.timings['total_s']:.1f} s, peak memory {result.timings['peak_rss_mib']:.0f} MiB"
-                  + (f"; results: {escape(str(args.output))}" if args.output else ""), soft_wrap=True)
+                  + (f"; results: {escape(str(cfg.output))}" if cfg.output else ""), soft_wrap=True)
     return 0
 
-
-def _fmt(value: float) -> str:
-    return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4f}"

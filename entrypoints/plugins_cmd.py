@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
+
+from repgeom_eval.option_fields import option, option_like
+from repgeom_eval.option_groups import JsonGroup
+
+
+@dataclass(frozen=True, kw_only=True)
+class PluginsCommand(JsonGroup):
+    """Every option of ``repgeom plugins``."""
+
+    json: bool = option_like(JsonGroup, "json", help="machine-readable list of objects")
+    kind: str | None = option(None, "--kind", help="only this kind (metric, architecture, layer_selector, aux_loss, "
+                                                   "token_set, command, plugin)")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="machine-readable list of objects")
-    p.add_argument("--kind", default=None, help="only this kind (metric, architecture, layer_selector, aux_loss, "
-                                               "token_set, command, plugin)")
+    PluginsCommand.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,9 +31,10 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.plugin_system.host import get_host
 
+    cfg = PluginsCommand.from_args(args)
     host = get_host()
-    rows = [r for r in host.listing() if args.kind in (None, r["kind"])]
-    if args.json:
+    rows = [r for r in host.listing() if cfg.kind in (None, r["kind"])]
+    if cfg.json:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title="repgeom-eval plugins")

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import MISSING, dataclass
+
+from repgeom_eval.option_fields import Options, option
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportCommand(Options):
+    """Every option of ``repgeom report``."""
+
+    results: tuple[str, ...] = option(MISSING, "RESULT", nargs="+",
+                                      help="results .json files written with --output by measure, gap, ppl-bins, "
+                                           "knn-keys, knnlm, condensation, clusters, perturb, ...; a directory "
+                                           "stands for its *.json files")
+    output: str = option("report.html", "--output", "-o", help="the HTML page (default: {default})")
+    title: str = option("repgeom-eval report", "--title", help="page title")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", metavar="RESULT",
-                   help="results .json files written with --output by measure, gap, ppl-bins, knn-keys, knnlm, "
-                        "condensation, clusters, perturb, ...; a directory stands for its *.json files")
-    p.add_argument("--output", "-o", default="report.html", help="the HTML page (default: report.html)")
-    p.add_argument("--title", default="repgeom-eval report", help="page title")
+    ReportCommand.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,9 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.analyses.html_report import result_files, write_report
     from repgeom_eval.output.files import check_outputs, check_writable
 
-    check_outputs({"--output": args.output}, inputs={"RESULT": [str(p) for p in result_files(args.results)]})
-    check_writable(args.output)
-    path = write_report(args.results, args.output, args.title)
+    cfg = ReportCommand.from_args(args)
+    check_outputs({"--output": cfg.output}, inputs={"RESULT": [str(p) for p in result_files(list(cfg.results))]})
+    check_writable(cfg.output)
+    path = write_report(list(cfg.results), cfg.output, cfg.title)
     Console().print(f"report: {escape(str(path))} ({path.stat().st_size / 1024:.0f} KiB, self-contained)",
                     soft_wrap=True)
     return 0

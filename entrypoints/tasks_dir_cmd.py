@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+from repgeom_eval.option_fields import Options
+
+
+@dataclass(frozen=True, kw_only=True)
+class TasksDirCommand(Options):
+    """``repgeom tasks-dir`` has no options of its own (``--config`` only, like every command)."""
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    TasksDirCommand.add_arguments(p)
     p.epilog = "Example: lm_eval --include_path \"$(repgeom tasks-dir)\" --tasks repgeom_hardness_mmlu ..."
 
 

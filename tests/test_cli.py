@@ -97,7 +97,7 @@ def test_bad_data_files(name, content, message, tmp_path, tiny_model_dir, capsys
         (["--output", "/nonexistent-dir/out.json"], "output directory '/nonexistent-dir' does not exist"),
         (["--output", "."], "is a directory"),
         (["--metric-param", "dispersion.bogus=1"], r"metric 'dispersion' has no parameter\(s\) \['bogus'\]"),
-        (["--batch-size", "0"], "batch size must be positive"),
+        (["--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),
     ],
 )
 def test_bad_arguments(args, message, tmp_path, data_file, tiny_model_dir, capsys):

@@ -51,9 +51,9 @@ def test_configuration_is_frozen_and_validated_once():
         config.batch_size = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
         config.metric_params["dispersion"] = {}  # type: ignore[index]
-    for bad, match in [({"batch_size": 0}, "batch size must be positive"), ({"metrics": []}, "no metric"),
-                       ({"padding_side": "middle"}, "padding_side"), ({"resume": True}, "--run-dir"),
-                       ({"preprocess": "scale"}, "unknown preprocess"),
+    for bad, match in [({"batch_size": 0}, "--batch-size: expected a positive integer"), ({"metrics": []}, "no metric"),
+                       ({"padding_side": "middle"}, "--padding-side: unknown value 'middle'"), ({"resume": True}, "--run-dir"),
+                       ({"preprocess": "scale"}, "--preprocess: unknown value 'scale'"),
                        ({"save_preprocess_stats": "s.safetensors"}, "no effect without preprocessing")]:
         with pytest.raises(RepgeomError, match=match):
             RunConfig(**bad)
@@ -62,7 +62,7 @@ def test_configuration_is_frozen_and_validated_once():
 def test_every_flag_comes_from_a_field_and_pooling_choices_match_the_pooling_module():
     parser = argparse.ArgumentParser()
     RunConfig.add_arguments(parser)
-    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    dests = {a.dest for a in parser._actions if a.dest not in ("help", "_config_file")}  # and --config FILE
     flagged = {f.name for f in dataclasses.fields(RunConfig) if f.metadata["flags"]}
     assert dests == flagged
     assert set(POOLING_CHOICES) == set(POOLINGS) | set(POOLING_ALIASES)

@@ -315,7 +315,7 @@ def test_tasks_file_round_trip_and_errors(tmp_path):
     check("tasks: [{name: A, type: Regression, data: d.jsonl}]", "not one of STS")
     check("tasks: [{name: A, type: STS, data: d.jsonl}]", r"record 2 has no 'score'",
           '{"sentence1": "a", "sentence2": "b", "score": 1}\n{"sentence1": "a", "sentence2": "b"}\n')
-    check("tasks: [{name: A, type: STS, data: d.jsonl}]", r"d.jsonl:1 is not valid JSON", "{oops\n")
+    check("tasks: [{name: A, type: STS, data: d.jsonl}]", r"d.jsonl:1: not valid JSON", "{oops\n")
     check("tasks: [{name: A, type: STS, data: nope.jsonl}]", "not found")
     check("tasks: [{name: A, type: STS}]", "needs 'data'")
     check("tasks: [{name: A, type: STS, data: d.jsonl, colour: red}]", "unknown key")

@@ -209,9 +209,9 @@ def test_sample_per_source_names_the_sources_that_are_too_small():
 
 def test_auto_group_size_gives_every_source_enough_groups():
     from repgeom_eval.analyses.ppl_bins import GROUP_SIZE_MAX, GROUPS_PER_SOURCE, auto_group_size, resolve_group_size
-    from repgeom_eval.defaults import PPL_BINS_GROUP_SIZE
+    from repgeom_eval.analyses.configs import PplBinsConfig
 
-    assert PPL_BINS_GROUP_SIZE == "auto" and (GROUPS_PER_SOURCE, GROUP_SIZE_MAX) == (20, 100)
+    assert PplBinsConfig().group_size == "auto" and (GROUPS_PER_SOURCE, GROUP_SIZE_MAX) == (20, 100)
     size, rule = auto_group_size({"code": 5000, "docs": 130, "bible": 900})
     assert size == 130 // 20 == 6 and "source 'docs', the smallest, has 130 chunks" in rule
     assert auto_group_size({"a": 100_000, "b": 300_000})[0] == 100  # paper A's size at paper A's scale
@@ -279,12 +279,10 @@ def test_cli_per_source_balances_and_auto_group_size_is_recorded(tiny_model_dir,
 def test_cli_rejects_n_chunks_with_per_source_and_a_bad_group_size(tiny_model_dir, doc_texts, tmp_path, capsys):
     data = _two_sources(tmp_path, doc_texts)
     base = ["ppl-bins", "--model", tiny_model_dir("gpt2"), "--data", str(data), "--chunk-len", "16"]
-    with pytest.raises(SystemExit) as exc:
-        main(base + ["--n-chunks", "10", "--per-source", "5"])
-    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        main(base + ["--group-size", "lots"])
-    assert exc.value.code == 2 and "positive integer or auto" in capsys.readouterr().err
+    assert main(base + ["--n-chunks", "10", "--per-source", "5"]) == 2  # checked by PplBinsConfig, before any work
+    assert "give --n-chunks (a uniform sample) or --per-source" in capsys.readouterr().err
+    assert main(base + ["--group-size", "lots"]) == 2
+    assert "--group-size: expected a positive number of chunks or auto, got 'lots'" in capsys.readouterr().err
 
 
 def test_help_states_the_automatic_group_size(capsys):

@@ -64,7 +64,7 @@ def _commands(modules: list[str]) -> set[str]:
     ([], set()),
     (["plugins"], {"plugins_cmd"}),
     (["plugins", "--json"], {"plugins_cmd"}),
-    (["addresses", "--help"], {"addresses_cmd", "measure_cmd"}),  # measure_cmd: the shared model options
+    (["addresses", "--help"], {"addresses_cmd"}),  # the shared options are groups (option_groups), not a command
 ], ids=["import", "help", "no-command", "plugins", "plugins-json", "addresses-help"])
 def test_start_up_paths_import_no_torch(args, commands):
     probe = _probe(args)
@@ -113,6 +113,10 @@ def test_condensation_defaults_match_the_functional_constants():
     assert plugin.DEFAULT_BINS == functional.DEFAULT_BINS
     default = plugin.Condensation()
     assert (default.eps, default.bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
+    from repgeom_eval.analyses.configs import CondensationConfig  # the command's defaults (torch-free)
+
+    command = CondensationConfig()
+    assert (command.eps, command.bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
 
 
 def test_a_plugin_metric_subclass_needs_no_torch_until_used():
@@ -205,7 +209,8 @@ def test_a_command_whose_configure_fails_breaks_only_itself(monkeypatch, capsys)
 
 
 def test_every_command_help_imports_no_torch():
-    """``repgeom COMMAND --help`` for every command: the defaults it prints come from ``repgeom_eval.defaults``."""
+    """``repgeom COMMAND --help`` for every command: the defaults it prints come from the torch-free configurations
+    (repgeom_eval/option_groups.py, repgeom_eval/analyses/configs.py)."""
     from repgeom_eval.plugin_system.host import get_host
 
     probe_all = r"""

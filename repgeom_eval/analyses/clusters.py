@@ -31,18 +31,18 @@ from ..errors import RepgeomError
 from ..functional.dispersion import dispersion, unit
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, load_documents, tokenize_documents
-from repgeom_eval.measurement.forward import parse_addresses
 from .knn_keys import last_token_vectors
+from repgeom_eval.analyses.configs import ClustersConfig
 from repgeom_eval.analyses.envelope import AnalysisResult
+from repgeom_eval.modeling.addresses import resolve_request
 
 KIND = "clusters"
-from ..defaults import (  # this module's defaults (torch-free, for --help)
-    CLUSTERS_NGRAM as DEFAULT_NGRAM,
-    CLUSTERS_MIN_COUNT as DEFAULT_MIN_COUNT,
-    CLUSTERS_CONTEXTS as DEFAULT_CONTEXTS,
-    CLUSTERS_CONTEXT_LEN as DEFAULT_CONTEXT_LEN,
-    CLUSTERS_CLUSTERS as DEFAULT_CLUSTERS,
-)
+_DEFAULTS = ClustersConfig()  # the defaults under their earlier names (declared once, in the configuration)
+DEFAULT_NGRAM = _DEFAULTS.ngram
+DEFAULT_MIN_COUNT = _DEFAULTS.min_count
+DEFAULT_CONTEXTS = _DEFAULTS.contexts
+DEFAULT_CONTEXT_LEN = _DEFAULTS.context_len
+DEFAULT_CLUSTERS = _DEFAULTS.n_clusters
 
 
 @dataclass(frozen=True)
@@ -105,21 +105,17 @@ def _label(model: str | LoadedModel) -> str:
 def clusters(
     models: Sequence[str | LoadedModel],
     data: Any,
-    *,
-    layers: str | Sequence[str] = "all",
-    ngram: int = DEFAULT_NGRAM,
-    min_count: int = DEFAULT_MIN_COUNT,
-    contexts: int = DEFAULT_CONTEXTS,
-    context_len: int = DEFAULT_CONTEXT_LEN,
-    n_clusters: int = DEFAULT_CLUSTERS,
-    seed: int = 0,
-    text_field: str = "text",
-    batch_size: int = 16,
-    dtype: str | None = "auto",
-    device: str | None = "cpu",
-    progress: bool = True,
+    config: ClustersConfig | None = None,
+    /,
+    **options: Any,
 ) -> AnalysisResult:
-    """Within/between-cluster distances at ``layers`` for every model in ``models`` (same contexts for all)."""
+    """Within/between-cluster distances at ``layers`` for every model in ``models`` (same contexts for all).
+    The options: a :class:`~repgeom_eval.analyses.configs.ClustersConfig`, or its fields as keywords."""
+    cfg = ClustersConfig.build(config, options)
+    (layers, ngram, min_count, contexts, context_len, n_clusters, seed, text_field, batch_size, dtype, device,
+     progress) = (
+        cfg.layers, cfg.ngram, cfg.min_count, cfg.contexts, cfg.context_len, cfg.n_clusters, cfg.seed, cfg.text_field,
+        cfg.batch_size, cfg.dtype, cfg.device, cfg.progress)
     from .gap.vocabulary import vocabulary_difference
 
     t_start = time.perf_counter()
@@ -136,7 +132,7 @@ def clusters(
     for label, model in zip(labels, models):
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
         check_context(context_len, loaded.info.max_positions)
-        addrs = parse_addresses(loaded, layers)
+        addrs = list(resolve_request(layers, loaded).addresses)
         if found is None:
             first_tok = loaded.tokenizer
             found = find_clusters(tokenize_documents(loaded.tokenizer, docs), ngram, min_count, contexts,
@@ -176,12 +172,10 @@ def clusters(
                     f"contexts (smallest: {min(sizes)}); --min-count {min_count} is below --contexts {contexts}")
     result.data = {"path": data_path, "n_documents": len(docs), "n_clusters": len(found),
                    "n_contexts": sum(sizes)}
-    result.config = {"layers": layers if isinstance(layers, str) else list(layers), "ngram": ngram,
-                     "min_count": min_count, "contexts": contexts, "context_len": context_len,
-                     "n_clusters": n_clusters, "seed": seed, "batch_size": batch_size, "text_field": text_field,
-                     "vector": "hidden state at the last context token",
-                     "within": "mean over clusters of mean cosine distance to the centroid (mean unit vector)",
-                     "between": "mean pairwise cosine distance of the centroids",
-                     "paper_defaults": "10-grams, 100 contexts of 100 tokens, 500 clusters (paper A §2.3)"}
+    result.config = cfg.config_block({
+        "layers": cfg.layer_request, "vector": "hidden state at the last context token",
+        "within": "mean over clusters of mean cosine distance to the centroid (mean unit vector)",
+        "between": "mean pairwise cosine distance of the centroids",
+        "paper_defaults": "10-grams, 100 contexts of 100 tokens, 500 clusters (paper A §2.3)"})
     result.timings = {"total_s": time.perf_counter() - t_start}
     return result

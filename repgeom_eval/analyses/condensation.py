@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RepgeomError
-from ..functional.condensation import CONDENSATION_EPS, DEFAULT_BINS
+from ..functional.condensation import CONDENSATION_EPS, DEFAULT_BINS  # noqa: F401 - re-exported
 from repgeom_eval.modeling.loading import LoadedModel
+from repgeom_eval.analyses.configs import CondensationConfig
 from repgeom_eval.analyses.envelope import AnalysisResult
 
 KIND = "condensation"
-from ..defaults import CONDENSATION_MAX_LENGTH as DEFAULT_MAX_LENGTH  # noqa: F401
+_DEFAULTS = CondensationConfig()  # the defaults under their earlier names (declared once, in the configuration)
+DEFAULT_MAX_LENGTH = _DEFAULTS.max_length
 
 
 def _label(model: str | LoadedModel) -> str:
@@ -32,20 +34,17 @@ def _label(model: str | LoadedModel) -> str:
 def condensation(
     models: Sequence[str | LoadedModel],
     data: Any,
-    *,
-    layers: str | Sequence[str] = "all",
-    bins: int = DEFAULT_BINS,
-    eps: float = CONDENSATION_EPS,
-    max_length: int = DEFAULT_MAX_LENGTH,
-    n_texts: int | None = None,
-    text_field: str = "text",
-    batch_size: int = 4,
-    dtype: str | None = "auto",
-    device: str | None = "cpu",
-    progress: bool = True,
+    config: CondensationConfig | None = None,
+    /,
+    **options: Any,
 ) -> AnalysisResult:
     """Per-layer condensation of every model in ``models`` over the same texts; returns the ``condensation``
-    result (``results["models"][label]``: layers, mean cosine, histogram densities, ρ, τ)."""
+    result (``results["models"][label]``: layers, mean cosine, histogram densities, ρ, τ).
+    The options: a :class:`~repgeom_eval.analyses.configs.CondensationConfig`, or its fields as keywords."""
+    cfg = CondensationConfig.build(config, options)
+    (layers, bins, eps, max_length, n_texts, text_field, batch_size, dtype, device, progress) = (
+        cfg.layers, cfg.bins, cfg.eps, cfg.max_length, cfg.n_texts, cfg.text_field, cfg.batch_size, cfg.dtype,
+        cfg.device, cfg.progress)
     from repgeom_eval.measurement.engine import measure
 
     t_start = time.perf_counter()
@@ -96,10 +95,10 @@ def condensation(
     result = AnalysisResult(KIND, config={}, results={}, models=infos)
     result.results = {"edges": [round(e, 9) for e in histogram_edges(bins).tolist()], "models": per_model}
     result.data = {"n_texts": len(texts), "path": textset.source}
-    result.config = {"layers": layers if isinstance(layers, str) else list(layers), "bins": bins, "eps": eps,
-                     "max_length": max_length, "n_texts": n_texts, "batch_size": batch_size,
-                     "statistic": "mean of all S² cosines per text (diagonal included), averaged over texts",
-                     "trend": "Spearman ρ and Kendall τ_b of the mean cosine against layer index"}
+    result.config = cfg.config_block({
+        "layers": cfg.layer_request,
+        "statistic": "mean of all S² cosines per text (diagonal included), averaged over texts",
+        "trend": "Spearman ρ and Kendall τ_b of the mean cosine against layer index"})
     timings["total_s"] = time.perf_counter() - t_start
     result.timings = timings
     return result

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.measurement.texts import data_format, decode_line, parse_json
+from repgeom_eval.measurement.texts import data_format, read_jsonl, read_lines
 from ..errors import RepgeomError
 
-PACKINGS = ("concat", "document")
+from repgeom_eval.option_groups import PACKINGS  # noqa: E402 - declared with --packing
 NO_SOURCE = "all"  # the source name of records without a source field
 
 
@@ -58,25 +58,14 @@ def read_documents(path: str | Path, text_field: str = "text", source_field: str
         raise RepgeomError(f"data file {str(path)!r} does not exist")
     if p.is_dir():
         raise RepgeomError(f"data path {str(path)!r} is a directory; pass a .jsonl or .txt file")
-    is_jsonl = data_format(p) == "jsonl"
-    lines = p.read_bytes().splitlines()
-    if lines and lines[0].startswith(b"\xef\xbb\xbf"):
-        lines[0] = lines[0][3:]
+    if data_format(p) != "jsonl":
+        docs = [Document(line, NO_SOURCE, lineno) for lineno, line in read_lines(p) if line.strip()]
+        if not docs:
+            raise RepgeomError(f"data file {str(p)!r} has no non-empty text")
+        return docs
     docs: list[Document] = []
     with_source: bool | None = None
-    for lineno, raw in enumerate(lines, start=1):
-        line = decode_line(raw, p, lineno)
-        if not line.strip():
-            continue
-        if not is_jsonl:
-            docs.append(Document(line, NO_SOURCE, lineno))
-            continue
-        try:
-            record = parse_json(line, f"{p}:{lineno}")
-        except RepgeomError as exc:
-            if "not valid JSON" not in str(exc):
-                raise
-            raise RepgeomError(f"{exc}; each line of a .jsonl file must be one JSON object") from None
+    for lineno, record in read_jsonl(p):
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
             got = type(record).__name__ if not isinstance(record, dict) else (
                 f"fields {', '.join(map(repr, list(record)[:10]))}" if text_field not in record

@@ -25,18 +25,19 @@ from tqdm.auto import tqdm
 from ..errors import RepgeomError
 from ..functional.dispersion import dispersion
 from repgeom_eval.modeling.loading import LoadedModel, load_model
-from .corpus import PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents
-from repgeom_eval.measurement.forward import Forward, batches, parse_addresses
+from .corpus import Chunk, Document, check_context, corpus_chunks, describe, load_documents
+from repgeom_eval.measurement.forward import Forward, batches
 from repgeom_eval.measurement.pooling import pool
+from repgeom_eval.analyses.configs import KnnKeysConfig
 from repgeom_eval.analyses.envelope import AnalysisResult
+from repgeom_eval.modeling.addresses import resolve_request
 
 KIND = "knn-keys"
-from ..defaults import (  # this module's defaults (torch-free, for --help)
-    KNN_KEYS_CANDIDATES as DEFAULT_CANDIDATES,
-    KNN_KEYS_NS as DEFAULT_NS,
-    KNN_KEYS_SEEDS as DEFAULT_SEEDS,
-    KNN_KEYS_CHUNK_LEN as DEFAULT_CHUNK_LEN,
-)
+_DEFAULTS = KnnKeysConfig()  # the defaults under their earlier names (declared once, in the configuration)
+DEFAULT_CANDIDATES = _DEFAULTS.candidates
+DEFAULT_NS = _DEFAULTS.ns
+DEFAULT_SEEDS = _DEFAULTS.n_seeds
+DEFAULT_CHUNK_LEN = _DEFAULTS.chunk_len
 PAPER_EXPECTATION = "resid_mid (h_att) more dispersed than resid_post (h_ffn) on every GPT-2 size (paper A Table 1)"
 
 
@@ -76,28 +77,20 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 def knn_keys(
     model: str | LoadedModel,
     data: str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document],
-    *,
-    candidates: Sequence[str] = DEFAULT_CANDIDATES,
-    ns: Sequence[int] = DEFAULT_NS,
-    n_seeds: int = DEFAULT_SEEDS,
-    seed: int = 0,
-    chunk_len: int = DEFAULT_CHUNK_LEN,
-    packing: str = "concat",
-    text_field: str = "text",
-    batch_size: int = 8,
-    dtype: str | None = "auto",
-    device: str | None = "cpu",
-    progress: bool = True,
+    config: KnnKeysConfig | None = None,
+    /,
+    **options: Any,
 ) -> AnalysisResult:
-    """Dispersion of last-token vectors at each candidate address; returns the ``knn-keys`` result."""
+    """Dispersion of last-token vectors at each candidate address; returns the ``knn-keys`` result.
+    The options: a :class:`~repgeom_eval.analyses.configs.KnnKeysConfig`, or its fields as keywords."""
+    cfg = KnnKeysConfig.build(config, options)
+    (candidates, ns, n_seeds, seed, chunk_len, packing, text_field, batch_size, dtype, device, progress) = (
+        cfg.candidates, cfg.ns, cfg.n_seeds, cfg.seed, cfg.chunk_len, cfg.packing, cfg.text_field, cfg.batch_size,
+        cfg.dtype, cfg.device, cfg.progress)
     t_start = time.perf_counter()
     ns = sorted({int(n) for n in ns})
     if not ns or ns[0] < 2:
         raise RepgeomError(f"sample sizes must be at least 2 (dispersion is a mean over pairs), got {list(ns)}")
-    if n_seeds < 1:
-        raise RepgeomError(f"number of seeds must be positive, got {n_seeds}")
-    if packing not in PACKINGS:
-        raise RepgeomError(f"unknown packing {packing!r} (valid: {', '.join(PACKINGS)})")
     docs, data_path = load_documents(data, text_field, source_field="source")
     t0 = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
@@ -105,7 +98,7 @@ def knn_keys(
     check_context(chunk_len, loaded.info.max_positions)
     addrs = []
     for c in candidates:  # keep the user's order; each must exist on this model
-        for a in parse_addresses(loaded, c):
+        for a in list(resolve_request(c, loaded).addresses):
             if a not in addrs:
                 addrs.append(a)
     names = [str(a) for a in addrs]
@@ -146,10 +139,9 @@ def knn_keys(
         result.warn("the most dispersed candidate changes with N: " +
                     ", ".join(f"N={n}: {r[0]}" for n, r in ranking.items()))
     result.data = {"path": data_path, "packing": packing, **describe(chunks, docs), "n_chunks_forwarded": len(needed)}
-    result.config = {"candidates": names, "ns": ns, "n_seeds": n_seeds, "seed": seed, "chunk_len": chunk_len,
-                     "packing": packing, "vector": "last token of each chunk", "std": "population (ddof=0) over seeds",
-                     "sampling": "seed s: first N of a permutation drawn with random.Random(seed + s)",
-                     "batch_size": batch_size, "dtype": loaded.info.dtype, "device": str(loaded.device),
-                     "text_field": text_field}
+    result.config = cfg.config_block({
+        "candidates": names, "ns": ns, "vector": "last token of each chunk", "std": "population (ddof=0) over seeds",
+        "sampling": "seed s: first N of a permutation drawn with random.Random(seed + s)", "dtype": loaded.info.dtype,
+        "device": str(loaded.device)})
     result.timings = {"load_model_s": t_load, "forward_s": t_forward, "total_s": time.perf_counter() - t_start}
     return result

@@ -32,19 +32,19 @@ from tqdm.auto import tqdm
 
 from ..errors import RepgeomError
 from repgeom_eval.modeling.loading import LoadedModel, load_model
-from .corpus import PACKINGS, Chunk, check_context, corpus_chunks, load_documents
-from repgeom_eval.measurement.forward import Forward, batches, next_token_logprobs, parse_addresses
+from .corpus import Chunk, check_context, corpus_chunks, load_documents
+from repgeom_eval.measurement.forward import Forward, batches, next_token_logprobs
+from repgeom_eval.analyses.configs import INDEX_KINDS, KnnlmConfig
 from repgeom_eval.analyses.envelope import AnalysisResult
+from repgeom_eval.modeling.addresses import resolve_request
 
 KIND = "knnlm"
-from ..defaults import (  # this module's defaults (torch-free, for --help)
-    KNNLM_K as DEFAULT_K,
-    KNNLM_LAMBDA as DEFAULT_LAMBDA,
-    KNNLM_TEMPERATURE as DEFAULT_TEMPERATURE,
-    KNNLM_CHUNK_LEN as DEFAULT_CHUNK_LEN,
-    KNNLM_IVF_THRESHOLD as IVF_THRESHOLD,
-)
-INDEX_KINDS = ("auto", "flat", "ivf")
+_DEFAULTS = KnnlmConfig()  # the defaults under their earlier names (declared once, in the configuration)
+DEFAULT_K = _DEFAULTS.k
+DEFAULT_LAMBDA = _DEFAULTS.lambdas[0]
+DEFAULT_TEMPERATURE = _DEFAULTS.temperature
+DEFAULT_CHUNK_LEN = _DEFAULTS.chunk_len
+IVF_THRESHOLD = _DEFAULTS.ivf_threshold
 _ADD_BLOCK = 65536
 _SEARCH_BLOCK = 2048
 
@@ -183,41 +183,26 @@ def knnlm(
     model: str | LoadedModel,
     datastore: Any,
     eval_data: Any,
-    *,
-    keys: Sequence[str] = ("resid_mid:-1",),
-    k: int = DEFAULT_K,
-    lambdas: Sequence[float] = (DEFAULT_LAMBDA,),
-    temperature: float = DEFAULT_TEMPERATURE,
-    chunk_len: int = DEFAULT_CHUNK_LEN,
-    packing: str = "concat",
-    fp16: bool = False,
-    index: str = "auto",
-    nlist: int | None = None,
-    nprobe: int = 32,
-    ivf_threshold: int = IVF_THRESHOLD,
-    store_dir: str | Path | None = None,
-    text_field: str = "text",
-    batch_size: int = 4,
-    seed: int = 0,
-    dtype: str | None = "auto",
-    device: str | None = "cpu",
-    progress: bool = True,
+    config: KnnlmConfig | None = None,
+    /,
+    **options: Any,
 ) -> AnalysisResult:
     """Build a datastore per key address from ``datastore`` text, evaluate perplexity on ``eval_data`` with and
     without retrieval; returns the ``knnlm`` result. ``store_dir`` keeps the keys, values and indexes on disk
-    (default: a temporary directory, removed afterwards)."""
+    (default: a temporary directory, removed afterwards).
+    The options: a :class:`~repgeom_eval.analyses.configs.KnnlmConfig`, or its fields as keywords."""
+    cfg = KnnlmConfig.build(config, options)
+    (keys, k, lambdas, temperature, chunk_len, packing, fp16, index, nlist, nprobe, ivf_threshold, store_dir,
+     text_field, batch_size, seed, dtype, device, progress) = (
+        cfg.keys, cfg.k, cfg.lambdas, cfg.temperature, cfg.chunk_len, cfg.packing, cfg.fp16, cfg.index, cfg.nlist,
+        cfg.nprobe, cfg.ivf_threshold, cfg.store_dir, cfg.text_field, cfg.batch_size, cfg.seed, cfg.dtype, cfg.device,
+        cfg.progress)
     t_start = time.perf_counter()
-    if k < 1:
-        raise RepgeomError(f"k must be positive, got {k}")
     if not temperature > 0:
         raise RepgeomError(f"temperature must be positive, got {temperature}")
     lambdas = [float(x) for x in lambdas]
     for lam in lambdas:
         interpolate(np.zeros(0), np.zeros(0), lam)  # validates λ before any work
-    if packing not in PACKINGS:
-        raise RepgeomError(f"unknown packing {packing!r} (valid: {', '.join(PACKINGS)})")
-    if index not in INDEX_KINDS:
-        raise RepgeomError(f"unknown index {index!r} (valid: {', '.join(INDEX_KINDS)})")
     _faiss()
     if store_dir is not None:
         from repgeom_eval.output.files import check_creatable_dir
@@ -235,7 +220,7 @@ def knnlm(
     check_context(chunk_len, loaded.info.max_positions)
     addrs = []
     for key in keys:
-        for a in parse_addresses(loaded, key):
+        for a in list(resolve_request(key, loaded).addresses):
             if a not in addrs:
                 addrs.append(a)
     names = [str(a) for a in addrs]
@@ -309,12 +294,10 @@ def knnlm(
     result.results = {"base_ppl": base, "n_eval_tokens": int(lm.size), "keys": per_key, "best_key": best}
     result.data = {"datastore": store_path, "eval": eval_path, "packing": packing,
                    "n_datastore_chunks": len(store_chunks), "n_eval_chunks": len(eval_chunks)}
-    result.config = {"keys": names, "k": k, "lambdas": lambdas, "temperature": temperature,
-                     "distance": "negative squared L2", "chunk_len": chunk_len, "packing": packing, "fp16": fp16,
-                     "index": index, "nlist": nlist, "nprobe": nprobe, "ivf_threshold": ivf_threshold,
-                     "store_dir": None if store_dir is None else str(store_dir), "batch_size": batch_size,
-                     "seed": seed, "dtype": loaded.info.dtype, "device": str(loaded.device),
-                     "defaults": "Khandelwal et al. 2020: k=1024, λ=0.25, negative squared L2 (assumed by paper A)"}
+    result.config = cfg.config_block({
+        "keys": names, "lambdas": lambdas, "distance": "negative squared L2", "dtype": loaded.info.dtype,
+        "device": str(loaded.device),
+        "defaults": "Khandelwal et al. 2020: k=1024, λ=0.25, negative squared L2 (assumed by paper A)"})
     result.timings = {"load_model_s": t_load, "build_datastore_s": t_build, "evaluate_s": t_eval,
                       "total_s": time.perf_counter() - t_start}
     return result

@@ -30,17 +30,18 @@ from ..functional.dispersion import dispersion
 from ..functional.entropy import prompt_entropy
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import load_documents, tokenize_documents
-from repgeom_eval.measurement.forward import Forward, batches, parse_addresses
+from repgeom_eval.measurement.forward import Forward, batches
 from repgeom_eval.measurement.pooling import pool
+from repgeom_eval.analyses.configs import PerturbConfig
 from repgeom_eval.analyses.envelope import AnalysisResult
+from repgeom_eval.modeling.addresses import resolve_request
 
 KIND = "perturb"
-from ..defaults import (  # this module's defaults (torch-free, for --help)
-    PERTURB_SWEEPS as SWEEPS,
-    PERTURB_PS as DEFAULT_PS,
-    PERTURB_LENGTHS as DEFAULT_LENGTHS,
-    PERTURB_PROMPTS as DEFAULT_PROMPTS,
-)
+_DEFAULTS = PerturbConfig()  # the defaults under their earlier names (declared once, in the configuration)
+SWEEPS = _DEFAULTS.sweeps
+DEFAULT_PS = _DEFAULTS.ps
+DEFAULT_LENGTHS = _DEFAULTS.lengths
+DEFAULT_PROMPTS = _DEFAULTS.n_prompts
 
 
 def repeat_tokens(ids: Sequence[int], p: float, rng: np.random.Generator) -> list[int]:
@@ -85,20 +86,16 @@ def _nanmean(values: list[float]) -> float:
 def perturb(
     model: str | LoadedModel,
     data: Any,
-    *,
-    layers: str | Sequence[str] = "all",
-    sweeps: Sequence[str] = SWEEPS,
-    ps: Sequence[float] = DEFAULT_PS,
-    lengths: Sequence[int] = DEFAULT_LENGTHS,
-    n_prompts: int = DEFAULT_PROMPTS,
-    seed: int = 0,
-    text_field: str = "text",
-    batch_size: int = 8,
-    dtype: str | None = "auto",
-    device: str | None = "cpu",
-    progress: bool = True,
+    config: PerturbConfig | None = None,
+    /,
+    **options: Any,
 ) -> AnalysisResult:
-    """Run the requested ``sweeps`` and return the ``perturb`` result (per sweep: values × addresses tables)."""
+    """Run the requested ``sweeps`` and return the ``perturb`` result (per sweep: values × addresses tables).
+    The options: a :class:`~repgeom_eval.analyses.configs.PerturbConfig`, or its fields as keywords."""
+    cfg = PerturbConfig.build(config, options)
+    (layers, sweeps, ps, lengths, n_prompts, seed, text_field, batch_size, dtype, device, progress) = (
+        cfg.layers, cfg.sweeps, cfg.ps, cfg.lengths, cfg.n_prompts, cfg.seed, cfg.text_field, cfg.batch_size,
+        cfg.dtype, cfg.device, cfg.progress)
     t_start = time.perf_counter()
     unknown = [s for s in sweeps if s not in SWEEPS]
     if unknown or not sweeps:
@@ -117,7 +114,7 @@ def perturb(
     if loaded.info.max_positions and max_len > loaded.info.max_positions:
         raise RepgeomError(f"prompt length {max_len} exceeds the model context of {loaded.info.max_positions} tokens; "
                            "pass shorter --lengths")
-    addrs = parse_addresses(loaded, layers)
+    addrs = list(resolve_request(layers, loaded).addresses)
     names = [str(a) for a in addrs]
     prompts = [ids[:max_len] for ids in tokenize_documents(loaded.tokenizer, docs) if len(ids) >= max_len]
     if not prompts:
@@ -153,13 +150,13 @@ def perturb(
                             model=loaded.info.to_dict())
     result.data = {"path": data_path, "n_documents": len(docs), "n_prompts": len(prompts),
                    "prompt_tokens": max_len}
-    result.config = {"layers": names, "sweeps": [s for s in SWEEPS if s in sweeps], "ps": ps, "lengths": lengths,
-                     "n_prompts": n_prompts, "seed": seed, "batch_size": batch_size, "dtype": loaded.info.dtype,
-                     "device": str(loaded.device), "text_field": text_field,
-                     "prompt_entropy": "normalized (S_1 / log min(N, D), paper B's maxEntropy), mean over prompts",
-                     "token_dispersion": "mean pairwise cosine distance of a prompt's tokens, mean over prompts",
-                     "repetition": "tokens after the first replaced w.p. p by one token of the prompt",
-                     "random": "tokens replaced w.p. p by uniform non-special vocabulary tokens",
-                     "rng": "numpy default_rng([seed, sweep index, value index])"}
+    result.config = cfg.config_block({
+        "layers": names, "sweeps": [s for s in SWEEPS if s in sweeps], "dtype": loaded.info.dtype,
+        "device": str(loaded.device),
+        "prompt_entropy": "normalized (S_1 / log min(N, D), paper B's maxEntropy), mean over prompts",
+        "token_dispersion": "mean pairwise cosine distance of a prompt's tokens, mean over prompts",
+        "repetition": "tokens after the first replaced w.p. p by one token of the prompt",
+        "random": "tokens replaced w.p. p by uniform non-special vocabulary tokens",
+        "rng": "numpy default_rng([seed, sweep index, value index])"})
     result.timings = {"total_s": time.perf_counter() - t_start}
     return result

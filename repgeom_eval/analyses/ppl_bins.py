@@ -47,22 +47,20 @@ from ..functional.dispersion import token_dispersion
 from repgeom_eval.functional.stats import complete_pairs, pearson, spearman
 from repgeom_eval.output.files import write_jsonl
 from repgeom_eval.modeling.loading import LoadedModel, load_model
-from .corpus import (PACKINGS, Chunk, Document, check_context, corpus_chunks, describe, load_documents,
+from .corpus import (Chunk, Document, check_context, corpus_chunks, describe, load_documents,
                      sample_chunks, sample_per_source)
 from repgeom_eval.measurement.distributed import Distributed
-from repgeom_eval.measurement.forward import Forward, next_token_logprobs, parse_addresses
+from repgeom_eval.measurement.forward import Forward, next_token_logprobs
 from repgeom_eval.analyses.envelope import AnalysisResult
+from repgeom_eval.modeling.addresses import resolve_request
 
 KIND = "ppl-bins"
-from ..defaults import (  # this module's defaults (torch-free, for --help)
-    PPL_BINS_CHUNK_LEN as DEFAULT_CHUNK_LEN,
-    PPL_BINS_GROUP_SIZE as DEFAULT_GROUP_SIZE,
-    PPL_BINS_GROUPS_PER_SOURCE as GROUPS_PER_SOURCE,
-    PPL_BINS_GROUP_SIZE_MAX as GROUP_SIZE_MAX,
-    PPL_BINS_BINS as DEFAULT_BINS,
-    PPL_BINS_SEED as DEFAULT_SEED,
-    PPL_BINS_CONFOUND_RATIO as DEFAULT_CONFOUND_RATIO,
-)
+from repgeom_eval.analyses.configs import GROUP_SIZE_MAX, GROUPS_PER_SOURCE, PplBinsConfig
+
+# The defaults under their earlier names (declared once, in PplBinsConfig)
+DEFAULT_CHUNK_LEN, DEFAULT_GROUP_SIZE, DEFAULT_BINS, DEFAULT_SEED, DEFAULT_CONFOUND_RATIO = (
+    PplBinsConfig().chunk_len, PplBinsConfig().group_size, PplBinsConfig().n_bins, PplBinsConfig().seed,
+    PplBinsConfig().confound_ratio)
 MIN_GROUPS = 3  # fewer points make a correlation meaningless
 
 
@@ -220,42 +218,25 @@ def confound_check(pooled: dict[str, Any], by_source: dict[str, dict[str, Any]],
 def ppl_bins(
     model: str | LoadedModel,
     data: str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document],
-    *,
-    layers: str | Sequence[str] = "all",
-    chunk_len: int = DEFAULT_CHUNK_LEN,
-    n_chunks: int | None = None,
-    per_source: int | None = None,
-    group_size: int | str = DEFAULT_GROUP_SIZE,
-    n_bins: int = DEFAULT_BINS,
-    packing: str = "concat",
-    seed: int = DEFAULT_SEED,
-    max_ppl: float | None = None,
-    confound_ratio: float = DEFAULT_CONFOUND_RATIO,
-    text_field: str = "text",
-    source_field: str = "source",
-    batch_size: int = 4,
-    dtype: str | None = "auto",
-    device: str | None = "cpu",
-    per_chunk_path: str | Path | None = None,
-    progress: bool = True,
+    config: PplBinsConfig | None = None,
+    /,
+    **options: Any,
 ) -> AnalysisResult:
-    """Run the perplexity-vs-dispersion analysis (see the module docstring); returns the ``ppl-bins`` result."""
+    """Run the perplexity-vs-dispersion analysis (see the module docstring); returns the ``ppl-bins`` result.
+    The options: a :class:`~repgeom_eval.analyses.configs.PplBinsConfig`, or its fields as keywords."""
+    cfg = PplBinsConfig.build(config, options)
+    layers, chunk_len, n_chunks, per_source, n_bins, packing = (cfg.layers, cfg.chunk_len, cfg.n_chunks,
+                                                                cfg.per_source, cfg.n_bins, cfg.packing)
+    seed, max_ppl, batch_size, device = cfg.seed, cfg.max_ppl, cfg.batch_size, cfg.device
     t_start = time.perf_counter()
-    if packing not in PACKINGS:
-        raise RepgeomError(f"unknown packing {packing!r} (valid: {', '.join(PACKINGS)})")
-    if batch_size < 1:
-        raise RepgeomError(f"batch size must be positive, got {batch_size}")
-    if n_chunks is not None and per_source is not None:
-        raise RepgeomError("give --n-chunks (a uniform sample) or --per-source (the same number from every source), "
-                           "not both")
-    check_group_size(group_size)  # before the model loads
-    docs, data_path = load_documents(data, text_field, source_field)
+    docs, data_path = load_documents(data, cfg.text_field, cfg.source_field)
     dist = Distributed.from_env(device)  # torchrun / accelerate launch: chunks spread over ranks, rows merged on 0
     t0 = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=dist.device(device))
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=cfg.dtype,
+                                                                      device=dist.device(device))
     t_load = time.perf_counter() - t0
     check_context(chunk_len, loaded.info.max_positions)
-    addrs = parse_addresses(loaded, layers)
+    addrs = list(resolve_request(layers, loaded).addresses)
     names = [str(a) for a in addrs]
 
     t0 = time.perf_counter()
@@ -273,7 +254,7 @@ def ppl_bins(
     sampled_per_source: dict[str, int] = {}
     for c in sampled:
         sampled_per_source[c.source] = sampled_per_source.get(c.source, 0) + 1
-    group_size, group_rule = resolve_group_size(group_size, sampled_per_source)
+    group_size, group_rule = resolve_group_size(cfg.group_size, sampled_per_source)
     if len(sampled) < group_size * MIN_GROUPS:
         raise RepgeomError(
             f"corpus too small for perplexity bins: {len(sampled)} chunk(s) of {chunk_len} tokens "
@@ -281,7 +262,7 @@ def ppl_bins(
             f"{group_size * MIN_GROUPS}; give more text, or lower --group-size or --chunk-len")
 
     t0 = time.perf_counter()
-    ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, progress, dist)
+    ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, cfg.progress, dist)
     t_forward = time.perf_counter() - t0
 
     result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
@@ -301,7 +282,7 @@ def ppl_bins(
                 by_source[s] = {"n_chunks": int(len(rows)), "median_chunk_ppl": float(np.median(ppl[rows])),
                                 "error": str(exc)}
                 result.warn(f"source {s!r}: no per-source correlation ({exc})")
-        confound = confound_check(pooled, by_source, names, confound_ratio)
+        confound = confound_check(pooled, by_source, names, cfg.confound_ratio)
         if confound["flagged"]:
             med = ", ".join(f"{s} {v:.3g}" for s, v in confound["median_ppl"].items())
             result.warn(f"domain confound: the sources' median chunk perplexities differ {confound['ratio']:.1f}-fold "
@@ -320,21 +301,17 @@ def ppl_bins(
     result.data = {"path": data_path, "packing": packing, **describe(chunks, docs), "n_chunks_used": len(sampled),
                    "chunks_used_per_source": sampled_per_source,
                    "n_tokens_used": int(sum(len(c) for c in sampled)), "sources": sources}
-    result.config = {"layers": names, "layer_spec": layers if isinstance(layers, str) else list(layers),
-                     "chunk_len": chunk_len, "n_chunks": n_chunks, "per_source": per_source,
-                     "sampling": (f"{per_source} chunks from every source" if per_source is not None else
-                                  "every chunk" if len(picked) == len(chunks) else f"{n_chunks} chunks, uniform"),
-                     "group_size": group_size, "group_size_rule": group_rule, "n_bins": n_bins,
-                     "packing": packing, "seed": seed, "max_ppl": max_ppl, "confound_ratio": confound_ratio,
-                     "batch_size": batch_size, "dtype": loaded.info.dtype, "device": str(loaded.device),
-                     "distributed": dist.config(),
-                     "text_field": text_field, "source_field": source_field,
-                     "perplexity": "exp(mean next-token cross-entropy over the chunk's chunk_len-1 positions)",
-                     "dispersion": "token dispersion: mean pairwise cosine distance of the chunk's token vectors",
-                     "group_value": "mean over the group's chunks (paper A)",
-                     "special_tokens": "none added (paper A: no BOS on chunks after the first)"}
-    if per_chunk_path is not None:
-        write_jsonl(per_chunk_path, ({"source": c.source, "doc": c.doc, "start": c.start, "ppl": float(ppl[i]),
+    result.config = cfg.config_block({
+        "layers": names, "sampling": (f"{per_source} chunks from every source" if per_source is not None else
+                                      "every chunk" if len(picked) == len(chunks) else f"{n_chunks} chunks, uniform"),
+        "group_size": group_size, "group_size_rule": group_rule, "dtype": loaded.info.dtype,
+        "device": str(loaded.device), "distributed": dist.config(),
+        "perplexity": "exp(mean next-token cross-entropy over the chunk's chunk_len-1 positions)",
+        "dispersion": "token dispersion: mean pairwise cosine distance of the chunk's token vectors",
+        "group_value": "mean over the group's chunks (paper A)",
+        "special_tokens": "none added (paper A: no BOS on chunks after the first)"})
+    if cfg.per_chunk_path is not None:
+        write_jsonl(cfg.per_chunk_path, ({"source": c.source, "doc": c.doc, "start": c.start, "ppl": float(ppl[i]),
                                       "dispersion": dict(zip(names, disp[i].tolist()))}
                                      for i, c in enumerate(sampled)))
     result.timings = {"load_model_s": t_load, "tokenize_s": t_tok, "forward_s": t_forward,

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.measurement.texts import parse_json
+from repgeom_eval.measurement.texts import read_jsonl
 
 SAMPLES_FIELD = "repgeom_slice_spearman"
 
@@ -44,18 +44,12 @@ class Queries:
 
 
 def _json_lines(path: Path) -> list[dict]:
+    """The records of a samples or queries file; its schema: one JSON object per line."""
     records = []
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                record = parse_json(line, f"{path}:{lineno}")
-                if not isinstance(record, dict):
-                    raise RepgeomError(f"{path}:{lineno}: expected a JSON object per line")
-                records.append(record)
-    except UnicodeDecodeError as exc:
-        raise RepgeomError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
+    for lineno, record in read_jsonl(path):
+        if not isinstance(record, dict):
+            raise RepgeomError(f"{path}:{lineno}: expected a JSON object per line")
+        records.append(record)
     if not records:
         raise RepgeomError(f"{path} holds no records")
     return records

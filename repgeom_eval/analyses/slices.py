@@ -25,11 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from repgeom_eval.functional.dispersion import DispersionSums
 from repgeom_eval.functional.stats import spearman
 
 FRACTIONS = tuple(round(i / 10, 1) for i in range(11))
 DENSE_FRACTIONS = tuple(round(i / 50, 2) for i in range(51))
-from ..defaults import SLICES_SLICE_SIZE as SLICE_SIZE, SLICES_SEEDS as SEEDS  # noqa: F401
+from repgeom_eval.analyses.configs import SlicesConfig
+
+SLICE_SIZE, SEEDS = SlicesConfig().size, SlicesConfig().seeds  # the defaults under their earlier names
 REGRESSORS = ("isotonic", "linear", "poly2", "poly3")
 CALIBRATION_SPLIT = (0.2, 0.1, 0.7)
 
@@ -54,27 +57,11 @@ def dispersion_of_units(u: np.ndarray) -> float:
 
 # -- per-query scores ---------------------------------------------------------------------------------------------
 
-@dataclass
-class SetSums:
-    """Sufficient statistics of a set of unit vectors: S = Σu, Q = Σ‖u‖², n (they add across shards and ranks)."""
-
-    s: np.ndarray
-    q: float
-    n: float
-
-    @classmethod
-    def of(cls, u: np.ndarray) -> "SetSums":
-        return cls(u.sum(0), float(np.einsum("ij,ij->", u, u)), float(u.shape[0]))
-
-    def pack(self) -> np.ndarray:
-        return np.concatenate([self.s, [self.q, self.n]])
-
-    @classmethod
-    def unpack(cls, packed: np.ndarray) -> "SetSums":
-        return cls(packed[:-2], float(packed[-2]), float(packed[-1]))
+#: The earlier name of the (S, Q, n) sums, kept while repgeom_eval/lmeval/task.py still uses it.
+SetSums = DispersionSums
 
 
-def scores_against(u: np.ndarray, member: np.ndarray, sums: SetSums) -> np.ndarray:
+def scores_against(u: np.ndarray, member: np.ndarray, sums: DispersionSums) -> np.ndarray:
     """Mean cosine distance of each row of ``u`` to the set summarised by ``sums``, leaving the row itself out
     where ``member`` says it belongs to the set: 1 − (u_i·S − [i∈set]‖u_i‖²)/(n − [i∈set]). NaN where the set
     has no other element."""
@@ -94,9 +81,9 @@ def query_scores(vectors: np.ndarray, correct: np.ndarray) -> dict[str, np.ndarr
     ok = np.asarray(correct, dtype=bool)
     everyone = np.ones(len(u), dtype=bool)
     return {
-        "c": scores_against(u, everyone, SetSums.of(u)),
-        "c_correct": scores_against(u, ok, SetSums.of(u[ok])),
-        "c_incorrect": scores_against(u, ~ok, SetSums.of(u[~ok])),
+        "c": scores_against(u, everyone, DispersionSums.of(u)),
+        "c_correct": scores_against(u, ok, DispersionSums.of(u[ok])),
+        "c_incorrect": scores_against(u, ~ok, DispersionSums.of(u[~ok])),
     }
 
 

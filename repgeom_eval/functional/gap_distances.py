@@ -20,7 +20,7 @@ import torch
 from ..errors import RepgeomError
 from .dispersion import cross_dispersion, dispersion
 
-from ..defaults import GAP_DISTANCES as DISTANCES  # noqa: F401
+from repgeom_eval.analyses.configs import GAP_DISTANCES as DISTANCES  # noqa: F401 - declared with --distance
 SIGN = "G = within(T) + between(T, T̄)"
 
 

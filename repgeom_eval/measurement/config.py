@@ -1,25 +1,24 @@
 """The run configuration of ``measure``: one frozen, typed object built by the CLI and by the Python API alike.
 
-Each option is declared once, as a field below, with its command-line flag and help. From these declarations come
-``repgeom measure``'s flags (:meth:`RunConfig.add_arguments`), the object built from them
-(:meth:`RunConfig.from_namespace`), the resume key of a checkpointed run (:meth:`RunConfig.checkpoint_key`) and the
-``config`` block of the results file (:meth:`RunConfig.config_block`). Adding an option means adding a field.
-
-The field machinery (flags, resume key, config block) is in repgeom_eval/option_fields.py.
+Each option is declared once, as a field below or in a shared group (repgeom_eval/option_groups.py), with its
+command-line flag and help. From these declarations come ``repgeom measure``'s flags, the object built from them
+and a ``--config`` file, the resume key of a checkpointed run (:meth:`RunConfig.checkpoint_key`) and the ``config``
+block of the results file (:meth:`RunConfig.config_block`). Adding an option means adding a field. The field
+machinery is in repgeom_eval/option_fields.py (torch-free).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.option_fields import add_option_arguments, option, options_from_namespace, plain as _plain
+from repgeom_eval.option_fields import option, option_like, positive
+from repgeom_eval.option_groups import LayersGroup, RunGroup, TextsGroup
 
 DEFAULT_SHARD_SIZE = 1024  # texts read, batched and checkpointed together
 PREPROCESS_METHODS = ("none", "center", "standardize", "whiten")
@@ -52,13 +51,14 @@ def split_names(items: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(m.strip() for item in items for m in str(item).split(",") if m.strip())
 
 
-@dataclass(frozen=True)
-class RunConfig:
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(TextsGroup, LayersGroup, RunGroup):
     """Every option of a ``measure`` run (the model and the data are given beside it)."""
 
-    text_field: str = option("text", "--text-field", help="field of each .jsonl record to read (default: text)")
-    layers: str | tuple[str, ...] = option(
-        "final", "--layers", "-l", nargs="+", cli_default=["final"], key=False,  # the resolved addresses are keyed
+    group_title = "measurement"
+
+    layers: str | tuple[str, ...] = option_like(
+        LayersGroup, "layers", "final", cli_default=["final"], key=False,  # the resolved addresses are keyed
         help="layer addresses: resid_post:11, mlp_in:-1, resid_mid:*, resid_post:[0,5,-1], embed, final, a bare "
              "hidden-state index, or a selector (all, blocks, knn_keys). Default: final")
     metrics: tuple[str, ...] = option(
@@ -73,7 +73,7 @@ class RunConfig:
         help="one vector per text for every metric: last non-pad token, mean, first (= cls), or tokens (every token "
              "vector). Default: each metric's own (last for dispersion, mean for the Layer-by-Layer metrics); "
              "METRIC.pooling=... sets one metric's")
-    seed: int = option(0, "--seed", type=int, help="seed of the augmented views (multi-view metrics)")
+    seed: int = option_like(RunGroup, "seed", help="seed of the augmented views (multi-view metrics)")
     preprocess: str = option(
         "none", "--preprocess", choices=list(PREPROCESS_METHODS), config=False,
         help="transform the vectors before every metric (default none, as in the papers); statistics from the same "
@@ -84,78 +84,38 @@ class RunConfig:
     save_preprocess_stats: str | None = option(
         None, "--save-preprocess-stats", metavar="FILE", key=False, config=False,
         help="write the preprocessing statistics of this run (safetensors) for reuse")
-    batch_size: int = option(16, "--batch-size", "-b", type=int)
-    max_length: int | None = option(None, "--max-length", type=int,
+    batch_size: int = option_like(RunGroup, "batch_size", 16, help=None)
+    max_length: int | None = option(None, "--max-length", type=int, check=positive,
                                     help="truncate texts to this many tokens (default: the model context)")
     padding_side: str = option("right", "--padding-side", choices=["right", "left"])
-    dtype: str = option("auto", key=True)  # flag shared with the other commands: see entrypoints.measure_cmd
-    device: str = option("cpu", key=False)
     per_text: bool = option(False, key=False)  # on when --per-text OUT.jsonl is given
     massive_share_warning: float = option(0.5, key=False)
     shard_size: int = option(
-        DEFAULT_SHARD_SIZE, "--shard-size", type=int,
+        DEFAULT_SHARD_SIZE, "--shard-size", type=int, check=positive,
         help="texts read, batched and checkpointed together (memory: one shard + metric states)")
     run_dir: str | None = option(
         None, "--run-dir", metavar="DIR", key=False,
         help="checkpoint the metric states here after every shard, so a killed run can --resume")
     resume: bool = option(False, "--resume", action="store_true", key=False, config=False,
                           help="continue the run checkpointed in --run-dir (same model, data and options)")
-    progress: bool = option(True, "--no-progress", action="store_false", dest="progress", key=False, config=False,
-                            from_cli=lambda on: bool(on) and sys.stderr.isatty(), help="hide the progress bar")
 
     def __post_init__(self) -> None:
         from repgeom_eval.measurement.pooling import check_pooling
 
-        set_ = object.__setattr__  # frozen: normalise once, here
-        set_(self, "metrics", split_names(self.metrics))
-        if not isinstance(self.layers, str):
-            set_(self, "layers", tuple(str(x) for x in self.layers))
-        set_(self, "metric_params", MappingProxyType(
+        self._set("metrics", split_names(self.metrics))
+        self._set("metric_params", MappingProxyType(
             {m: MappingProxyType(dict(p)) for m, p in dict(self.metric_params or {}).items()}))
         for name in ("run_dir", "preprocess_stats", "save_preprocess_stats"):
             value = getattr(self, name)
-            set_(self, name, None if value in (None, "") else str(value))
+            self._set(name, None if value in (None, "") else str(value))
         if self.pooling is not None:
-            set_(self, "pooling", check_pooling(self.pooling))
-        if self.padding_side not in ("left", "right"):
-            raise RepgeomError(f"padding_side must be 'left' or 'right', got {self.padding_side!r}")
-        if self.batch_size < 1:
-            raise RepgeomError(f"batch size must be positive, got {self.batch_size}")
-        if self.shard_size < 1:
-            raise RepgeomError(f"shard size must be positive, got {self.shard_size}")
+            self._set("pooling", check_pooling(self.pooling))
+        super().__post_init__()  # the groups' normalisation, every field's check and choices
         if self.resume and not self.run_dir:
             raise RepgeomError("resume needs the run directory of the run to continue (--run-dir DIR)")
         if not self.metrics:
             raise RepgeomError("no metric requested")
-        if self.preprocess not in PREPROCESS_METHODS:
-            raise RepgeomError(f"unknown preprocess {self.preprocess!r} (valid: {', '.join(PREPROCESS_METHODS)})")
         if self.preprocess == "none" and (self.preprocess_stats or self.save_preprocess_stats):
             flag = "--preprocess-stats" if self.preprocess_stats else "--save-preprocess-stats"
             raise RepgeomError(f"{flag} has no effect without preprocessing; add --preprocess center, standardize "
                                "or whiten (or drop the flag)")
-
-    # -- the command line ----------------------------------------------------------------------------------------------
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add a flag for every option that has one."""
-        add_option_arguments(cls, parser)
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace, **overrides: Any) -> "RunConfig":
-        """The configuration parsed by :meth:`add_arguments` (plus ``overrides`` for options without a flag)."""
-        return cls(**(options_from_namespace(cls, args) | overrides))
-
-    # -- what a run records ------------------------------------------------------------------------------------------
-    def checkpoint_key(self, resolved: Mapping[str, Any]) -> dict[str, Any]:
-        """The resume key: every option that changes the numbers, with resolved values (``resolved``: the run's
-        model and data fingerprints, addresses, metric configurations, context length, dtype, ...) taking
-        precedence over the requested ones."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["key"]}
-        return _plain(out | dict(resolved))
-
-    def config_block(self, resolved: Mapping[str, Any]) -> dict[str, Any]:
-        """The ``config`` block of the results file: the options as requested (the layer request as
-        ``layer_spec``), overridden and completed by what the run resolved them to."""
-        out = {("layer_spec" if f.name == "layers" else f.name): getattr(self, f.name)
-               for f in fields(self) if f.metadata["config"]}
-        return _plain(out | dict(resolved))

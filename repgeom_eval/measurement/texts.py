@@ -74,6 +74,32 @@ def decode_line(raw: bytes, path: Path, lineno: int) -> str:
         ) from None
 
 
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line of a UTF-8 file, read line by line in constant memory: the one reader under
+    every text and JSONL schema (a leading byte-order mark is dropped; bad UTF-8 names the line and the fix)."""
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            raw = raw.rstrip(b"\r\n")
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # UTF-8 byte-order mark
+            yield lineno, decode_line(raw, path, lineno)
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of a JSONL file (:func:`read_lines`, :func:`parse_json`): the
+    one JSONL reader; each schema (texts, documents, queries, MTEB task files) checks its records on top of it."""
+    path = Path(path)
+    for lineno, line in read_lines(path):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, parse_json(line, f"{path}:{lineno}")
+        except RepgeomError as exc:
+            if "not valid JSON" not in str(exc):
+                raise
+            raise RepgeomError(f"{exc}; each line of a .jsonl file must be one JSON object") from None
+
+
 # -- file formats ----------------------------------------------------------------------------------------------------
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # one JSON object per line
@@ -265,16 +291,11 @@ class FileSource(TextSource):
         self.n_texts = sum(1 for _ in self)  # full validation pass, constant memory
 
     def records(self) -> Iterator[tuple[Any, str | None]]:
-        with self.path.open("rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                raw = raw.rstrip(b"\r\n")
-                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]  # UTF-8 byte-order mark
-                line = decode_line(raw, self.path, lineno)
-                if not self.is_jsonl:
-                    yield lineno, line
-                elif line.strip():
-                    yield _parse_record(line, self.path, lineno, self.text_field)
+        if not self.is_jsonl:
+            yield from read_lines(self.path)
+            return
+        for lineno, record in read_jsonl(self.path):
+            yield _text_record(record, self.path, lineno, self.text_field)
 
 
 class DatasetSource(TextSource):
@@ -348,13 +369,8 @@ def open_source(data: str | Path | Sequence[str] | TextSet | TextSource, text_fi
     raise RepgeomError(f"cannot read texts from a {type(data).__name__}; pass a file path, hf:NAME or a list")
 
 
-def _parse_record(line: str, path: Path, lineno: int, text_field: str) -> tuple[Any, str]:
-    try:
-        record = parse_json(line, f"{path}:{lineno}")
-    except RepgeomError as exc:
-        if "not valid JSON" not in str(exc):
-            raise
-        raise RepgeomError(f"{exc}; each line of a .jsonl file must be one JSON object") from None
+def _text_record(record: Any, path: Path, lineno: int, text_field: str) -> tuple[Any, str]:
+    """(id, text) of one record of a texts file; its schema: an object with a string ``text_field``."""
     if not isinstance(record, dict):
         raise RepgeomError(f"{path}:{lineno}: expected a JSON object like {{\"{text_field}\": \"...\"}}, "
                            f"got {type(record).__name__}")

@@ -2,8 +2,9 @@
 
 The fields carry their command-line flags (``--revision``, ``--dtype``, ``--device``, ``--device-map``,
 ``--trust-remote-code``, ``--allow-random-init``, ``--peft``, ``--quantization``), named after the
-``--model_args`` keys lm-eval users know. Every command adds them with :meth:`ModelOptions.add_arguments`; the CLI
-turns the parsed flags into a :class:`ModelOptions` that :func:`repgeom_eval.modeling.loading.load_model` follows
+``--model_args`` keys lm-eval users know. Every command that loads a model composes its configuration with this group
+(with ``--model``: repgeom_eval/option_groups.py); the CLI takes the group out of the command's configuration
+(:meth:`~repgeom_eval.option_fields.Options.of`) and :func:`repgeom_eval.modeling.loading.load_model` follows it
 (``use_model_options``); from Python, pass one as ``load_model(name, options=ModelOptions(...))``. Torch-free, so
 that ``--help`` stays instant.
 """
@@ -11,20 +12,21 @@ that ``--help`` stays instant.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.option_fields import add_option_arguments, option, options_from_namespace
+from repgeom_eval.option_fields import Options, option, options_from_namespace
 
 DTYPE_CHOICES = ("auto", "float32", "float64", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("8bit", "4bit")
 
 
-@dataclass(frozen=True)
-class ModelOptions:
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions(Options):
     """Every option of loading a model (the model itself, a path or hub id, is given beside it)."""
+
+    group_title = "model options"
 
     dtype: str = option("auto", "--dtype", choices=list(DTYPE_CHOICES),
                         help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16, float64")
@@ -50,20 +52,14 @@ class ModelOptions:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES and not hasattr(self.dtype, "is_floating_point"):
             raise RepgeomError(f"unknown dtype {self.dtype!r} (valid: {', '.join(DTYPE_CHOICES)})")
-        if self.quantization not in (None, *QUANTIZATION_CHOICES):
-            raise RepgeomError(f"unknown quantization {self.quantization!r} (valid: {', '.join(QUANTIZATION_CHOICES)})")
         for name in ("revision", "device_map", "peft"):
             if getattr(self, name) == "":
-                object.__setattr__(self, name, None)
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
-        """Add the group's flags (``only``: a subset, for commands that read a model's files without loading it)."""
-        group = parser.add_argument_group("model options")
-        add_option_arguments(cls, group, only)  # type: ignore[arg-type]
+                self._set(name, None)
+        super().__post_init__()  # the other groups of a command's configuration, and the choices
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> "ModelOptions":
+        """The options among parsed flags (defaults for those absent)."""
         return cls(**options_from_namespace(cls, args))
 
     def replace(self, **changes: Any) -> "ModelOptions":
@@ -74,7 +70,7 @@ class ModelOptions:
     def non_default(self) -> dict[str, Any]:
         """The options that differ from their defaults (recorded in every output's ``model`` block)."""
         out = {}
-        for f in fields(self):
+        for f in fields(ModelOptions):
             value = getattr(self, f.name)
             if f.name not in ("dtype", "device") and value != f.default:
                 out[f.name] = value

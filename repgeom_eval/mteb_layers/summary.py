@@ -118,11 +118,10 @@ def _family(row: dict[str, Any]) -> str:
 
 
 def fmt_number(x: Any) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "—"
-    if isinstance(x, float):
-        return f"{x:.4f}"
-    return str(x)
+    """A score or geometry value in the summary tables: missing and NaN as a dash."""
+    from repgeom_eval.output.console import fmt_number as fmt
+
+    return fmt(x, missing="—", nan="—")
 
 
 def rows_by_group(rows: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, list[dict[str, Any]]]]:

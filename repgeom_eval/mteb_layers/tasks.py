@@ -45,6 +45,7 @@ from mteb.abstasks.sts import AbsTaskSTS
 from mteb.abstasks.task_metadata import TaskMetadata
 
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.measurement.texts import read_jsonl
 
 TASK_TYPES = ("STS", "Classification", "Clustering", "Retrieval")
 MAIN_SCORES = {"STS": "cosine_spearman", "Classification": "accuracy", "Clustering": "v_measure",
@@ -71,24 +72,15 @@ def _read_records(value: Any, what: str, base_dir: Path | None) -> tuple[list[di
             raise RepgeomError(f"{what}: {str(path)!r} is a directory, expected a JSONL file")
         if not path.is_file():
             raise RepgeomError(f"{what}: file {str(path)!r} not found")
-        raw = path.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise RepgeomError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); re-encode it as "
-                               "UTF-8") from None
         records = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RepgeomError(f"{what}: {path}:{lineno} is not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise RepgeomError(f"{what}: {path}:{lineno} is a {type(rec).__name__}, expected a JSON object")
-            records.append(rec)
-        return records, raw
+        try:
+            for lineno, rec in read_jsonl(path):
+                if not isinstance(rec, dict):
+                    raise RepgeomError(f"{path}:{lineno} is a {type(rec).__name__}, expected a JSON object")
+                records.append(rec)
+        except RepgeomError as exc:
+            raise RepgeomError(f"{what}: {exc}") from None
+        return records, path.read_bytes()
     if isinstance(value, Sequence) and all(isinstance(r, Mapping) for r in value):
         records = [dict(r) for r in value]
         return records, json.dumps(records, sort_keys=True, default=str).encode()

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import RepgeomError
-from ...functional.gap_distances import DISTANCES, SIGN, dispersion_gap
-from repgeom_eval.modeling.checkpoint_tensors import load_tokenizer, locate_checkpoint, open_output_embeddings
-from .vocabulary import (DEFAULT_DOMAIN, DEFAULT_REFERENCE, DEFAULT_SEED, DEFAULT_SIZE, Vocabulary, resolve_token_set,
+from ...functional.gap_distances import SIGN, dispersion_gap
+from ...modeling.checkpoint_tensors import load_tokenizer, locate_checkpoint, open_output_embeddings
+from repgeom_eval.analyses.configs import GapConfig
+from .vocabulary import (Vocabulary, resolve_token_set,
                          vocabulary_difference)
 
 
@@ -84,15 +85,18 @@ def degenerate_rows(model: str, W: Any, T_pos: Sequence[int], Tbar_pos: Sequence
     return flags
 
 
-def screen(models: Sequence[str], domain: str = DEFAULT_DOMAIN, reference: str = DEFAULT_REFERENCE,
-           distance: str = "cosine", seed: int = DEFAULT_SEED, size: int = DEFAULT_SIZE, force: bool = False,
-           host: Any = None) -> GapResult:
+def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: Any = None,
+           **options: Any) -> GapResult:
     """Rank checkpoints by the dispersion gap G of their output projection (highest first).
 
     Reads each model's tokenizer, refuses models whose vocabularies differ (G compares models only within one
     tokenizer, paper A Limitations) unless ``force``, then per model reads W alone, resolves T (``domain``) and T̄
-    (``reference``, excluding T) and computes within(T), within(T̄), between and G.
+    (``reference``, excluding T) and computes within(T), within(T̄), between and G. The options: a
+    :class:`~repgeom_eval.analyses.configs.GapConfig`, or its fields as keywords.
     """
+    cfg = GapConfig.build(config, options)
+    domain, reference, distance, seed, size, force = (cfg.domain, cfg.reference, cfg.distance, cfg.seed, cfg.size,
+                                                      cfg.force)
     t_start = time.perf_counter()
     models = [str(m) for m in models]
     if not models:
@@ -100,8 +104,6 @@ def screen(models: Sequence[str], domain: str = DEFAULT_DOMAIN, reference: str =
     dupes = sorted({m for m in models if models.count(m) > 1})
     if dupes:
         raise RepgeomError(f"model {dupes[0]!r} is given more than once; list each model once")
-    if distance not in DISTANCES:
-        raise RepgeomError(f"unknown distance {distance!r} (valid: {', '.join(DISTANCES)})")
     if not isinstance(size, int) or size < 1:
         raise RepgeomError(f"reference sample size must be a positive integer, got {size!r}")
     if host is None:

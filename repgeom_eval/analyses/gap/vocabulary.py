@@ -33,12 +33,11 @@ from typing import Any
 
 from ...errors import RepgeomError, UnknownNameError
 
-from ...defaults import (  # this module's defaults (torch-free, for --help)
-    GAP_DOMAIN as DEFAULT_DOMAIN,
-    GAP_REFERENCE as DEFAULT_REFERENCE,
-    GAP_SIZE as DEFAULT_SIZE,
-    GAP_SEED as DEFAULT_SEED,
-)
+from repgeom_eval.analyses.configs import GapConfig
+
+# The defaults under their earlier names (declared once, in GapConfig)
+DEFAULT_DOMAIN, DEFAULT_REFERENCE, DEFAULT_SIZE, DEFAULT_SEED = (GapConfig().domain, GapConfig().reference,
+                                                                 GapConfig().size, GapConfig().seed)
 WORD_BOUNDARY_MARKERS = ("Ġ", "▁")  # byte-level BPE (GPT-2, Llama-3, SmolLM) and SentencePiece (Llama-2, T5)
 
 

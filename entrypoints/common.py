@@ -1,0 +1,58 @@
+"""What the analysis commands share besides their options (those are in repgeom_eval/option_groups.py): where the
+figures go, and the checks every command runs on its outputs before any compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def stem(cfg: Any, default: str) -> str:
+    """The base name of a command's files: that of ``--output``, else ``default``."""
+    return Path(cfg.output).stem if cfg.output else default
+
+
+def plot_dir(cfg: Any, create: bool = True) -> Path | None:
+    """``--plot-dir``, else the folder of ``--output``, else none (no figures)."""
+    if getattr(cfg, "plot_dir", None):
+        d = Path(cfg.plot_dir)
+        if create:
+            d.mkdir(parents=True, exist_ok=True)
+        return d
+    if cfg.output:
+        return Path(cfg.output).resolve().parent
+    return None
+
+
+def plot_files(cfg: Any, default_stem: str, suffixes: list[str]) -> list[Path]:
+    """The figure files a command writes (``STEM{suffix}.png`` in :func:`plot_dir`), named before the run so that
+    they are checked against the inputs and committed with the other outputs; nothing is created."""
+    where = plot_dir(cfg, create=False)
+    if where is None:
+        return []
+    return [where / f"{stem(cfg, default_stem)}{suffix}.png" for suffix in suffixes]
+
+
+def guard_outputs(cfg: Any, outputs: dict, data: dict, models: list[str] | str | tuple) -> list:
+    """The checks every analysis command runs before any compute: no output replaces an input or lands in a model
+    folder (repgeom_eval/output/files.py), every output can be written. Returns the output paths, for
+    ``commit_together``."""
+    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable
+
+    if getattr(cfg, "plot_dir", None):
+        check_creatable_dir(cfg.plot_dir, "--plot-dir")
+    model_files, model_dirs = model_inputs(list(models) if isinstance(models, tuple) else models)
+    check_outputs(outputs, inputs={**data, "--model": model_files}, folders={"--model": model_dirs})
+    paths = [p for value in outputs.values() for p in (value if isinstance(value, list) else [value]) if p]
+    for label in ("--output", "--per-chunk", "--plot"):
+        if outputs.get(label):
+            check_writable(outputs[label])
+    return paths
+
+
+def wide_console(minimum: int = 100):
+    """A rich console at least ``minimum`` columns wide: a results table truncated to "0.…" is useless."""
+    from rich.console import Console
+
+    return Console(width=max(Console().width, minimum))

@@ -1,0 +1,132 @@
+"""The option groups the commands share, each option declared once (machinery: repgeom_eval/option_fields.py).
+
+A command's configuration inherits the groups it needs and adds its own fields; a group field with another default
+for one command is declared again with :func:`~repgeom_eval.option_fields.option_like`. The model group is
+:class:`~repgeom_eval.modeling.options.ModelOptions` plus ``--model``. Torch-free (``--help`` stays instant).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import MISSING, dataclass
+
+from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.option_fields import Options, option, positive
+
+PACKINGS = ("concat", "document")  # how documents become chunks: repgeom_eval/analyses/corpus.py
+
+
+def show_progress(on: bool) -> bool:
+    """A progress bar only where someone watches: on a terminal (logs and pipes get none)."""
+    return bool(on) and sys.stderr.isatty()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelGroup(ModelOptions):
+    """One model and how to load it."""
+
+    group_title = "model options"
+    model: str = option(MISSING, "--model", "-m", key=False, config=False,
+                        help="hub id, local model directory, or .gguf file (loaded through transformers)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelsGroup(ModelOptions):
+    """One model or several (measured alike, side by side)."""
+
+    group_title = "model options"
+    model: tuple[str, ...] = option(MISSING, "--model", "-m", nargs="+", key=False, config=False,
+                                    help="one or more models (hub ids, directories, .gguf files), shown side by side")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextsGroup(Options):
+    """Which field of a .jsonl record holds the text."""
+
+    group_title = "data"
+    text_field: str = option("text", "--text-field", help="field of each .jsonl record to read (default: {default})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataGroup(TextsGroup):
+    """The texts: a file (and its text field)."""
+
+    group_title = "data"
+
+    data: str = option(MISSING, "--data", "-d", key=False, config=False,
+                       help=".jsonl with a text field per line, or .txt, one text a line")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunksGroup(Options):
+    """How a corpus becomes chunks of tokens (repgeom_eval/analyses/corpus.py)."""
+
+    group_title = "data"
+    chunk_len: int = option(512, "--chunk-len", type=int, check=positive, help="tokens per chunk (default: {default})")
+    packing: str = option("concat", "--packing", choices=list(PACKINGS),
+                          help="concat: join each source's documents into one token stream and cut it (paper A's "
+                               "Wikitext protocol, default); document: cut each document on its own")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayersGroup(Options):
+    """Where in the model to measure (docs/addresses.md)."""
+
+    group_title = "layers"
+    layers: str | tuple[str, ...] = option("all", "--layers", "-l", nargs="+", config_name="layer_spec",
+                                           cli_default=["all"],
+                                           help="layer addresses (default: {default} = every hidden state)")
+
+    def __post_init__(self) -> None:
+        if self.layers is not None and not isinstance(self.layers, str):
+            self._set("layers", tuple(str(x) for x in self.layers))
+        super().__post_init__()
+
+    @property
+    def layer_request(self) -> str | list[str]:
+        """The request as the analyses take it: one address as a string, several as a list."""
+        if isinstance(self.layers, str):
+            return self.layers
+        return self.layers[0] if len(self.layers) == 1 else list(self.layers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunGroup(Options):
+    """How the forward passes run: batch size, seed, the device the model is given (its flags are the model
+    group's), progress bar."""
+
+    group_title = "run"
+    batch_size: int = option(4, "--batch-size", "-b", type=int, check=positive, help="texts per forward pass")
+    seed: int = option(0, "--seed", type=int, help="random seed (default: {default})")
+    dtype: str | None = option("auto")  # flags: the model group's --dtype
+    device: str | None = option("cpu", key=False)  # flags: the model group's --device
+    progress: bool = option(True, "--no-progress", action="store_false", key=False, config=False,
+                            from_cli=show_progress, cli_default=True, help="hide the progress bar")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputGroup(Options):
+    """Where the results go."""
+
+    group_title = "output"
+    output: str | None = option(None, "--output", "-o", key=False, config=False,
+                                help="results JSON (written atomically)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlotsGroup(OutputGroup):
+    """Results and figures."""
+
+    group_title = "output"
+
+    plot_dir: str | None = option(None, "--plot-dir", key=False, config=False,
+                                  help="write the figures (PNG) here; default: next to --output, none without it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonGroup(Options):
+    """The results on stdout as JSON instead of a table."""
+
+    group_title = "output"
+    json: bool = option(False, "--json", action="store_true", key=False, config=False,
+                        help="print the results JSON to stdout instead of a table")
