@@ -51,13 +51,15 @@ def _wrap_evaluate(module: Any) -> None:
 
 
 def geometry_tasks(task_dict: Any) -> list:
-    """The repgeom tasks of a run (``TaskManager.load()`` result or lm-eval's older nested dict)."""
-    from .task import GeometryTask
+    """The repgeom tasks of a run (``TaskManager.load()`` result or lm-eval's older nested dict): the tasks that
+    carry repgeom :class:`~repgeom_eval.lmeval.settings.Settings` (``task.GeometryTask`` and its subclasses; that
+    module imports this one to install the wrapper, so the tasks are recognised by what they carry)."""
+    from repgeom_eval.lmeval.settings import Settings
 
     found: list = []
 
     def walk(obj: Any) -> None:
-        if isinstance(obj, GeometryTask):
+        if isinstance(getattr(obj, "settings", None), Settings):
             if all(obj is not t for t in found):
                 found.append(obj)
         elif isinstance(obj, dict):
