@@ -45,6 +45,13 @@ def test_each_kind_records_the_settings_it_reads():
     assert perplexity.record("perplexity") == {"data": None, "layer": "final", "pooling": "tokens", "capture": "fused"}
 
 
+def test_the_poolings_are_the_projects_own():
+    from repgeom_eval.lmeval.settings import HARDNESS_POOLINGS
+    from repgeom_eval.measurement.pooling import POOLINGS
+
+    assert set(HARDNESS_POOLINGS) | {"tokens"} <= set(POOLINGS)
+
+
 @pytest.mark.parametrize("metadata,match", [
     ({"repgeom_layr": "final"}, r"unknown metadata key 'repgeom_layr' for repgeom tasks \(valid: repgeom_capture, "),
     ({"repgeom_pooling": "first"}, "repgeom_pooling must be last or mean, got 'first'"),

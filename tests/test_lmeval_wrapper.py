@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import lm_eval  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.testing import write_task_data  # noqa: E402

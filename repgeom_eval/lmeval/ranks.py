@@ -21,5 +21,6 @@ def lm_eval_ranks(world_size: int, needed: str) -> Distributed:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RepgeomError(f"lm-eval reports {world_size} ranks but torch.distributed is not initialised; {needed}")
+        raise RepgeomError(f"lm-eval reports {world_size} ranks but torch.distributed is not initialised, and {needed}: "
+                           "start data-parallel runs with accelerate launch")
     return Distributed.from_env()

@@ -146,8 +146,8 @@ class TaskBank:
     """The registered metrics of one task during one run: fed by the capture, merged across ranks, reported.
 
     Lifecycle: :meth:`resolve` (once the model is known) → :meth:`feed` / :meth:`add_window` (the
-    :class:`~repgeom_eval.lmeval.feeding.BankFeeder`) → :meth:`finish` (the task's ``apply_filters``, on every rank) →
-    :meth:`items` per document and :attr:`aggregations` for lm-eval.
+    :class:`~repgeom_eval.lmeval.feeding.BankFeeder`) → :meth:`finish` (the task's ``apply_filters``, on every
+    rank) → :meth:`items` per document and :attr:`aggregations` for lm-eval.
     """
 
     def __init__(self, task: str, request: MetricRequest, kind: str, host: Any = None):

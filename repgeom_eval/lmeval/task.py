@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -191,7 +192,7 @@ class HardnessTask(GeometryTask):
             ppl.append(math.exp(-float(results[gold][0]) / n_tokens))  # the gold answer's, given the prompt
             prompt = getattr(results[0], "prompt", None)  # the choices share the context: any row's will do
             prompt_ppl.append(prompt.perplexity() if prompt is not None else math.nan)
-        # the sums over every rank's queries: all, correct, incorrect (a collective, also with no queries here)
+        # the sums over every rank's queries: all, correct, incorrect
         local = None
         if vectors:
             u = slices.unit_rows(np.stack(vectors))
@@ -202,7 +203,7 @@ class HardnessTask(GeometryTask):
         gathered = [sums for sums in ranks.all_gather(local) if sums is not None]
         if not vectors:
             return out
-        total = [functools.reduce(DispersionSums.__add__, parts) for parts in zip(*gathered)]
+        total = [functools.reduce(operator.add, parts) for parts in zip(*gathered)]
         c = slices.scores_against(u, everyone, total[0])
         c_ok = slices.scores_against(u, ok, total[1])
         c_bad = slices.scores_against(u, ~ok, total[2])
