@@ -33,10 +33,11 @@ def _option(argv: list[str], name: str) -> str | None:
 def check_arguments(argv: list[str]) -> None:
     """One-line errors, before lm-eval starts, for what would otherwise end in a traceback or destroy an input:
     malformed ``--metadata`` JSON, and an ``--output_path`` inside (or holding) the ``pretrained=`` model folder or
-    on a ``repgeom_data`` file."""
+    on a ``repgeom_data`` file (given in ``--metadata``, or in ``--model_args`` with ``--model repgeom-hf``)."""
     import json
 
     from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.lmeval.settings import key
     from repgeom_eval.modeling.loading import model_inputs
     from repgeom_eval.output.files import check_outputs
 
@@ -50,14 +51,15 @@ def check_arguments(argv: list[str]) -> None:
                                "--metadata '{\"repgeom_data\": \"piqa.jsonl\"}'") from None
         if not isinstance(parsed, dict):
             raise RepgeomError(f"--metadata must be a JSON object ({{...}}), got {type(parsed).__name__}")
-        data = parsed.get("repgeom_data")
+        data = parsed.get(key("data"))
         data_files = [str(v) for v in (data.values() if isinstance(data, dict) else [data]) if isinstance(v, str)]
-    model_args = _option(argv, "--model_args") or ""
-    pretrained = [part.split("=", 1)[1] for part in model_args.split(",") if part.startswith("pretrained=")]
+    model_args = (_option(argv, "--model_args") or "").split(",")
+    pretrained = [part.split("=", 1)[1] for part in model_args if part.startswith("pretrained=")]
+    data_files += [part.split("=", 1)[1] for part in model_args if part.startswith(key("data") + "=")]  # repgeom-hf
     output = _option(argv, "--output_path")
     if output:
         files, folders = model_inputs(pretrained)
-        check_outputs({"--output_path": output}, inputs={"repgeom_data": data_files, "pretrained": files},
+        check_outputs({"--output_path": output}, inputs={key("data"): data_files, "pretrained": files},
                       folders={"pretrained": folders})
 
 

@@ -251,9 +251,9 @@ def test_unknown_layer_fails_before_any_compute(lm, data):
 def test_a_document_that_never_reaches_the_metric_states_is_an_error(lm, data, monkeypatch):
     """If requests could not be attributed to their documents (lm-eval changed what it hands to
     _loglikelihood_tokens), the task fails loudly instead of reporting metrics over fewer texts."""
-    from repgeom_eval.lmeval.fused import HiddenStates
+    from repgeom_eval.lmeval.feeding import BankFeeder
 
-    monkeypatch.setattr(HiddenStates, "_register_contexts", lambda self, *a: None)
+    monkeypatch.setattr(BankFeeder, "register_contexts", lambda self, *a: None)
     tm = TaskManager(include_defaults=False, metadata={"repgeom_data": str(data["piqa"]),
                                                        "repgeom_metrics": ["dispersion"]})
     with pytest.raises(RepgeomError, match=r"no hidden states reached the registered metrics .* documents \[0, 1"):

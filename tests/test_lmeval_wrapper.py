@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import lm_eval  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.testing import write_task_data  # noqa: E402
@@ -65,14 +63,21 @@ def test_start_up_hook_is_light():
 
 
 def test_repgeom_lm_eval_wrapper_runs_with_the_hook_off(tiny_model_dir, tmp_path):
+    """Also the ``--model_args`` route of the settings (docs/lmeval.md#settings---metadata): ``repgeom-hf`` keeps
+    them from the model, lm-eval hands them to the task beside ``--metadata``, which wins where both give a key."""
     data = write_task_data("piqa", tmp_path / "piqa.jsonl", n=12, seed=5)
-    cmd = [sys.executable, "-m", "repgeom_eval", "lm-eval", "--model", "hf", "--model_args",
-           f"pretrained={tiny_model_dir('gpt2')}", "--tasks", "repgeom_hardness_piqa", "--batch_size", "4",
+    cmd = [sys.executable, "-m", "repgeom_eval", "lm-eval", "--model", "repgeom-hf", "--model_args",
+           f"pretrained={tiny_model_dir('gpt2')},repgeom_layer=resid_post:0,repgeom_slice_size=3", "--tasks",
+           "repgeom_hardness_piqa", "--batch_size", "4", "--output_path", str(tmp_path / "out"),
            "--metadata", json.dumps({"repgeom_data": str(data), "repgeom_slice_size": 4})]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env=env(REPGEOM_LM_EVAL_AUTOLOAD="0"))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "repgeom_slice_spearman" in proc.stdout and "acc_norm" in proc.stdout
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    record = json.loads(results.read_text())["configs"]["repgeom_hardness_piqa"]["metadata"]["repgeom"]
+    assert record["layer"] == record["address"] == "resid_post:0"
+    assert record["slice_size"] == 4
 
 
 def test_pth_file_is_part_of_the_installed_distribution():

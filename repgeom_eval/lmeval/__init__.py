@@ -4,12 +4,17 @@ Modules, in the order a run meets them:
 
 * ``_repgeom_lm_eval_hook`` (top level, standard library only, run at start-up by ``repgeom_lm_eval.pth``): adds
   the ``task_configs`` folder to every lm-eval ``TaskManager``.
+* ``settings``: the ``repgeom_*`` keys of ``--metadata`` (and ``--model_args``), declared once.
 * ``documents``: ``custom_dataset`` loader (upstream Hub dataset, or a local file through ``--metadata``).
 * ``task``: the task classes the YAMLs name; importing it registers the metrics and installs ``session``.
 * ``session``: wraps ``lm_eval.evaluator.evaluate`` so that a run with repgeom tasks reads hidden states.
-* ``fused``: the hidden states of HFLM's own forward pass (fused), or of an extra pass (fallback).
+* ``fused``: the capture of HFLM's own forward pass: each task's (address, pooling) read from the rows it scores.
+* ``scored``: what HFLM scores for one request (a row, its token keys and spans) and the results that carry it.
+* ``feeding``: the registered metrics' banks (``registered``), fed from the same rows.
+* ``extra_pass``: the one extra forward pass, for rows the capture did not read and for augmented views.
 * ``metrics``: the per-query items and lm-eval aggregations (dispersion, AUROC, deciles, slice Spearman).
-* ``registered``: any registered metric at any layers (``repgeom_metrics``), fed from the same capture.
+* ``registered``: any registered metric at any layers (``repgeom_metrics``): the request and its states.
+* ``ranks``: lm-eval's data-parallel ranks, for the sums and states gathered in ``apply_filters``.
 * ``model``: ``repgeom-hf`` for lm-eval's upcoming ``lm_eval.models`` entry points.
 """
 

@@ -3,7 +3,7 @@
 ``--metadata '{"repgeom_metrics": ["dataset_entropy", "mean_norm"], "repgeom_layers": ["final", "resid_post:0"]}'``
 adds, next to the task's own geometry, every requested metric at every requested address. The metric states are a
 :class:`~repgeom_eval.measurement.bank.MetricBank`, fed through the same pooling code as ``repgeom measure`` from
-the hidden states of the forward pass lm-eval already runs (:mod:`repgeom_eval.lmeval.fused`); see
+the hidden states of the forward pass lm-eval already runs (:mod:`repgeom_eval.lmeval.feeding`); see
 docs/lmeval.md#any-registered-metric for the user's side.
 
 What one text is (its index is the document's ``doc_id``):
@@ -26,15 +26,19 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.lmeval.ranks import lm_eval_ranks
 from repgeom_eval.measurement.bank import MetricBank
 from repgeom_eval.measurement.config import split_names
 from repgeom_eval.metric import Consumes
 from repgeom_eval.modeling.addresses import Address
+
+if TYPE_CHECKING:  # pragma: no cover
+    from repgeom_eval.lmeval.settings import Settings
 
 PREFIX = "repgeom:"
 KINDS = ("context", "document")
@@ -62,10 +66,11 @@ class MetricRequest:
     seed: int = 0
 
     @classmethod
-    def from_settings(cls, metrics: Any, params: Any, layers: Any, default_layer: str, seed: Any,
-                      host: Any = None) -> "MetricRequest | None":
-        """None when no metric is requested. Unknown metrics, parameters or bad values fail here, when lm-eval loads
-        the task, before any model is loaded."""
+    def from_settings(cls, settings: "Settings", host: Any = None) -> "MetricRequest | None":
+        """The request of a task's :class:`~repgeom_eval.lmeval.settings.Settings`; None when no metric is requested.
+        Unknown metrics, parameters or bad values fail here, when lm-eval loads the task, before any model is
+        loaded."""
+        metrics, params, layers, seed = settings.metrics, settings.metric_params, settings.layers, settings.seed
         if metrics is None or metrics == [] or metrics == "":
             if layers is not None:
                 raise RepgeomError("repgeom_layers selects the layers of repgeom_metrics, and none are requested; "
@@ -82,7 +87,7 @@ class MetricRequest:
                                f'{{"dataset_entropy": {{"alpha": 2}}}}, got {params!r}')
         params = {k: dict(v) for k, v in params.items()}
         # layers are not split here: "resid_post:[0,-1]" holds a comma; resolve_request splits outside brackets
-        layer_request = cls._items(layers, "repgeom_layers") if layers is not None else (str(default_layer),)
+        layer_request = cls._items(layers, "repgeom_layers") if layers is not None else (str(settings.layer),)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise RepgeomError(f"repgeom_seed must be an integer, got {seed!r}")
         request = cls(names, params, layer_request, seed)
@@ -137,26 +142,12 @@ def _cpu(state: Any) -> Any:
     return state
 
 
-def gather_across_ranks(obj: Any, world_size: int) -> list[Any]:
-    """``obj`` of every rank, in rank order (a collective: every rank must call it); ``[obj]`` for one rank."""
-    if world_size <= 1:
-        return [obj]
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RepgeomError(f"lm-eval reports {world_size} ranks but torch.distributed is not initialised; "
-                           "the metric states of every rank are needed")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
 class TaskBank:
     """The registered metrics of one task during one run: fed by the capture, merged across ranks, reported.
 
-    Lifecycle: :meth:`resolve` (the session, once the model is known) → :meth:`feed` / :meth:`add_window` /
-    :meth:`feed_views` (the capture) → :meth:`finish` (the task's ``apply_filters``, on every rank) →
-    :meth:`items` per document and :attr:`aggregations` for lm-eval.
+    Lifecycle: :meth:`resolve` (once the model is known) → :meth:`feed` / :meth:`add_window` (the
+    :class:`~repgeom_eval.lmeval.feeding.BankFeeder`) → :meth:`finish` (the task's ``apply_filters``, on every
+    rank) → :meth:`items` per document and :attr:`aggregations` for lm-eval.
     """
 
     def __init__(self, task: str, request: MetricRequest, kind: str, host: Any = None):
@@ -280,7 +271,8 @@ class TaskBank:
                                "rolling windows")
         if self.bank.feeder.pending_views():
             raise RuntimeError("augmented views of some texts never all arrived")  # a bug, never a user error
-        states = gather_across_ranks(_cpu(self.bank.state()), world_size)
+        ranks = lm_eval_ranks(world_size, "the metric states of every rank are needed")
+        states = ranks.all_gather(_cpu(self.bank.state()))
         if len(states) == 1:
             merged = self.bank
         else:

@@ -8,8 +8,8 @@ before any compute is spent and fails loudly instead of producing a silently mis
 * a backend that is not ``HFLM`` (vLLM, APIs, GGUF servers, …) has no hidden states to read;
 * a seq2seq model has no single "last context token" in the decoder;
 
-then reads the hidden states of HFLM's own forward passes for the duration of the run
-(:class:`~repgeom_eval.lmeval.fused.HiddenStates`).
+then resolves what each task reads on the model (its ``repgeom_layer`` address and pooling) and reads the hidden
+states of HFLM's own forward passes for the duration of the run (:class:`~repgeom_eval.lmeval.fused.HiddenStates`).
 """
 
 from __future__ import annotations
@@ -51,13 +51,15 @@ def _wrap_evaluate(module: Any) -> None:
 
 
 def geometry_tasks(task_dict: Any) -> list:
-    """The repgeom tasks of a run (``TaskManager.load()`` result or lm-eval's older nested dict)."""
-    from .task import GeometryTask
+    """The repgeom tasks of a run (``TaskManager.load()`` result or lm-eval's older nested dict): the tasks that
+    carry repgeom :class:`~repgeom_eval.lmeval.settings.Settings` (``task.GeometryTask`` and its subclasses; that
+    module imports this one to install the wrapper, so the tasks are recognised by what they carry)."""
+    from repgeom_eval.lmeval.settings import Settings
 
     found: list = []
 
     def walk(obj: Any) -> None:
-        if isinstance(obj, GeometryTask):
+        if isinstance(getattr(obj, "settings", None), Settings):
             if all(obj is not t for t in found):
                 found.append(obj)
         elif isinstance(obj, dict):
@@ -89,19 +91,22 @@ def check_model(lm: Any) -> Any:
 
 @contextmanager
 def hidden_states_for(lm: Any, tasks: list) -> Iterator[Any]:
-    """Attach the hidden states ``tasks`` need to ``lm``'s results for the duration of the block."""
-    from repgeom_eval.lmeval.fused import HiddenStates
-
+    """Attach what ``tasks`` read to ``lm``'s results for the duration of the block."""
+    from repgeom_eval.lmeval.fused import HiddenStates, resolve_layer
     from repgeom_eval.lmeval.registered import TaskBank
+    from repgeom_eval.modeling.loading import wrap_model
 
     check_model(lm)
+    loaded = wrap_model(lm.model, getattr(lm, "tokenizer", None), source="lm-eval")
+    reads = {id(t): (resolve_layer(t.settings.layer, loaded), t.settings.pooling) for t in tasks}
     method = "extra" if any(t.settings.capture == "extra" for t in tasks) else "fused"
     banks = {t.config.task: TaskBank(t.config.task, t.metric_request, "document" if t.KIND == "perplexity"
                                      else "context") for t in tasks if t.metric_request is not None}
-    with HiddenStates(lm, {t.want for t in tasks}, method=method, banks=banks) as states:
+    with HiddenStates(lm, loaded, reads.values(), method=method, banks=banks) as states:
         for task in tasks:
+            task.read = reads[id(task)]
             task.bank = banks.get(task.config.task)
-            task.record_capture({"address": str(states.addresses[task.want]), "capture": states.method,
+            task.record_capture({"address": str(task.read[0]), "capture": states.method,
                                  **({"fused_disabled_because": states.reason} if states.reason else {}),
                                  **(task.bank.record() if task.bank is not None else {})})
         yield states

@@ -4,25 +4,10 @@ Each is lm-eval's own ``ConfigurableTask`` (the YAML gives upstream's prompt, ch
 geometry. Importing this module registers the metrics with lm-eval and installs the hidden-state capture for
 runs that include a repgeom task (``session``).
 
-Settings come from ``--metadata`` (all optional; every value used is written into the results' task config under
-``metadata.repgeom``):
-
-========================= =========== ========================================================================
-key                       default     meaning
-========================= =========== ========================================================================
-``repgeom_data``          (Hub)       local file or folder in the upstream schema (``data``)
-``repgeom_layer``         ``final``   layer address (``final``, ``resid_post:-1``, ``mlp_in:12``, a hidden-state index)
-``repgeom_pooling``       ``last``    ``last`` context token or ``mean`` over the context (hardness tasks; see
-                                      docs/metrics.md#hardness-slices)
-``repgeom_correct``       ``acc``     which 0/1 metric defines a correct query (``acc`` or ``acc_norm``)
-``repgeom_capture``       ``fused``   ``fused``: read lm-eval's own forward pass; ``extra``: one more pass
-``repgeom_slice_size``    ``100``     queries per controlled slice
-``repgeom_slice_seeds``   ``10``      seeds per fraction
-``repgeom_metrics``       (none)      registered metrics to add, at ``repgeom_layers`` (``registered``)
-``repgeom_metric_params`` ``{}``      ``{metric: {parameter: value}}``, as ``repgeom measure --metric-param``
-``repgeom_layers``        ``[layer]`` addresses or selectors of ``repgeom_metrics`` (default: ``repgeom_layer``)
-``repgeom_seed``          ``0``       seed of the augmented views of VIEWS metrics
-========================= =========== ========================================================================
+Settings come from ``--metadata`` (and from ``--model_args`` with ``--model repgeom-hf``), all optional: the keys
+``repgeom_<field>`` of :class:`~repgeom_eval.lmeval.settings.Settings`, where each is declared once, with its default
+and meaning (docs/lmeval.md#settings---metadata). What a task reads (its ``repgeom_layer`` address and pooling) is
+resolved on the model when the run starts (``session``).
 
 Why ``apply_filters`` does the geometry: lm-eval runs every request of every task before it scores any document,
 then calls ``apply_filters`` once per task on every rank (in the same order), then ``process_results`` per
@@ -37,9 +22,9 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import warnings
 from collections import defaultdict
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -47,69 +32,14 @@ from lm_eval.api.samplers import ContextSampler
 from lm_eval.api.task import ConfigurableTask
 
 from repgeom_eval.analyses import slices
-from ..errors import RepgeomError
-from . import metrics, session
-from repgeom_eval.lmeval.fused import POOLINGS, Want
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.functional.dispersion import DispersionSums
+from repgeom_eval.lmeval import metrics, session
 from repgeom_eval.lmeval.documents import SCHEMAS
+from repgeom_eval.lmeval.ranks import lm_eval_ranks
 from repgeom_eval.lmeval.registered import MetricRequest
-
-PREFIX = "repgeom_"
-
-
-@dataclass
-class Settings:
-    data: str | None = None
-    layer: str = "final"
-    pooling: str = "last"
-    correct: str = "acc"
-    capture: str = "fused"
-    slice_size: int = slices.SLICE_SIZE
-    slice_seeds: int = slices.SEEDS
-    # registered metrics (docs/lmeval.md#any-registered-metric); None: not requested
-    metrics: Any = None
-    metric_params: Any = None
-    layers: Any = None
-    seed: int = 0
-
-    @classmethod
-    def from_metadata(cls, metadata: dict[str, Any], kind: str) -> "Settings":
-        valid = {f"{PREFIX}{k}" for k in asdict(cls())}
-        unknown = sorted(k for k in metadata if k.startswith(PREFIX) and k not in valid | {"repgeom_schema"})
-        if unknown:
-            raise RepgeomError(f"unknown metadata key {unknown[0]!r} for repgeom tasks (valid: {', '.join(sorted(valid))})")
-        values = {k[len(PREFIX):]: v for k, v in metadata.items() if k in valid}
-        out = cls(**values)
-        out.layer = str(out.layer)
-        if kind == "perplexity":
-            out.pooling = "tokens"
-        elif out.pooling not in ("last", "mean"):
-            raise RepgeomError(f"repgeom_pooling must be last or mean, got {out.pooling!r}")
-        if out.capture not in ("fused", "extra"):
-            raise RepgeomError(f"repgeom_capture must be fused or extra, got {out.capture!r}")
-        for name in ("slice_size", "slice_seeds"):
-            value = getattr(out, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RepgeomError(f"repgeom_{name} must be a positive integer, got {value!r}")
-        assert out.pooling in POOLINGS
-        return out
-
-
-def sum_across_ranks(values: np.ndarray | None, world_size: int) -> np.ndarray | None:
-    """Element-wise sum of ``values`` over the ranks lm-eval shards documents across (identity for one rank).
-
-    A collective: every rank must call it, also one that got no documents (it passes None and is left out of
-    the sum). None when no rank had any."""
-    if world_size <= 1:
-        return values
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RepgeomError(f"lm-eval reports {world_size} ranks but torch.distributed is not initialised; "
-                           "geometry needs the sums of every rank")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, values)
-    present = [g for g in gathered if g is not None]
-    return np.sum(np.stack(present), axis=0) if present else None
+from repgeom_eval.lmeval.settings import SCHEMA_KEY, Settings
+from repgeom_eval.modeling.addresses import Address
 
 
 class GeometryTask(ConfigurableTask):
@@ -122,33 +52,31 @@ class GeometryTask(ConfigurableTask):
         config.pop("class", None)  # lm-eval's PY_TASK route passes the YAML's `class:` key along
         metadata = dict(config.get("metadata") or {})
         self.settings = Settings.from_metadata(metadata, self.KIND)
-        schema = (config.get("dataset_kwargs") or {}).get("repgeom_schema")
-        record = {k: v for k, v in asdict(self.settings).items() if self.KIND == "hardness" or k in
-                  ("data", "layer", "pooling", "capture")}
-        if schema in SCHEMAS:
-            record["data"] = self.settings.data or "/".join(x for x in SCHEMAS[schema].hub if x) + " (Hugging Face Hub)"
-        else:  # a YAML of the user's own (docs/lmeval.md#your-own-prompt): its dataset_path says where the data is
-            if self.settings.data:
-                warnings.warn(f"task {config.get('task')}: repgeom_data applies to the shipped repgeom tasks only; "
-                              "this task reads its own dataset_path / dataset_kwargs", RuntimeWarning, stacklevel=2)
-            given = {k: v for k, v in (config.get("dataset_kwargs") or {}).items() if k != "repgeom_schema"}
-            record["data"] = " ".join(str(x) for x in (config.get("dataset_path"), given or None) if x) or None
-        s = self.settings
-        self.metric_request = MetricRequest.from_settings(s.metrics, s.metric_params, s.layers, s.layer, s.seed)
-        for key in ("metrics", "metric_params", "layers", "seed"):
-            record.pop(key, None)
+        record = self.settings.record(self.KIND)
+        record["data"] = self._data_source(config)
+        self.metric_request = MetricRequest.from_settings(self.settings)
         if self.metric_request is not None:  # recorded only when asked for: today's task config is unchanged
             record.update(self.metric_request.record())
         metadata["repgeom"] = record
         config["metadata"] = metadata
+        self.read: tuple[Address, str] | None = None  # (address, pooling), resolved on the model by the session
         self.bank = None  # the run's TaskBank (set by the session when repgeom_metrics are requested)
         self.capture_info: dict[str, Any] | None = None
         self._world_size = 1
         super().__init__(config=config, **kwargs)
 
-    @property
-    def want(self) -> Want:
-        return Want(self.settings.layer, self.settings.pooling)
+    def _data_source(self, config: dict) -> str | None:
+        """Where the documents come from, as the task config records it."""
+        schema = (config.get("dataset_kwargs") or {}).get(SCHEMA_KEY)
+        if schema in SCHEMAS:
+            return self.settings.data or "/".join(x for x in SCHEMAS[schema].hub if x) + " (Hugging Face Hub)"
+        # a YAML of the user's own (docs/lmeval.md#your-own-prompt-a-hardness-task-from-a-yaml): its dataset_path
+        # says where the data is
+        if self.settings.data:
+            warnings.warn(f"task {config.get('task')}: repgeom_data applies to the shipped repgeom tasks only; "
+                          "this task reads its own dataset_path / dataset_kwargs", RuntimeWarning, stacklevel=3)
+        given = {k: v for k, v in (config.get("dataset_kwargs") or {}).items() if k != SCHEMA_KEY}
+        return " ".join(str(x) for x in (config.get("dataset_path"), given or None) if x) or None
 
     def record_capture(self, info: dict[str, Any]) -> None:
         """Called by the session: how the hidden states were obtained (goes into the results' task config)."""
@@ -251,7 +179,7 @@ class HardnessTask(GeometryTask):
             key = next(iter(insts[0].filtered_resps))
             results = [inst.filtered_resps[key] for inst in insts]
             geometry = getattr(results[0], "geometry", None)
-            if not geometry or self.want not in geometry:
+            if not geometry or self.read not in geometry:
                 raise self._missing(f"document {doc_id}")
             doc = insts[0].doc
             base = ConfigurableTask.process_results(self, doc, results)
@@ -259,25 +187,26 @@ class HardnessTask(GeometryTask):
             n_tokens = getattr(results[gold], "n_tokens", None) or 1
             carriers.append(results[0])
             doc_ids.append(doc_id)
-            vectors.append(np.asarray(geometry[self.want], dtype=np.float64))
+            vectors.append(np.asarray(geometry[self.read], dtype=np.float64))
             correct.append(bool(base[self.settings.correct]))
             ppl.append(math.exp(-float(results[gold][0]) / n_tokens))  # the gold answer's, given the prompt
             prompt = getattr(results[0], "prompt", None)  # the choices share the context: any row's will do
             prompt_ppl.append(prompt.perplexity() if prompt is not None else math.nan)
+        # the sums over every rank's queries: all, correct, incorrect
         local = None
         if vectors:
             u = slices.unit_rows(np.stack(vectors))
             ok = np.asarray(correct)
             everyone = np.ones(len(u), dtype=bool)
-            local = np.concatenate([slices.SetSums.of(u[m]).pack() for m in (everyone, ok, ~ok)])
-        total = sum_across_ranks(local, self._world_size)
+            local = [DispersionSums.of(u[m]) for m in (everyone, ok, ~ok)]
+        ranks = lm_eval_ranks(self._world_size, "geometry needs the sums of every rank")
+        gathered = [sums for sums in ranks.all_gather(local) if sums is not None]
         if not vectors:
             return out
-        total = total.reshape(3, -1)
-        sums = [slices.SetSums.unpack(row) for row in total]
-        c = slices.scores_against(u, everyone, sums[0])
-        c_ok = slices.scores_against(u, ok, sums[1])
-        c_bad = slices.scores_against(u, ~ok, sums[2])
+        total = [functools.reduce(operator.add, parts) for parts in zip(*gathered)]
+        c = slices.scores_against(u, everyone, total[0])
+        c_ok = slices.scores_against(u, ok, total[1])
+        c_bad = slices.scores_against(u, ~ok, total[2])
         for i, carrier in enumerate(carriers):
             carrier.repgeom_items = metrics.query_items(c[i], c_ok[i], c_bad[i], correct[i], ppl[i], vectors[i],
                                                          doc_ids[i], prompt_ppl[i])
@@ -341,11 +270,11 @@ class PerplexityGeometryTask(GeometryTask):
         if self._bypassed() or not wanted:
             return base
         (loglikelihood,) = results
-        stats = getattr(loglikelihood, "geometry", {}).get(self.want)
-        if stats is None:
+        sums = getattr(loglikelihood, "geometry", {}).get(self.read)
+        if sums is None:
             raise self._missing("this document")
         n_tokens = max(1, int(getattr(loglikelihood, "n_tokens", 0) or 0))
-        items = metrics.document_items(math.exp(-float(loglikelihood) / n_tokens), stats.dispersion())
+        items = metrics.document_items(math.exp(-float(loglikelihood) / n_tokens), sums.dispersion())
         return {**base, **{m: items[m] for m in wanted}}
 
 

@@ -1,0 +1,106 @@
+"""The ``repgeom_*`` keys of lm-eval's ``--metadata`` (and of ``--model_args`` with ``--model repgeom-hf``), declared
+once as the fields of :class:`Settings` (docs/lmeval.md#settings---metadata).
+
+From the declaration come: the keys a task accepts (:func:`key`; an unknown ``repgeom_*`` key is an error naming
+it), the conversion of a given value (``from_cli``), every check (:meth:`Settings.from_metadata`), the keys
+``repgeom-hf`` takes out of its model arguments (:func:`settings_in`), and the block each task writes into the
+results' task config under ``metadata.repgeom`` (:meth:`Settings.record`: the fields declared with ``config=True``
+that the task's kind reads). lm-eval merges ``--model_args`` into the metadata every task receives, so both routes
+reach the same fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, fields
+from types import MappingProxyType
+from typing import Any
+
+from repgeom_eval.analyses.configs import SlicesConfig
+from repgeom_eval.errors import RepgeomError
+from repgeom_eval.option_fields import option, plain
+
+PREFIX = "repgeom_"
+# Not a setting: the shipped YAMLs' dataset_kwargs key, which lm-eval passes to the dataset loader beside the metadata.
+SCHEMA_KEY = "repgeom_schema"
+CAPTURES = ("fused", "extra")
+# A hardness task reads one vector per query: its last context token or the mean over its context (the `first` token
+# of the one pooling vocabulary, repgeom_eval.measurement.pooling, is the same for every query of a prompt format).
+# A rolling-perplexity task reads every scored token (`tokens`).
+HARDNESS_POOLINGS = ("last", "mean")
+HARDNESS_ONLY = "hardness_only"  # field metadata: read (and recorded) by hardness tasks only
+
+
+def _hardness_only(spec: Field) -> Field:
+    """Mark an :func:`option` that only hardness tasks read: a perplexity task accepts the key (one ``--metadata``
+    serves every task of a run) but does not record it."""
+    spec.metadata = MappingProxyType({**spec.metadata, HARDNESS_ONLY: True})
+    return spec
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings of one repgeom task: field ``name`` is the ``--metadata`` key ``repgeom_<name>``."""
+
+    data: str | None = option(None, help="local file or folder in the upstream schema (docs/lmeval.md#local-data); "
+                                         "default: the Hugging Face Hub dataset")
+    layer: str = option("final", from_cli=str,
+                        help="one layer address: final, resid_post:-1, mlp_in:12, a hidden-state index")
+    pooling: str = option("last", help="last context token, or mean over the context (hardness tasks)")
+    correct: str = _hardness_only(option("acc", help="the 0/1 metric that defines a correct query (acc or acc_norm)"))
+    capture: str = option("fused", help="fused: read lm-eval's own forward pass; extra: one more pass (fallback)")
+    slice_size: int = _hardness_only(option(SlicesConfig.size, help="queries per controlled slice"))
+    slice_seeds: int = _hardness_only(option(SlicesConfig.seeds, help="slices per fraction"))
+    # The registered metrics (docs/lmeval.md#any-registered-metric), None: not requested. Recorded as the metric
+    # request normalises them (MetricRequest.record), and only when metrics are requested.
+    metrics: Any = option(None, config=False, help="registered metrics to add, at repgeom_layers")
+    metric_params: Any = option(None, config=False, help='their parameters: {"METRIC": {"PARAM": VALUE}}')
+    layers: Any = option(None, config=False, help="their addresses or selectors (default: repgeom_layer)")
+    seed: int = option(0, config=False, help="seed of the augmented views of VIEWS metrics")
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], kind: str) -> "Settings":
+        """The settings of a task of ``kind`` (``hardness`` or ``perplexity``) from the metadata lm-eval hands it.
+        Every check of a setting is here (those of the metric request in
+        :meth:`~repgeom_eval.lmeval.registered.MetricRequest.from_settings`)."""
+        given = settings_in(metadata)
+        if kind == "perplexity":
+            given["pooling"] = "tokens"  # a rolling-perplexity task reads every scored token
+        out = cls(**given)
+        if kind != "perplexity" and out.pooling not in HARDNESS_POOLINGS:
+            raise RepgeomError(f"repgeom_pooling must be {' or '.join(HARDNESS_POOLINGS)}, got {out.pooling!r}")
+        if out.capture not in CAPTURES:
+            raise RepgeomError(f"repgeom_capture must be {' or '.join(CAPTURES)}, got {out.capture!r}")
+        for name in ("slice_size", "slice_seeds"):
+            value = getattr(out, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RepgeomError(f"{key(name)} must be a positive integer, got {value!r}")
+        return out
+
+    def record(self, kind: str) -> dict[str, Any]:
+        """What a task of ``kind`` writes under ``metadata.repgeom`` of its config: the recorded settings it reads."""
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self)
+                if f.metadata["config"] and (kind == "hardness" or not f.metadata.get(HARDNESS_ONLY))}
+
+
+def key(name: str) -> str:
+    """The metadata key of the setting ``name``."""
+    return f"{PREFIX}{name}"
+
+
+KEYS = tuple(key(f.name) for f in fields(Settings))
+
+
+def settings_in(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings given in ``metadata`` (lm-eval's ``--metadata`` or model arguments), by field name and
+    converted; an unknown ``repgeom_*`` key is an error."""
+    unknown = sorted(k for k in metadata if k.startswith(PREFIX) and k not in KEYS and k != SCHEMA_KEY)
+    if unknown:
+        raise RepgeomError(f"unknown metadata key {unknown[0]!r} for repgeom tasks (valid: {', '.join(sorted(KEYS))})")
+    given = {}
+    for f in fields(Settings):
+        if key(f.name) in metadata:
+            convert = f.metadata["from_cli"]
+            value = metadata[key(f.name)]
+            given[f.name] = convert(value) if convert else value
+    return given
