@@ -7,10 +7,15 @@ import json
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from repgeom_eval.training.config import config_keys_help
+
+    # The keys of the config file, listed from their declarations (repgeom_eval/training/config.py).
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = config_keys_help()
     p.add_argument("--config", "-c", required=True, metavar="FILE.yaml",
                    help="training config: model or from_scratch, data.domains, aux_losses, training "
-                        "(transformers.TrainingArguments), evaluate_at, output_dir (see README, 'Training with "
-                        "auxiliary losses')")
+                        "(transformers.TrainingArguments), evaluate_at, output_dir (keys below; README, 'Training "
+                        "with auxiliary losses')")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set training.max_steps=50 --set output_dir=runs/b "
                         "(VALUE is read as YAML; repeatable)")
@@ -26,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from repgeom_eval.training.loop import check_train_outputs, read_config, train
+    from repgeom_eval.training.config import read_config
+    from repgeom_eval.training.loop import check_train_outputs, train
 
     cfg = read_config(args.config, args.overrides)
     check_train_outputs(cfg, args.overwrite, config_file=args.config)
