@@ -186,8 +186,11 @@ def describe(hint: Any) -> str:
         return " or ".join(describe(h) for h in typing.get_args(hint))
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path",
              type(None): "null"}
-    if isinstance(hint, type) and is_dataclass(hint):
+    origin = typing.get_origin(hint)
+    if (isinstance(hint, type) and is_dataclass(hint)) or (isinstance(origin, type) and issubclass(origin, Mapping)):
         return "a mapping"
+    if origin is tuple:
+        return "a list"
     return names.get(hint, f"a {getattr(hint, '__name__', hint)}")
 
 
