@@ -118,6 +118,21 @@ class ScratchModel:
             raise ConfigError(f"({self.n_embd}) must be divisible by n_head ({self.n_head})", "n_embd")
 
 
+def model_options(value: Any, handled: Sequence[str] = ()) -> Any:
+    """The model options group from a mapping of its keys, float32 unless it says otherwise (anything else is
+    left for the check to refuse)."""
+    if not isinstance(value, Mapping):
+        return value
+    try:
+        options = from_mapping(ModelOptions, {"dtype": TRAINING_MODEL_OPTIONS.dtype, **value}, handled=handled)
+    except ConfigError:
+        raise
+    except RepgeomError as exc:  # ModelOptions' own checks (an unknown dtype ...)
+        raise ConfigError(str(exc), joiner=": ") from None
+    check_types(options)
+    return options
+
+
 def _aux_losses(value: Any) -> Any:
     if value is None:
         return ()
@@ -154,6 +169,7 @@ class TrainConfig:
                    "options below}",
         must=Must("a model path or hub id", lambda v: v is None or NON_EMPTY_STRING.holds(v)))
     model_options: ModelOptions = setting(default_factory=lambda: TRAINING_MODEL_OPTIONS, in_file=False, config=False,
+                                          normalise=model_options,
                                           help="how the model loads (the model: mapping's keys beside its name)")
     from_scratch: ScratchModel | None = setting(
         None, help="instead of model: a small GPT-2 trained from scratch, e.g. {n_layer: 4, n_embd: 128, n_head: 4, "
@@ -196,12 +212,9 @@ class TrainConfig:
     def _read_model_mapping(self, mapping: Mapping[str, Any]) -> None:
         """``model: {name: ..., revision: ..., ...}``: the name, and the model options group from the other keys."""
         try:
-            options = from_mapping(ModelOptions, {"dtype": TRAINING_MODEL_OPTIONS.dtype, **mapping}, handled=("name",))
-            check_types(options)
+            options = model_options(mapping, handled=("name",))
         except ConfigError as exc:
             raise exc.inside("model") from None
-        except RepgeomError as exc:  # ModelOptions' own checks (an unknown dtype ...)
-            raise ConfigError(str(exc), "model", ": ") from None
         if "name" not in mapping:
             raise ConfigError("no name (a model folder, .gguf file or hub id)", "model", " has ")
         object.__setattr__(self, "model", mapping["name"])
