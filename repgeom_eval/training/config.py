@@ -185,7 +185,7 @@ class TrainConfig:
         help="transformers.TrainingArguments fields: max_steps (or num_train_epochs) and any other")
     evaluate_at: tuple[int, ...] = setting(
         (), help="steps at which each domain's evaluation perplexity is measured (and at the end)", normalise=_steps,
-        must=Must("a list of positive step counts", lambda v: isinstance(v, tuple) and all(s >= 1 for s in v)))
+        must=Must("a list of positive step counts", lambda v: isinstance(v, tuple) and all(is_integer(s) and s >= 1 for s in v)))
     dispersion_layer: str = setting("final", help="layer address whose batch dispersion is logged every step",
                                     normalise=lambda v: str(v) if is_integer(v) else v, must=NON_EMPTY_STRING)
     seed: int = setting(0, help="seed of the held-out split, the model's initialisation and the Trainer")
