@@ -4,21 +4,37 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
+
+from repgeom_eval.option_fields import add_option_arguments, option, options_from_namespace
+
+
+@dataclass(frozen=True)
+class TrainCommand:
+    """The command's own flags; what is trained, and how, is the config file's (repgeom_eval/training/config.py)."""
+
+    config: str = option(None, "--config", "-c", required=True, metavar="FILE.yaml",
+                         help="training config: model or from_scratch, data.domains, aux_losses, training "
+                              "(transformers.TrainingArguments), evaluate_at, output_dir (keys below; README, "
+                              "'Training with auxiliary losses')")
+    overrides: tuple[str, ...] = option((), "--set", action="append", cli_default=[], metavar="KEY=VALUE",
+                                        from_cli=tuple,
+                                        help="override a config value, e.g. --set training.max_steps=50 --set "
+                                             "output_dir=runs/b (VALUE is read as YAML; repeatable)")
+    overwrite: bool = option(False, "--overwrite", action="store_true",
+                             help="replace the run already in output_dir (its results.json, model/ and trainer/); "
+                                  "without it such an output_dir is refused")
+    progress: bool = option(True, "--no-progress", action="store_false", help="no progress bar")
+    json: bool = option(False, "--json", action="store_true", help="print the per-domain perplexities as JSON")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", required=True, metavar="FILE.yaml",
-                   help="training config: model or from_scratch, data.domains, aux_losses, training "
-                        "(transformers.TrainingArguments), evaluate_at, output_dir (see README, 'Training with "
-                        "auxiliary losses')")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set training.max_steps=50 --set output_dir=runs/b "
-                        "(VALUE is read as YAML; repeatable)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in output_dir (its results.json, model/ and trainer/); without it "
-                        "such an output_dir is refused")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the per-domain perplexities as JSON")
+    from repgeom_eval.training.config import config_keys_help
+
+    # The keys of the config file, listed from their declarations (repgeom_eval/training/config.py).
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = config_keys_help()
+    add_option_arguments(TrainCommand, p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,12 +42,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from repgeom_eval.training.loop import check_train_outputs, read_config, train
+    from repgeom_eval.training.config import read_config
+    from repgeom_eval.training.loop import check_train_outputs, train
 
-    cfg = read_config(args.config, args.overrides)
-    check_train_outputs(cfg, args.overwrite, config_file=args.config)
-    result = train(cfg, progress=not args.no_progress, overwrite=args.overwrite)
-    if args.json:
+    command = TrainCommand(**options_from_namespace(TrainCommand, args))
+    cfg = read_config(command.config, command.overrides)
+    check_train_outputs(cfg, command.overwrite, config_file=command.config)
+    result = train(cfg, progress=command.progress, overwrite=command.overwrite)
+    if command.json:
         print(json.dumps(result.perplexity_table(), indent=2))
         return 0
     console = Console()

@@ -1,4 +1,4 @@
-"""Old module paths, kept working for one release: importing one warns and gives the module where it lives now.
+"""Old module paths and names, kept working for one release: importing one warns and gives what lives there now.
 
 The package was regrouped by what each module holds (plugin_system/, modeling/, measurement/, training/, output/).
 Code written against the old layout (``from repgeom_eval.auxloss import AuxLoss``) keeps running, with a
@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: old module path → where it lives now
@@ -38,6 +39,21 @@ MOVED = {
 }
 
 
+def moved_names(old_module: str, new_homes: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module-level ``__getattr__`` for ``old_module`` serving each name of ``new_homes`` (name → the module it
+    lives in now) with a warning; any other missing name is the usual ``AttributeError``."""
+
+    def __getattr__(name: str) -> Any:
+        home = new_homes.get(name)
+        if home is None:
+            raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
+        warnings.warn(f"{old_module}.{name} has moved: import it from {home} ({old_module} stops providing it in "
+                      "the next release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), name)
+
+    return __getattr__
+
+
 class _MovedLoader:
     def __init__(self, old: str, new: str):
         self.old, self.new = old, new
@@ -45,10 +61,14 @@ class _MovedLoader:
     def create_module(self, spec: Any) -> Any:
         warnings.warn(f"{self.old} moved to {self.new}: import from there, or the name from repgeom_eval itself; "
                       "the old path goes in the next release", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
 
     def exec_module(self, module: Any) -> None:
-        """The module is the one at its new path, already executed."""
+        """The module is the one at its new path, already executed; the import system gave it the old path's spec,
+        which is put back (reloading and pickling go by the real one)."""
+        module.__spec__ = self.spec
 
 
 class _MovedFinder:

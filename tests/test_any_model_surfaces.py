@@ -109,7 +109,7 @@ def test_aux_loss_trains_a_discovered_model(tiny, tmp_path):
     from transformers import TrainingArguments
 
     from repgeom_eval.training.auxloss import build_aux_loss
-    from repgeom_eval.training.loop import pack_blocks
+    from repgeom_eval.training.data import pack_blocks
     from repgeom_eval.training.trainer import AuxLossTrainer
 
     loaded = load_model(tiny("opt"))

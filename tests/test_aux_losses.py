@@ -3,6 +3,7 @@ objects, gradcheck in float64, the O(N·d) push-away against the pairwise form, 
 errors."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -276,3 +277,73 @@ def test_unknown_loss_lists_the_registered_ones():
     with pytest.raises(UnknownNameError) as err:
         build_aux_loss({"name": "dispersion", "weight": 0.1})
     assert "angular_spread" in str(err.value) and "push_away" in str(err.value)
+
+
+def test_a_subclass_without_the_loss_is_refused_when_built():
+    import types
+
+    import repgeom_eval as rg
+
+    class Unfinished(AuxLoss):
+        name = "unfinished"
+
+    @rg.hookimpl
+    def repgeom_register_aux_losses(registry):
+        registry.add(Unfinished)
+
+    plugin = types.ModuleType("unfinished_plugin")
+    plugin.repgeom_register_aux_losses = repgeom_register_aux_losses
+    host = rg.PluginHost(extra_plugins=[("unfinished", plugin)])
+    with pytest.raises(RepgeomError, match="aux loss 'unfinished' from plugin 'unfinished' does not implement "
+                                           "compute_loss_from_hidden; "):
+        build_aux_loss({"name": "unfinished", "weight": 0.1}, host)
+
+
+def test_importing_the_interface_loads_no_plugin_host_and_no_torch():
+    """A plugin module imports AuxLoss while the plugin host loads it: the interface must not import the host back
+    (an import cycle) nor torch (`repgeom plugins` stays cheap)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; import repgeom_eval.training.auxloss; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('torch', 'repgeom_eval')))))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       timeout=120).stdout)
+    assert "repgeom_eval.plugin_system.host" not in loaded and "repgeom_eval.modeling.addresses" not in loaded
+    assert not [m for m in loaded if m == "torch" or m.startswith("torch.")]
+
+
+def test_the_old_import_path_still_works_with_a_deprecation_warning():
+    import importlib
+    import warnings
+
+    from repgeom_eval.training import auxloss
+
+    sys.modules.pop("repgeom_eval.auxloss", None)
+    with pytest.warns(DeprecationWarning, match=r"repgeom_eval\.auxloss moved to repgeom_eval\.training\.auxloss") \
+            as caught:
+        from repgeom_eval.auxloss import AuxLoss as Old, build_aux_loss as old_build, parse_addresses as old_parse
+    assert caught[0].filename == __file__  # the warning points at the import, not at the import machinery
+    assert (Old, old_build, old_parse) == (auxloss.AuxLoss, auxloss.build_aux_loss, auxloss.parse_addresses)
+    assert auxloss.__spec__.name == "repgeom_eval.training.auxloss"
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        importlib.import_module("repgeom_eval.auxloss").Nope  # noqa: B018
+    # the training package's own names load their module, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from repgeom_eval.training import AuxLoss as New, AuxLossTrainer, build_aux_loss as build, pack_blocks, train
+
+    assert New is AuxLoss and build is build_aux_loss and callable(train) and callable(pack_blocks)
+    assert AuxLossTrainer.__module__ == "repgeom_eval.training.trainer"
+
+
+def test_names_that_left_the_run_module_warn_where_they_are_imported():
+    from repgeom_eval.training import config, data, model
+
+    moved = {"pack_blocks": data, "split_texts": data, "parse_config": config, "read_config": config,
+             "set_dotted": config, "build_model": model, "train_tokenizer": model}
+    for name, home in moved.items():
+        with pytest.warns(DeprecationWarning, match=f"loop.{name} has moved: import it from {home.__name__}"):
+            exec(f"from repgeom_eval.training.loop import {name} as found", namespace := {})
+        assert namespace["found"] is getattr(home, name)

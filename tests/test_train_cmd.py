@@ -10,7 +10,9 @@ import accelerate  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 import datasets  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.entrypoints.cli import main  # noqa: E402
-from repgeom_eval.training.loop import parse_config, read_config, split_texts  # noqa: E402
+from repgeom_eval.errors import RepgeomError  # noqa: E402
+from repgeom_eval.training.config import TrainConfig, parse_config, read_config  # noqa: E402
+from repgeom_eval.training.data import split_texts  # noqa: E402
 
 
 def write_jsonl(path, texts):
@@ -70,6 +72,13 @@ def test_train_from_scratch_two_domains_end_to_end(two_domains, capsys):
         expected = row["ce"] + 0.01 * row["aux/push_away"] + 0.1 * row["aux/angular_spread"]
         assert row["loss"] == pytest.approx(expected, rel=1e-5)
     cfg = result["config"]
+    assert list(cfg) == ["model", "from_scratch", "source", "data", "aux_losses", "plugins", "objective", "training",
+                         "evaluate_at", "dispersion_layer", "seed", "torch_threads", "output_dir", "save_model",
+                         "versions"]
+    assert cfg["from_scratch"] == {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 320, "tokenizer": None}
+    assert cfg["data"] == {"block_size": 24, "text_field": "text", "eval_fraction": 0.1, "balance": True,
+                           "domains": {d: {"train": str(two_domains / f"{d}.jsonl"),
+                                           "eval": str(two_domains / f"{d}_test.jsonl")} for d in ("prose", "code")}}
     assert cfg["aux_losses"][0] == {"name": "push_away", "granularity": "token", "cross_domain": True,
                                     "pooling": "last", "eps": 1e-12, "weight": 0.01, "layers": "final"}
     assert cfg["aux_losses"][1]["max_tokens"] == 8 and cfg["aux_losses"][1]["variant"] == "paper"
@@ -98,9 +107,10 @@ output_dir: run
 save_model: false
 """)
     assert main(["train", "-c", str(tmp_path / "cfg.yaml"), "--no-progress", "--json",
-                 "--set", "training.max_steps=3"]) == 0
+                 "--set", "training.max_steps=3", "--set", "model.allow_random_init=true"]) == 0
     result = json.loads((tmp_path / "run" / "results.json").read_text())
     assert result["timings"]["steps"] == 3  # --set applied
+    assert result["model"]["options"] == {"allow_random_init": True}  # a model option, recorded as measure does
     assert [e["step"] for e in result["evaluations"]] == [3]  # the held-out 10% of the texts, at the end
     assert result["data"]["text"]["eval_texts"] == 4 and result["data"]["text"]["train_texts"] == 36
     assert result["config"]["source"] == {"kind": "continued", "model": tiny_model_dir("gpt2")}
@@ -123,8 +133,36 @@ def test_split_is_seeded_and_disjoint():
      "exactly one of"),
     ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o\nevaluate: [1]",
      "unknown key 'evaluate'; did you mean 'evaluate_at'"),
-    ("model: m\ndata: {domains: {}}\ntraining: {max_steps: 1}\noutput_dir: o", "data.domains is empty"),
-    ("model: m\ndata: {domains: {a: {eval: e.jsonl}}}\ntraining: {max_steps: 1}\noutput_dir: o", "no `train`"),
+    ("model: m\ndata: {domains: {}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     r"data.domains must be a mapping of one or more domains, e\.g\. \{text: \{train: texts.jsonl\}\}, got \{\}"),
+    ("model: m\ndata: {domains: {a: {eval: e.jsonl}}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "data.domains.a has no train"),
+    ("model: m\ndata: {domains: {a: {train: t.jsonl, evl: e}}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "data.domains.a: unknown key 'evl'; did you mean 'eval'"),
+    ("model: m\ndata: {domains: {a: t.jsonl}, block_sze: 8}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "data: unknown key 'block_sze'; did you mean 'block_size'"),
+    ("model: m\ndata: [1]\ntraining: {max_steps: 1}\noutput_dir: o", "data must be a mapping, got list"),
+    ("model: m\ndata: {domains: {a: t.jsonl}, eval_fraction: 1}\ntraining: {max_steps: 1}\noutput_dir: o",
+     r"data.eval_fraction must be a number in \[0, 1\), got 1"),
+    ("model: m\ndata: {domains: {a: 3}}\ntraining: {max_steps: 1}\noutput_dir: o", "data.domains.a must be a mapping"),
+    ("model: m\ndata: {domains: {a: {train: ''}}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "data.domains.a.train must be a file path, got ''"),
+    ("from_scratch: {n_layer: 0}\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "from_scratch.n_layer must be a positive integer, got 0"),
+    ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o\nseed: '1'",
+     "seed must be an integer, got '1'"),
+    ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o\nsave_model: 'no'",
+     "save_model must be true or false, got 'no'"),
+    ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o\naux_losses: [3]",
+     r"aux_losses must be a list of mappings like \{name: push_away, weight: 0.1\}, got \[3\]"),
+    ("model: {name: m, revison: v1}\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "model: unknown key 'revison'; did you mean 'revision'"),
+    ("model: {revision: v1}\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "model has no name"),
+    ("model: {name: m, trust_remote_code: 'no'}\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\n"
+     "output_dir: o", "model.trust_remote_code must be true or false, got 'no'"),
+    ("model: {name: m, dtype: float8}\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o",
+     "model: unknown dtype 'float8'"),
     ("model: m\ndata: {domains: {a: t.jsonl}, block_size: 1}\ntraining: {max_steps: 1}\noutput_dir: o",
      "block_size"),
     ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {}\noutput_dir: o", "max_steps"),
@@ -136,12 +174,11 @@ def test_split_is_seeded_and_disjoint():
      "evaluate_at"),
 ])
 def test_config_errors(text, match, tmp_path):
-    from repgeom_eval.errors import RepgeomError
-
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    with pytest.raises(RepgeomError, match=match):
+    with pytest.raises(RepgeomError, match=match) as err:
         read_config(path)
+    assert str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value)
 
 
 def test_cli_errors_are_one_line_and_write_nothing(two_domains, capsys):
@@ -169,11 +206,68 @@ def test_cli_errors_are_one_line_and_write_nothing(two_domains, capsys):
 def test_relative_paths_are_taken_from_the_config_file(tmp_path):
     cfg = parse_config({"model": "./m", "data": {"domains": {"a": "t.jsonl"}}, "training": {"max_steps": 1},
                         "output_dir": "o"}, tmp_path)
-    assert cfg.domains["a"]["train"] == str(tmp_path / "t.jsonl")
+    assert cfg.data.domains["a"].train == str(tmp_path / "t.jsonl") and cfg.data.domains["a"].eval is None
     assert cfg.output_dir == tmp_path / "o" and cfg.model == str(tmp_path / "m")
     hub = parse_config({"model": "org/name", "data": {"domains": {"a": "t.jsonl"}}, "training": {"max_steps": 1},
                         "output_dir": "o"}, tmp_path)
     assert hub.model == "org/name"
+
+
+BASE = {"data": {"domains": {"a": "t.jsonl"}}, "training": {"max_steps": 1}, "output_dir": "o"}
+
+
+def test_model_options_come_from_the_model_mapping(tmp_path):
+    from repgeom_eval.modeling.options import ModelOptions
+
+    (tmp_path / "adapter").mkdir()
+    cfg = parse_config({**BASE, "model": {"name": "org/name", "revision": "v1", "trust_remote_code": True,
+                                          "peft": "./adapter"}}, tmp_path)
+    assert cfg.model == "org/name"
+    assert cfg.model_options == ModelOptions(dtype="float32", revision="v1", trust_remote_code=True,
+                                             peft=str(tmp_path / "adapter"))
+    # a trained model loads in float32 unless told otherwise (mixed precision is the Trainer's)
+    assert parse_config({**BASE, "model": "org/name"}).model_options == ModelOptions(dtype="float32")
+    path = tmp_path / "c.yaml"
+    path.write_text("model: org/name\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\noutput_dir: o\n")
+    cfg = read_config(path, ["model.revision=v2"])  # --set model.KEY on a model named by a string
+    assert cfg.model == "org/name" and cfg.model_options.revision == "v2"
+
+
+def test_the_config_is_one_frozen_typed_object_from_python_too():
+    import dataclasses
+    from pathlib import Path
+
+    from repgeom_eval.training.config import Domain
+
+    cfg = TrainConfig(model="m", data={"domains": {"a": "t.jsonl"}, "block_size": 16}, training={"max_steps": 2},
+                      output_dir="o", evaluate_at=[4, 2, 4], aux_losses={"name": "push_away", "weight": 0.1})
+    assert cfg.data.block_size == 16 and cfg.data.domains["a"] == Domain(train="t.jsonl")
+    assert cfg.evaluate_at == (2, 4) and cfg.aux_losses == ({"name": "push_away", "weight": 0.1},)
+    assert cfg.output_dir == Path("o") and cfg.from_scratch is None and cfg.seed == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1
+    with pytest.raises(RepgeomError, match="^data.block_size must be an integer >= 2, got 1$"):
+        TrainConfig(model="m", data={"domains": {"a": "t.jsonl"}, "block_size": 1}, training={"max_steps": 2},
+                    output_dir="o")
+    with pytest.raises(RepgeomError, match="^block_size must be an integer >= 2, got 1$"):  # the group alone
+        dataclasses.replace(cfg.data, block_size=1)
+    scratch = TrainConfig(from_scratch={"n_layer": 1, "resid_pdrop": 0.0}, **BASE)
+    assert scratch.from_scratch.n_layer == 1 and dict(scratch.from_scratch.gpt2) == {"resid_pdrop": 0.0}
+
+
+def test_help_lists_every_config_key(capsys):
+    from repgeom_eval.training.config import DataOptions, Domain, ScratchModel
+    from repgeom_eval.training.settings import file_keys
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    keys = (file_keys(TrainConfig) + [f"data.{k}" for k in file_keys(DataOptions)]
+            + [f"data.domains.NAME.{k}" for k in file_keys(Domain)]
+            + [f"from_scratch.{k}" for k in file_keys(ScratchModel)] + ["model.name", "model.revision", "model.peft"])
+    for key in keys:
+        assert f"\n  {key} " in out, key
+    assert "(default: float32)" in " ".join(out.split()[out.split().index("model.dtype"):])
 
 
 def test_intermediate_checkpoints_are_model_folders_with_the_tokenizer(two_domains):

@@ -17,7 +17,7 @@ from repgeom_eval.modeling.hooks import Capture  # noqa: E402
 from repgeom_eval.functional.losses import push_away  # noqa: E402
 from repgeom_eval.modeling.loading import load_model  # noqa: E402
 from repgeom_eval.training.trainer import AuxLossTrainer  # noqa: E402
-from repgeom_eval.training.loop import pack_blocks  # noqa: E402
+from repgeom_eval.training.data import pack_blocks  # noqa: E402
 
 
 def trainable(path):

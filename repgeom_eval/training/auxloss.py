@@ -7,11 +7,14 @@ function of tensors (:mod:`repgeom_eval.functional.losses`); :meth:`AuxLoss.get_
 hyper-parameters. The trainer (:mod:`repgeom_eval.training.trainer`) captures the declared addresses in the same forward
 pass that computes the cross-entropy and minimizes ``L_CE + weight · L_aux``.
 
-Aux losses are plugins (``repgeom_register_aux_losses``); ``repgeom plugins`` lists them.
+Aux losses are plugins (``repgeom_register_aux_losses``); ``repgeom plugins`` lists them. This module imports
+nothing of the plugin host at module level (``build_aux_loss`` looks the host up when it is called), so that the
+host may check a registered class without an import cycle.
 """
 
 from __future__ import annotations
 
+import abc
 import inspect
 import math
 from collections.abc import Mapping, Sequence
@@ -30,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from repgeom_eval.plugin_system.host import PluginHost
 
 
-class AuxLoss:
+class AuxLoss(abc.ABC):
     """Base class of auxiliary losses. Subclass it, set ``name`` and implement :meth:`compute_loss_from_hidden`.
 
     Args (every subclass takes them as keywords):
@@ -66,14 +69,15 @@ class AuxLoss:
     # -- what a subclass provides ------------------------------------------------------------------------------------
     uses_domains: bool = False  # True when the value needs per-example domain labels
 
+    @abc.abstractmethod
     def compute_loss_from_hidden(self, hidden: torch.Tensor, mask: torch.Tensor | None,
                                  domains: torch.Tensor | Sequence | None) -> torch.Tensor | None:
         """The loss on one layer's hidden states ``[B, T, d]`` (``mask`` [B, T] true at real tokens, or ``None``).
 
         Returns a scalar tensor attached to the graph, or ``None`` when the batch does not define it (fewer than two
-        tokens, a single domain in a cross-domain loss ...): the trainer then skips the term for this step.
+        tokens, a single domain in a cross-domain loss ...): the trainer then skips the term for this step. A
+        subclass without it cannot be built (``build_aux_loss`` says so in one line).
         """
-        raise NotImplementedError  # pragma: no cover - abstract
 
     # -- gathering -----------------------------------------------------------------------------------------------------
     def __call__(self, hidden: Mapping[Address, torch.Tensor] | torch.Tensor, mask: torch.Tensor | None = None,
@@ -142,6 +146,10 @@ def build_aux_loss(spec: Mapping[str, Any], host: "PluginHost | None" = None, wh
         bad = sorted(set(params) - set(accepted))
         if bad:
             raise RepgeomError(f"{where} {name!r} has no parameter(s) {bad} (parameters: {', '.join(accepted)})")
+        if inspect.isabstract(cls):
+            missing = ", ".join(sorted(cls.__abstractmethods__))
+            raise RepgeomError(f"{where} {name!r} from plugin {host.aux_losses.entry(name).plugin!r} does not "
+                               f"implement {missing}; an AuxLoss subclass must (docs/plugins.md#auxiliary-losses)")
         if "weight" not in params:
             hint = f" (the paper uses {cls.paper_weight})" if cls.paper_weight else ""
             raise RepgeomError(f"{where} {name!r} needs an explicit `weight` (λ){hint}")
