@@ -37,13 +37,13 @@ def guard_outputs(cfg: Any, outputs: dict, data: dict, models: list[str] | str |
     """The checks every analysis command runs before any compute: no output replaces an input or lands in a model
     folder (repgeom_eval/output/files.py), every output can be written. Returns the output paths, for
     ``commit_together``."""
-    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable
 
     if getattr(cfg, "plot_dir", None):
         check_creatable_dir(cfg.plot_dir, "--plot-dir")
-    model_files, model_dirs = model_inputs(list(models) if isinstance(models, tuple) else models)
-    check_outputs(outputs, inputs={**data, "--model": model_files}, folders={"--model": model_dirs})
+    weight_files, model_dirs = model_files(list(models) if isinstance(models, tuple) else models)
+    check_outputs(outputs, inputs={**data, "--model": weight_files}, folders={"--model": model_dirs})
     paths = [p for value in outputs.values() for p in (value if isinstance(value, list) else [value]) if p]
     for label in ("--output", "--per-chunk", "--plot"):
         if outputs.get(label):

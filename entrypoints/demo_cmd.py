@@ -55,17 +55,17 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.output.plotting import plot_profile
     from repgeom_eval.output.console import results_table
 
-    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.output.files import check_outputs
 
     cfg = DemoCommand.from_args(args)
     console = Console(soft_wrap=True)  # long paths stay whole (copyable), lines are never hard-wrapped
     out = Path(cfg.output_dir)
     model = cfg.model or str(smollm2_path())
-    model_files, model_dirs = model_inputs(model)
+    weight_files, model_dirs = model_files(model)
     written = ["results.json", "dispersion_profile.png", "ppl_bins.json", "ppl_bins_scatter.png",
                "ppl_bins_by_depth.png", "condensation.json", "condensation.png", "report.html"]
-    check_outputs({"--output-dir": [out / name for name in written]}, inputs={"--model": model_files},
+    check_outputs({"--output-dir": [out / name for name in written]}, inputs={"--model": weight_files},
                   folders={"--model": model_dirs})
     out.mkdir(parents=True, exist_ok=True)
     texts = python_doc_paragraphs(cfg.n_texts)

@@ -132,16 +132,16 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.gap import screen
     from repgeom_eval.functional.stats import complete_pairs, spearman
-    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.output.console import fmt_number
     from repgeom_eval.output.files import check_outputs, check_writable, jsonable
 
     cfg = GapCommand.from_args(args)
     models = list(cfg.models)
-    model_files, model_dirs = model_inputs(models)
+    weight_files, model_dirs = model_files(models)
     token_files = {label: value for label, value in (("--domain", cfg.domain), ("--reference", cfg.reference))
                    if os.path.isfile(os.path.expanduser(value))}
-    check_outputs({"--output": cfg.output}, inputs={"--models": model_files, "--scores": cfg.scores, **token_files},
+    check_outputs({"--output": cfg.output}, inputs={"--models": weight_files, "--scores": cfg.scores, **token_files},
                   folders={"--models": model_dirs})
     if cfg.output:
         check_writable(cfg.output)  # fail before reading any checkpoint

@@ -38,7 +38,7 @@ def check_arguments(argv: list[str]) -> None:
 
     from repgeom_eval.errors import RepgeomError
     from repgeom_eval.lmeval.settings import key
-    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.output.files import check_outputs
 
     metadata = _option(argv, "--metadata")
@@ -58,7 +58,7 @@ def check_arguments(argv: list[str]) -> None:
     data_files += [part.split("=", 1)[1] for part in model_args if part.startswith(key("data") + "=")]  # repgeom-hf
     output = _option(argv, "--output_path")
     if output:
-        files, folders = model_inputs(pretrained)
+        files, folders = model_files(pretrained)
         check_outputs({"--output_path": output}, inputs={key("data"): data_files, "pretrained": files},
                       folders={"pretrained": folders})
 

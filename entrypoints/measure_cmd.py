@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.measurement.engine import measure
     from repgeom_eval.measurement.texts import source_files
-    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.output.console import results_table
     from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable, commit_together, jsonable
 
@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
         check_creatable_dir(cfg.run_dir, "--run-dir")
     outputs = {"--output": cfg.output, "--per-text": cfg.per_text_path,
                "--save-preprocess-stats": cfg.save_preprocess_stats, "--run-dir": run_dir_files(cfg.run_dir)}
-    model_files, model_dirs = model_inputs(cfg.model)
+    weight_files, model_dirs = model_files(cfg.model)
     check_outputs(outputs, inputs={"--data": source_files(cfg.data), "--preprocess-stats": cfg.preprocess_stats,
-                                   "--model": model_files}, folders={"--model": model_dirs})
+                                   "--model": weight_files}, folders={"--model": model_dirs})
     for path in (cfg.output, cfg.per_text_path, cfg.save_preprocess_stats):
         if path:
             check_writable(path)  # fail before the forward passes, not after

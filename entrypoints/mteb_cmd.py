@@ -212,7 +212,7 @@ def _run(cfg: MtebRunCommand) -> int:
 
     from repgeom_eval.errors import RepgeomError
     from repgeom_eval.measurement.distributed import Distributed
-    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
     from repgeom_eval.mteb_layers.metrics import check_metrics
     from repgeom_eval.mteb_layers.preprocess import check_method
@@ -224,9 +224,9 @@ def _run(cfg: MtebRunCommand) -> int:
     if cfg.preprocess_stats and not Path(cfg.preprocess_stats).is_file():
         raise RepgeomError(f"preprocess statistics file {cfg.preprocess_stats!r} does not exist")
     out = check_creatable_dir(cfg.output_folder, "--output-folder")
-    model_files, model_dirs = model_inputs([cfg.model])
+    weight_files, model_dirs = model_files([cfg.model])
     # mteb only adds files under the output folder: it must not be (or hold, or lie in) the model folder
-    check_outputs({"--output-folder": str(out)}, inputs={"--model": model_files}, folders={"--model": model_dirs})
+    check_outputs({"--output-folder": str(out)}, inputs={"--model": weight_files}, folders={"--model": model_dirs})
     tasks = resolve_tasks(_words(cfg.tasks), tasks_file=cfg.tasks_file, task_types=_words(cfg.task_types),
                           categories=_words(cfg.categories), languages=_words(cfg.languages),
                           benchmarks=_words(cfg.benchmarks), eval_splits=_words(cfg.eval_splits))

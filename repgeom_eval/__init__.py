@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 # What a plugin module imports at its top. All of it is light (no torch, no transformers: the metric API binds torch
 # lazily), so that `repgeom --help` and `repgeom plugins` can import every plugin cheaply; tests/test_startup.py checks.
 from .hookspecs import hookimpl  # noqa: E402
-from .modeling.architectures import ArchitectureSpec, SiteHook, post_ln_encoder, pre_ln_decoder  # noqa: E402
+from .modeling.architectures import ArchitectureSpec, post_ln_encoder, pre_ln_decoder  # noqa: E402
+from .modeling.hook_point import HookPoint  # noqa: E402
 from .errors import (ParameterError, PluginError, RepgeomError, UnknownNameError, check_param,  # noqa: E402
                      is_count, is_real)
 from .metric import Consumes, LayerBatch, Metric  # noqa: E402
@@ -49,12 +50,14 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "SiteHook":  # the architecture tables' earlier name for HookPoint
+        return _moved.moved_names(__name__, {name: "repgeom_eval.modeling.hook_point:HookPoint"})(name)
     raise AttributeError(f"module 'repgeom_eval' has no attribute {name!r}")
 
 
 __all__ = [
     # plugin author's API (light)
-    "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "SiteHook", "pre_ln_decoder",
+    "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "HookPoint", "pre_ln_decoder",
     "post_ln_encoder", "AuxLoss", "build_aux_loss",
     # errors and parameter checks
     "RepgeomError", "ParameterError", "PluginError", "UnknownNameError", "check_param", "is_real", "is_count",

@@ -41,15 +41,18 @@ MOVED = {
 
 def moved_names(old_module: str, new_homes: Mapping[str, str]) -> Callable[[str], Any]:
     """A module-level ``__getattr__`` for ``old_module`` serving each name of ``new_homes`` (name → the module it
-    lives in now) with a warning; any other missing name is the usual ``AttributeError``."""
+    lives in now, or ``module:new_name`` where it was renamed too) with a warning; any other missing name is the
+    usual ``AttributeError``."""
 
     def __getattr__(name: str) -> Any:
         home = new_homes.get(name)
         if home is None:
             raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
-        warnings.warn(f"{old_module}.{name} has moved: import it from {home} ({old_module} stops providing it in "
+        module, _, new_name = home.partition(":")
+        where = f"{module} as {new_name}" if new_name else module
+        warnings.warn(f"{old_module}.{name} has moved: import it from {where} ({old_module} stops providing it in "
                       "the next release)", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(home), name)
+        return getattr(importlib.import_module(module), new_name or name)
 
     return __getattr__
 

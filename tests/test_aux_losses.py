@@ -325,7 +325,7 @@ def test_the_old_import_path_still_works_with_a_deprecation_warning():
             as caught:
         from repgeom_eval.auxloss import AuxLoss as Old, build_aux_loss as old_build, parse_addresses as old_parse
     assert caught[0].filename == __file__  # the warning points at the import, not at the import machinery
-    assert (Old, old_build, old_parse) == (auxloss.AuxLoss, auxloss.build_aux_loss, auxloss.parse_addresses)
+    assert (Old, old_build, old_parse) == (auxloss.AuxLoss, auxloss.build_aux_loss, auxloss.parse_request)
     assert auxloss.__spec__.name == "repgeom_eval.training.auxloss"
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         importlib.import_module("repgeom_eval.auxloss").Nope  # noqa: B018

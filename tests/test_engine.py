@@ -15,7 +15,7 @@ import repgeom_eval
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.measurement.config import POOLING_CHOICES, RunConfig
 from repgeom_eval.measurement.engine import measure
-from repgeom_eval.measurement.forward import parse_addresses
+from repgeom_eval.modeling.addresses import resolve_request
 from repgeom_eval.measurement.pooling import POOLING_ALIASES, POOLINGS
 from repgeom_eval.modeling.loading import load_model
 
@@ -101,13 +101,13 @@ def test_an_address_that_reads_an_aliased_tensor_is_reported_under_the_alias_eve
         r = measure(bert, texts[:4], layers="resid_post:-1", progress=False)
     assert list(r.results) == ["final"]
     with pytest.warns(UserWarning, match="resid_pre:0 and embed are the same tensor"):
-        assert [str(a) for a in parse_addresses(bert, "resid_pre:0,resid_post:0")] == ["embed", "resid_post:0"]
+        assert [str(a) for a in resolve_request("resid_pre:0,resid_post:0", bert).addresses] == ["embed", "resid_post:0"]
     with pytest.warns(UserWarning, match="resid_post:1 and final"):
         assert [str(a) for a in LayerEmbedder(bert, pooling="mean").addresses("resid_post:1")] == ["final"]
     gpt2 = load_model(tiny_model_dir("gpt2"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # GPT-2's final norm makes final and resid_post:-1 different tensors
-        assert [str(a) for a in parse_addresses(gpt2, "final,resid_post:-1")] == ["resid_post:1", "final"]
+        assert [str(a) for a in resolve_request("final,resid_post:-1", gpt2).addresses] == ["resid_post:1", "final"]
 
 
 def test_bare_hidden_state_indices_are_named_in_the_warning_and_the_results(tiny_model_dir, texts):
@@ -121,7 +121,7 @@ def test_bare_hidden_state_indices_are_named_in_the_warning_and_the_results(tiny
     assert r.config["layers_reported_as"] == {"0": "embed", "1": "resid_post:0", "2": "final"}
     assert r.config["layer_spec"] == "0,1,2"
     with pytest.warns(UserWarning, match=r"-1 → final"):
-        assert [str(a) for a in parse_addresses(llama, "-1")] == ["final"]
+        assert [str(a) for a in resolve_request("-1", llama).addresses] == ["final"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no bare index, no alias: nothing to say
         plain = measure(llama, texts[:4], layers="resid_post:0,final", progress=False)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from repgeom_eval.analyses.corpus import Document, corpus_chunks
-from repgeom_eval.measurement.forward import Forward, next_token_logprobs, parse_addresses
+from repgeom_eval.measurement.forward import Forward, next_token_logprobs
+from repgeom_eval.modeling.addresses import resolve_request
 from repgeom_eval.analyses.knnlm import Datastore, build_index, interpolate, knn_logprob, knnlm
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
@@ -82,7 +83,7 @@ def test_lambda_zero_is_the_lm_and_retrieval_from_the_eval_text_helps(gpt2, docs
     # base perplexity, recomputed independently: one forward pass per chunk, no padding
     chunks = corpus_chunks(gpt2.tokenizer, [Document(t, "all", i) for i, t in enumerate(docs)], 16)
     lps = []
-    with Forward.at(gpt2, parse_addresses(gpt2, "final"), logits=True) as runner:
+    with Forward.at(gpt2, list(resolve_request("final", gpt2).addresses), logits=True) as runner:
         for c in chunks:
             out = runner.token_ids([c.ids])
             lp, valid = next_token_logprobs(out.logits, out.ids, out.mask)

@@ -12,7 +12,7 @@ from scipy import stats
 from repgeom_eval.analyses.corpus import Document, chunk_documents, corpus_chunks, read_documents, sample_chunks
 from repgeom_eval.analyses.ppl_bins import (bin_and_correlate, chunk_statistics, confound_check, ppl_bins,
                                             uniform_ppl_groups)
-from repgeom_eval.measurement.forward import parse_addresses
+from repgeom_eval.modeling.addresses import resolve_request
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import pairwise_dispersion
@@ -88,7 +88,7 @@ def doc_texts():
 
 
 def test_one_pass_gives_hf_loss_and_hidden_state_dispersion(gpt2, doc_texts):
-    addrs = parse_addresses(gpt2, "all")
+    addrs = list(resolve_request("all", gpt2).addresses)
     chunks = corpus_chunks(gpt2.tokenizer, [Document(t, "all", i) for i, t in enumerate(doc_texts)], 24)[:5]
     ppl, disp = chunk_statistics(gpt2, chunks, addrs, batch_size=5, progress=False)
     ppl1, disp1 = chunk_statistics(gpt2, chunks, addrs, batch_size=1, progress=False)

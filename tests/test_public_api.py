@@ -14,7 +14,7 @@ import repgeom_eval
 from repgeom_eval.moved import MOVED
 
 PUBLIC = {
-    "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "SiteHook", "pre_ln_decoder",
+    "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "HookPoint", "pre_ln_decoder",
     "post_ln_encoder", "AuxLoss", "build_aux_loss",
     "RepgeomError", "ParameterError", "PluginError", "UnknownNameError", "check_param", "is_real", "is_count",
     "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo", "ModelOptions", "get_host",

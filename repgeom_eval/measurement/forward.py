@@ -163,7 +163,7 @@ class Forward:
 
     @classmethod
     def at(cls, loaded: LoadedModel, addresses: Sequence[Address], logits: bool = False) -> "Forward":
-        """A :class:`Forward` for canonical ``addresses`` (from :func:`parse_addresses`)."""
+        """A :class:`Forward` for canonical ``addresses`` (from :func:`~repgeom_eval.modeling.addresses.resolve_request`)."""
         return cls(loaded, resolve(list(addresses), loaded), logits=logits)
 
     def __enter__(self) -> "Forward":
@@ -281,11 +281,6 @@ def padding_side_of(mask: torch.Tensor | None) -> str | None:
     if bool((m[:, 1:] >= m[:, :-1]).all()):
         return "left"
     return "mixed"
-
-
-def parse_addresses(loaded: LoadedModel, layers: str | Sequence[str], host: Any = None) -> list[Address]:
-    """Canonical addresses of a layer request on ``loaded``, in depth order; unknown ones raise."""
-    return list(resolve_request(layers, loaded, host).addresses)
 
 
 def next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor,

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+from repgeom_eval.modeling.hook_point import HookPoint
+from repgeom_eval.moved import moved_names
+
+# SiteHook was the tables' own name for a hook point (README, "Python API": moved names)
+__getattr__ = moved_names(__name__, {"SiteHook": "repgeom_eval.modeling.hook_point:HookPoint"})
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post")
 
@@ -25,21 +31,13 @@ SITE_MEANING = {
 
 
 @dataclass(frozen=True)
-class SiteHook:
-    """Where a site is read: ``module`` is a dotted path relative to one block ("" = the block itself)."""
-
-    module: str
-    direction: Literal["input", "output"]
-
-
-@dataclass(frozen=True)
 class ArchitectureSpec:
     """How to find every layer-address site in one family of models.
 
     Attributes:
         name: short family name shown to users.
         blocks: dotted path, relative to ``model.base_model``, of the ``ModuleList`` of blocks.
-        sites: site name → :class:`SiteHook` inside a block.
+        sites: site name → :class:`~repgeom_eval.HookPoint` relative to a block.
         final_norm: dotted path (relative to ``model.base_model``) of the final norm, or ``None`` when
             ``last_hidden_state`` is the raw output of the last block (BERT).
         causal: decoder-only language model (loaded with ``AutoModelForCausalLM``) or encoder (``AutoModel``).
@@ -50,7 +48,7 @@ class ArchitectureSpec:
 
     name: str
     blocks: str
-    sites: Mapping[str, SiteHook]
+    sites: Mapping[str, HookPoint]
     final_norm: str | None
     causal: bool = True
     position_ids_from_mask: bool = True
@@ -67,12 +65,12 @@ class ArchitectureSpec:
 def pre_ln_decoder(name: str, blocks: str, attn: str, ln2: str, mlp: str, final_norm: str, **kw: Any) -> ArchitectureSpec:
     """Table for a pre-LN decoder block: ``a = x + attn(ln1(x)); y = a + mlp(ln2(a))``."""
     sites = {
-        "resid_pre": SiteHook("", "input"),
-        "attn_out": SiteHook(attn, "output"),
-        "resid_mid": SiteHook(ln2, "input"),
-        "mlp_in": SiteHook(mlp, "input"),
-        "mlp_out": SiteHook(mlp, "output"),
-        "resid_post": SiteHook("", "output"),
+        "resid_pre": HookPoint("", "input"),
+        "attn_out": HookPoint(attn, "output"),
+        "resid_mid": HookPoint(ln2, "input"),
+        "mlp_in": HookPoint(mlp, "input"),
+        "mlp_out": HookPoint(mlp, "output"),
+        "resid_post": HookPoint("", "output"),
     }
     return ArchitectureSpec(name=name, blocks=blocks, sites=sites, final_norm=final_norm, **kw)
 
@@ -80,11 +78,11 @@ def pre_ln_decoder(name: str, blocks: str, attn: str, ln2: str, mlp: str, final_
 def post_ln_encoder(name: str, blocks: str = "encoder.layer", **kw: Any) -> ArchitectureSpec:
     """Table for a BERT-style post-LN encoder layer."""
     sites = {
-        "resid_pre": SiteHook("", "input"),
-        "attn_out": SiteHook("attention.output.dense", "output"),
-        "resid_mid": SiteHook("attention", "output"),
-        "mlp_in": SiteHook("intermediate", "input"),
-        "mlp_out": SiteHook("output.dense", "output"),
-        "resid_post": SiteHook("", "output"),
+        "resid_pre": HookPoint("", "input"),
+        "attn_out": HookPoint("attention.output.dense", "output"),
+        "resid_mid": HookPoint("attention", "output"),
+        "mlp_in": HookPoint("intermediate", "input"),
+        "mlp_out": HookPoint("output.dense", "output"),
+        "resid_post": HookPoint("", "output"),
     }
     return ArchitectureSpec(name=name, blocks=blocks, sites=sites, final_norm=None, causal=False, **kw)

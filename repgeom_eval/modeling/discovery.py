@@ -330,7 +330,7 @@ def _apply_table(model: nn.Module, layout: Layout, rec: Recorder, table: Archite
                     layout.sites[i][s] = Site(None, f"architecture table {name!r}: {missing[s]}")
                 continue
             hook = table.sites[s]
-            point = _table_point(rec, model, f"{blocks_name}.{i}" + (f".{hook.module}" if hook.module else ""),
+            point = _table_point(rec, model, f"{blocks_name}.{i}" + (f".{hook.module_name}" if hook.module_name else ""),
                                  hook.direction)
             found = layout.sites[i][s]
             if found.point == point:

@@ -429,7 +429,6 @@ def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, sourc
     return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info, device=device)
 
 
-model_inputs = model_files  # the earlier name (callers move to model_files)
 
 
 def _positive(value: Any) -> int | None:

@@ -19,7 +19,8 @@ Importing this package imports mteb (a few seconds).
 from .embedder import POOLING_CHOICES, LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep, content_hash, layer_encoder
 from .geometry import attach_geometry, geometry_scores
-from repgeom_eval.mteb_layers.model_meta import GENERIC_NAME, load_layer_encoder, register_generic, register_model
+from repgeom_eval.mteb_layers.encoder import GENERIC_NAME, load_layer_encoder
+from repgeom_eval.mteb_layers.model_meta import register_generic, register_model
 from .metrics import SweepMetrics
 from .runner import SweepResult, resolve_tasks, run_layers
 from .summary import summarize, write_summary

@@ -318,9 +318,26 @@ def weights_hash(model: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _base_meta(embedder: LayerEmbedder) -> ModelMeta:
-    from repgeom_eval.mteb_layers.model_meta import load_layer_encoder
+GENERIC_NAME = "repgeom/layer-encoder"
+_LOADER_OPTIONS = ("model", "layer", "pooling", "normalize", "max_length", "dtype", "device")
 
+
+def load_layer_encoder(name: str, revision: str | None = None, **kwargs: Any):
+    """mteb ``ModelMeta.loader`` (here, beside the encoder it builds, so the registry module imports this one and not the
+    reverse): builds a :class:`LayerEncoder` from ``model=`` and the layer options."""
+    unknown = sorted(set(kwargs) - set(_LOADER_OPTIONS))
+    if unknown:
+        raise RepgeomError(f"the layer encoder has no option(s) {unknown} (options: {', '.join(_LOADER_OPTIONS)})")
+    model = kwargs.pop("model", None)
+    if not model:
+        raise RepgeomError(f"{name}: say which model to embed with, e.g. "
+                           f"mteb.get_model({GENERIC_NAME!r}, model='path/or/hub-id', layer=12)")
+    own_name = None if name == GENERIC_NAME else name
+    return layer_encoder(model, kwargs.pop("layer", "final"), name=own_name,
+                         revision=None if own_name is None else revision, **kwargs)
+
+
+def _base_meta(embedder: LayerEmbedder) -> ModelMeta:
     info = embedder.loaded.info
     frameworks = ["PyTorch", "Transformers"] + (["Sentence Transformers"] if embedder.st else []) + \
         (["GGUF"] if info.source == "gguf" else [])

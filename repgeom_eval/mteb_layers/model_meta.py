@@ -19,26 +19,7 @@ from mteb.models.model_implementations import MODEL_REGISTRY
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
 from repgeom_eval.errors import RepgeomError
-
-GENERIC_NAME = "repgeom/layer-encoder"
-_LOADER_OPTIONS = ("model", "layer", "pooling", "normalize", "max_length", "dtype", "device")
-
-
-def load_layer_encoder(name: str, revision: str | None = None, **kwargs: Any):
-    """mteb ``ModelMeta.loader``: builds a :class:`LayerEncoder` from ``model=`` and the layer options."""
-    from repgeom_eval.mteb_layers.encoder import layer_encoder
-
-    unknown = sorted(set(kwargs) - set(_LOADER_OPTIONS))
-    if unknown:
-        raise RepgeomError(f"the layer encoder has no option(s) {unknown} (options: {', '.join(_LOADER_OPTIONS)})")
-    model = kwargs.pop("model", None)
-    if not model:
-        raise RepgeomError(f"{name}: say which model to embed with, e.g. "
-                           f"mteb.get_model({GENERIC_NAME!r}, model='path/or/hub-id', layer=12)")
-    own_name = None if name == GENERIC_NAME else name
-    return layer_encoder(model, kwargs.pop("layer", "final"), name=own_name,
-                         revision=None if own_name is None else revision, **kwargs)
-
+from repgeom_eval.mteb_layers.encoder import GENERIC_NAME, content_hash, load_layer_encoder, model_name
 
 def _meta(name: str, model: str | None, revision: str | None) -> ModelMeta:
     return ModelMeta(
@@ -59,8 +40,6 @@ def register_model(model: str, name: str | None = None, revision: str | None = N
     ``replace=True``, because it would change what ``mteb.get_model(name)`` loads for everyone in the process.
     """
     from pathlib import Path
-
-    from repgeom_eval.mteb_layers.encoder import content_hash, model_name
 
     name = name or model_name(model)
     if "/" not in name:

@@ -52,14 +52,17 @@ class Command:
 # -- the plugin kinds, in one table ---------------------------------------------------------------------------------
 
 
+def _derives_from(cls: type, base: str) -> bool:
+    """Whether ``base`` (``"module:Class"``) is among ``cls``'s bases, by name: a plugin item is checked without
+    importing the module that defines the base (the host imports no training or modeling code)."""
+    return any(f"{c.__module__}:{c.__qualname__}" == base for c in getattr(cls, "__mro__", ()))
+
+
 def _check_subclass(base: str, what: str, hint: str = "") -> Callable[[Any], str | None]:
-    """A check that the object is a subclass of ``base`` (``"module:Class"`` of the plugin author's API, imported
-    when the first item of the kind is checked: never training or modeling code)."""
+    """A check that the object is a subclass of ``base``."""
 
     def check(obj: Any) -> str | None:
-        module, _, name = base.partition(":")
-        cls = getattr(importlib.import_module(module), name)
-        if isinstance(obj, type) and issubclass(obj, cls):
+        if isinstance(obj, type) and _derives_from(obj, base):
             return None
         return f"expected a subclass of {what}, got {obj!r}" + (f"; {hint}" if hint else "")
 
@@ -68,9 +71,7 @@ def _check_subclass(base: str, what: str, hint: str = "") -> Callable[[Any], str
 
 def _check_instance(base: str, what: str) -> Callable[[Any], str | None]:
     def check(obj: Any) -> str | None:
-        module, _, name = base.partition(":")
-        return None if isinstance(obj, getattr(importlib.import_module(module), name)) else \
-            f"expected {what}, got {obj!r}"
+        return None if _derives_from(type(obj), base) else f"expected {what}, got {obj!r}"
 
     return check
 

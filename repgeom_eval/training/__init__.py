@@ -23,7 +23,7 @@ _HOMES = {
     "split_texts": "data", "pack_blocks": "data",
     "build_model": "model", "train_tokenizer": "model",
     "train": "loop", "check_train_outputs": "loop", "TrainResult": "results",
-    "AuxLoss": "auxloss", "build_aux_loss": "auxloss", "parse_addresses": "auxloss",
+    "AuxLoss": "auxloss", "build_aux_loss": "auxloss",
     "AuxLossTrainer": "trainer", "EvaluateAtSteps": "trainer",
 }
 

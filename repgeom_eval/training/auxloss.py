@@ -21,11 +21,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.moved import moved_names
 from repgeom_eval.plugin_system.lazy import lazy
 
 # Imported on first use: the aux-loss plugin subclasses AuxLoss while `repgeom plugins` runs, which needs no torch.
 torch = lazy("torch")
 parse_request = lazy("repgeom_eval.modeling.addresses:parse_request")
+# the earlier name of parse_request, with the same arguments (README, "Python API": moved names)
+__getattr__ = moved_names(__name__, {"parse_addresses": "repgeom_eval.modeling.addresses:parse_request"})
 
 if TYPE_CHECKING:  # pragma: no cover
     from repgeom_eval.modeling.addresses import Address
@@ -98,7 +101,7 @@ class AuxLoss(abc.ABC):
 
     def addresses(self, info: "ModelInfo", host: "PluginHost | None" = None) -> list[Address]:
         """The canonical addresses of ``layers`` on a model (selectors looked up in the plugin host)."""
-        return parse_addresses(self.layers, info, host)
+        return parse_request(self.layers, info, host)
 
     # -- configuration -------------------------------------------------------------------------------------------------
     @classmethod
@@ -119,11 +122,6 @@ class AuxLoss(abc.ABC):
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.get_config_dict().items() if k != "name")
         return f"{type(self).__name__}({params})"
-
-
-def parse_addresses(layers: str | Sequence[str], info: "ModelInfo", host: "PluginHost | None" = None) -> list[Address]:
-    """The canonical addresses of a layer request (see :func:`repgeom_eval.modeling.addresses.parse_request`)."""
-    return parse_request(layers, info, host)
 
 
 def build_aux_loss(spec: Mapping[str, Any], host: "PluginHost | None" = None, where: str = "aux loss") -> AuxLoss:

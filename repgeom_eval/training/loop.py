@@ -107,7 +107,7 @@ def check_train_outputs(cfg: TrainConfig, overwrite: bool = False, config_file: 
     """Refuse, before any work, an ``output_dir`` whose outputs would replace an input (a data file, the model,
     adapter or tokenizer being read, the config file) or lie inside the model folder, and one that holds an earlier
     run's results or model, unless ``overwrite`` (``repgeom train --overwrite``)."""
-    from repgeom_eval.modeling.loading import model_inputs
+    from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.output.files import check_outputs
 
     out = cfg.output_dir
@@ -121,8 +121,8 @@ def check_train_outputs(cfg: TrainConfig, overwrite: bool = False, config_file: 
                    ("from_scratch.tokenizer", cfg.from_scratch.tokenizer if cfg.from_scratch else None))
     for label, model in read_models:
         if model:
-            model_files, model_dirs = model_inputs(str(model))
-            inputs[label], folders[label] = model_files, model_dirs
+            weight_files, model_dirs = model_files(str(model))
+            inputs[label], folders[label] = weight_files, model_dirs
     check_outputs({"output_dir": written}, inputs=inputs, folders=folders)
     trainer = out / "trainer"
     earlier = [p.name for p in (out / "results.json", out / "model") if p.exists()]

@@ -35,7 +35,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve
-from repgeom_eval.training.auxloss import AuxLoss, parse_addresses
+from repgeom_eval.modeling.addresses import parse_request
+from repgeom_eval.training.auxloss import AuxLoss
 from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.functional.losses import push_away
 from repgeom_eval.modeling.loading import wrap_model
@@ -103,7 +104,7 @@ class AuxLossTrainer(Trainer):
         if self._plan_cache is not None and self._plan_cache[0] == id(module):
             return self._plan_cache[1]
         loaded = wrap_model(module, host=self._host)
-        disp = parse_addresses(self.dispersion_layer, loaded.info, self._host)[0]
+        disp = parse_request(self.dispersion_layer, loaded.info, self._host)[0]
         wanted: list[Address] = [disp]
         per_loss = []
         for loss in self.aux_losses:
