@@ -282,7 +282,7 @@ def test_cli_rejects_n_chunks_with_per_source_and_a_bad_group_size(tiny_model_di
     assert main(base + ["--n-chunks", "10", "--per-source", "5"]) == 2  # checked by PplBinsConfig, before any work
     assert "give --n-chunks (a uniform sample) or --per-source" in capsys.readouterr().err
     assert main(base + ["--group-size", "lots"]) == 2
-    assert "--group-size: expected a positive number of chunks or auto, got 'lots'" in capsys.readouterr().err
+    assert "--group-size: expected a positive number of chunks or 'auto', got 'lots'" in capsys.readouterr().err
 
 
 def test_help_states_the_automatic_group_size(capsys):

@@ -33,7 +33,7 @@ def group_size_value(text: str) -> int | str:
 def _group_size_problem(value: object) -> str | None:
     if value == "auto" or (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1):
         return None
-    return f"expected a positive number of chunks or auto, got {value!r}"
+    return f"expected a positive number of chunks or 'auto', got {value!r}"
 
 
 @dataclass(frozen=True, kw_only=True)
