@@ -80,7 +80,7 @@ def test_errors(gpt2, docs):
         perturb(gpt2, ["a short text", "another one"], lengths=[100], progress=False)
     with pytest.raises(RepgeomError, match=r"probabilities must lie in \[0, 1\]"):
         perturb(gpt2, docs, ps=[1.5], progress=False)
-    with pytest.raises(RepgeomError, match="unknown sweep"):
+    with pytest.raises(RepgeomError, match="sweeps: unknown value .shuffle."):
         perturb(gpt2, docs, sweeps=["shuffle"], progress=False)
     with pytest.raises(RepgeomError, match="at least 2 tokens"):
         perturb(gpt2, docs, lengths=[1, 8], progress=False)
