@@ -67,6 +67,16 @@ def test_on_models_and_checkpoint_series(tiny_model_dir, docs):
     only = next(iter(alone.results["models"].values()))
     assert only["within"] == pytest.approx(m2["within"], abs=1e-9)
     assert only["between"] == pytest.approx(m2["between"], abs=1e-9)
+    assert result.config["n_clusters_used"] == 8 and not any("--clusters" in w for w in result.warnings)
+
+
+def test_more_clusters_than_the_corpus_forms_is_said_and_recorded(tiny_model_dir, docs):
+    result = clusters([tiny_model_dir("gpt2")], docs, ngram=3, min_count=4, contexts=4, context_len=6,
+                      n_clusters=100_000, progress=False)
+    formed = len(result.results["clusters"])
+    assert 2 <= formed < 100_000 and result.config["n_clusters_used"] == formed
+    assert result.config["n_clusters"] == 100_000  # what was asked stays beside what was used
+    assert any(f"--clusters 100000: the corpus has only {formed}" in w for w in result.warnings)
 
 
 def test_errors(tiny_model_dir, docs, tmp_path):

@@ -117,6 +117,33 @@ def test_fp16_and_ivf_store(gpt2, docs, tmp_path):
     assert np.load(tmp_path / "keys_resid_post_1.npy", mmap_mode="r").dtype == np.float16
 
 
+@pytest.mark.filterwarnings("ignore:--neighbors")
+def test_more_neighbors_than_keys_is_said_and_recorded(gpt2, docs):
+    result = knnlm(gpt2, docs[:2], docs[2:4], keys=["resid_post:-1"], k=100_000, lambdas=[0.25], chunk_len=16,
+                   progress=False)
+    n_keys = result.results["keys"]["resid_post:1"]["datastore"]["n_keys"]
+    assert result.config["k"] == 100_000 and result.config["k_used"] == n_keys < 100_000
+    assert any(f"--neighbors 100000 is more than the {n_keys} keys" in w for w in result.warnings)
+
+
+def test_a_store_folder_is_replaced_only_with_overwrite(gpt2, docs, tmp_path):
+    store = tmp_path / "store"
+    args = dict(keys=["resid_post:-1"], k=4, lambdas=[0.25], chunk_len=16, progress=False)
+    knnlm(gpt2, docs[:2], docs[2:4], store_dir=store, **args)
+    before = (store / "manifest.json").read_bytes()
+    with pytest.raises(RepgeomError, match=r"--store-dir .* already holds an earlier kNN store .*--overwrite"):
+        knnlm(gpt2, docs[:3], docs[3:5], store_dir=store, **args)
+    assert (store / "manifest.json").read_bytes() == before  # refused before anything was written
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("a user's file")
+    with pytest.raises(RepgeomError, match=r"already holds 1 file\(s\) \(mine\.txt\)"):
+        knnlm(gpt2, docs[:2], docs[2:4], store_dir=tmp_path / "notes", **args)
+    stale = store / "keys_resid_mid_1.npy"  # a key file of another run's address
+    stale.write_bytes(b"x")
+    knnlm(gpt2, docs[:3], docs[3:5], store_dir=store, overwrite=True, **args)
+    assert not stale.exists() and (store / "manifest.json").read_bytes() != before
+
+
 def test_errors(tiny_model_dir, gpt2, docs):
     with pytest.raises(RepgeomError, match="resid_mid:9"):
         knnlm(gpt2, docs, docs, keys=["resid_mid:9"], chunk_len=16, progress=False)

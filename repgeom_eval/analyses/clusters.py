@@ -167,13 +167,16 @@ def clusters(
                      for c in found],
         "models": per_model,
     }
+    if len(found) < n_clusters:  # --clusters asks for at most this many; say what the corpus gave
+        result.warn(f"--clusters {n_clusters}: the corpus has only {len(found)} {ngram}-grams that occur "
+                    f"{min_count}+ times with {context_len} tokens of context; all {len(found)} were used")
     if min(sizes) < contexts:
         result.warn(f"{sum(s < contexts for s in sizes)} of {len(found)} clusters have fewer than {contexts} "
                     f"contexts (smallest: {min(sizes)}); --min-count {min_count} is below --contexts {contexts}")
     result.data = {"path": data_path, "n_documents": len(docs), "n_clusters": len(found),
                    "n_contexts": sum(sizes)}
     result.config = cfg.config_block({
-        "layers": cfg.layer_request, "vector": "hidden state at the last context token",
+        "layers": cfg.layer_request, "n_clusters_used": len(found), "vector": "hidden state at the last context token",
         "within": "mean over clusters of mean cosine distance to the centroid (mean unit vector)",
         "between": "mean pairwise cosine distance of the centroids",
         "paper_defaults": "10-grams, 100 contexts of 100 tokens, 500 clusters (paper A §2.3)"})

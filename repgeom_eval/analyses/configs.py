@@ -114,6 +114,8 @@ class KnnlmConfig(TextsGroup, ChunksGroup, RunGroup):
     store_dir: str | None = option(None, "--store-dir", key=False,
                                    help="keep the keys (.npy), values and faiss indexes here (default: a temporary "
                                         "directory)")
+    overwrite: bool = option(False, "--overwrite", action="store_true", key=False,
+                             help="let --store-dir replace what is in that folder (an earlier store, other files)")
     seed: int = option_like(RunGroup, "seed", help="seed of the IVF training sample")
 
     def __post_init__(self) -> None:

@@ -143,6 +143,32 @@ def build_datastores(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Se
     return stores
 
 
+STORE_FILES = ("manifest.json", "values.npy")
+
+
+def check_store_dir(directory: Path, overwrite: bool) -> None:
+    """``--store-dir`` must be new or empty unless ``--overwrite``: a store there may be another model's, and other
+    files are not this command's to replace."""
+    if overwrite or not directory.is_dir():
+        return
+    present = sorted(p.name for p in directory.iterdir())
+    if present:
+        what = "an earlier kNN store" if "manifest.json" in present else f"{len(present)} file(s)"
+        raise RepgeomError(f"--store-dir {str(directory)!r} already holds {what} ({', '.join(present[:4])}"
+                           f"{' ...' if len(present) > 4 else ''}); pass an empty or new folder, or add --overwrite "
+                           "to replace it")
+
+
+def clear_store_dir(directory: Path) -> None:
+    """With ``--overwrite``: remove an earlier store's files (keys, values, indexes, manifest), so that no stale
+    file of another model stays beside the new store."""
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if p.is_file() and (p.name in STORE_FILES or p.name.startswith(("keys_", "index_"))):
+            p.unlink()
+
+
 def knn_logprob(store: Datastore, queries: np.ndarray, targets: np.ndarray, k: int = DEFAULT_K,
                 temperature: float = DEFAULT_TEMPERATURE) -> tuple[np.ndarray, np.ndarray]:
     """(log p_kNN(target) [M], whether the target is among the neighbours [M]) for float32 ``queries`` [M, d]."""
@@ -208,6 +234,7 @@ def knnlm(
         from repgeom_eval.output.files import check_creatable_dir
 
         check_creatable_dir(store_dir, "kNN store folder (--store-dir)")  # before the model is loaded
+        check_store_dir(Path(store_dir), cfg.overwrite)
     store_docs, store_path = load_documents(datastore, text_field)
     eval_docs, eval_path = load_documents(eval_data, text_field)
     t0 = time.perf_counter()
@@ -240,6 +267,8 @@ def knnlm(
     directory.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
+        if store_dir is not None and cfg.overwrite:
+            clear_store_dir(directory)
         stores = build_datastores(loaded, store_chunks, addrs, directory, fp16=fp16, index=index, nlist=nlist,
                                   nprobe=nprobe, ivf_threshold=ivf_threshold, batch_size=batch_size, seed=seed,
                                   progress=progress)
@@ -281,6 +310,11 @@ def knnlm(
         if tmp is not None:
             tmp.cleanup()
 
+    size = min(st.size for st in stores.values())
+    k_used = min(k, size)
+    if k_used < k:
+        result.warn(f"--neighbors {k} is more than the {size} keys of the datastore: every key was used (k = "
+                    f"{k_used}, recorded as k_used)")
     lm = np.concatenate(lm_parts)
     base = perplexity(lm)
     per_key = {}
@@ -295,7 +329,7 @@ def knnlm(
     result.data = {"datastore": store_path, "eval": eval_path, "packing": packing,
                    "n_datastore_chunks": len(store_chunks), "n_eval_chunks": len(eval_chunks)}
     result.config = cfg.config_block({
-        "keys": names, "lambdas": lambdas, "distance": "negative squared L2", "dtype": loaded.info.dtype,
+        "keys": names, "k_used": k_used, "lambdas": lambdas, "distance": "negative squared L2", "dtype": loaded.info.dtype,
         "device": str(loaded.device),
         "defaults": "Khandelwal et al. 2020: k=1024, λ=0.25, negative squared L2 (assumed by paper A)"})
     result.timings = {"load_model_s": t_load, "build_datastore_s": t_build, "evaluate_s": t_eval,
