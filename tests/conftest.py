@@ -71,3 +71,38 @@ def example_plugin_site(tmp_path_factory) -> Path:
     assert proc.returncode == 0, f"pip could not install the example plugin:\n{proc.stdout}\n{proc.stderr}"
     (site / ".installed").touch()
     return site
+
+
+# -- the fault-injection count (tests marked @pytest.mark.fault(category); docs/plugins.md#nothing-silent) --------
+
+FAULT_CATEGORIES = ("clean", "refused", "exact")
+
+
+@pytest.fixture(autouse=True)
+def _fault_category(request):
+    marker = request.node.get_closest_marker("fault")
+    if marker is not None:
+        category = marker.args[0]
+        assert category in FAULT_CATEGORIES, f"unknown fault category {category!r} (valid: {FAULT_CATEGORIES})"
+        request.node.user_properties.append(("fault", category))
+
+
+def fault_counts(reports) -> dict[str, dict[str, int]]:
+    """{category: {"passed": cases, "failed": cases}} over the call-phase reports of marked tests; a test that checks
+    several cases in a loop says how many with the user property ``fault_cases``."""
+    out: dict[str, dict[str, int]] = {c: {"passed": 0, "failed": 0} for c in FAULT_CATEGORIES}
+    for rep in reports:
+        props = dict(rep.user_properties)
+        if rep.when == "call" and "fault" in props:
+            out[props["fault"]]["passed" if rep.passed else "failed"] += int(props.get("fault_cases", 1))
+    return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    reports = [r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, [])]
+    counts = fault_counts(reports)
+    total = sum(c["passed"] + c["failed"] for c in counts.values())
+    if total:
+        parts = " · ".join(f"{cat} {c['passed']}" + (f" ({c['failed']} FAILED)" if c["failed"] else "")
+                           for cat, c in counts.items())
+        terminalreporter.write_line(f"fault-injection cases: {total} — {parts}")

@@ -70,6 +70,7 @@ def test_on_models_and_checkpoint_series(tiny_model_dir, docs):
     assert result.config["n_clusters_used"] == 8 and not any("--clusters" in w for w in result.warnings)
 
 
+@pytest.mark.fault("clean")
 def test_more_clusters_than_the_corpus_forms_is_said_and_recorded(tiny_model_dir, docs):
     result = clusters([tiny_model_dir("gpt2")], docs, ngram=3, min_count=4, contexts=4, context_len=6,
                       n_clusters=100_000, progress=False)

@@ -145,3 +145,67 @@ def test_mteb_sweep_spreads_tasks_over_two_processes(tmp_path, tiny_model_dir):
         return sorted((folder / "repgeom_summary.csv").read_text().splitlines())
 
     assert summary(single) == summary(multi) and len(summary(single)) == 1 + 2 * 3
+
+
+def _rank_process(launcher_pid: int, rank: int, timeout: float = 60.0):
+    """The worker process of ``rank`` under a torchrun launcher (by the RANK in its environment)."""
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher_pid).children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(rank):
+                    return child
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no worker of rank {rank} appeared")
+
+
+@pytest.mark.fault("exact")
+def test_a_dying_rank_stops_the_survivor_in_one_line_and_the_run_resumes_exactly(tmp_path, tiny_model_dir, texts):
+    """Kill rank 1 of 2 in the middle of a checkpointed run: rank 0 says in one line why it stopped, no output is
+    written, every checkpoint loads, and --resume with two processes gives the one-process numbers."""
+    import signal
+    import time
+
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "id": f"t{i}"}) + "\n" for i, t in enumerate(texts[:40] * 4)))
+    model = tiny_model_dir("llama")
+    run_dir, single, multi = tmp_path / "run", tmp_path / "single.json", tmp_path / "multi.json"
+    args = ["measure", "--model", model, "--data", str(data), "--layers", "embed,final", "--metrics", "dispersion",
+            "token_dispersion", "dataset_entropy", "--batch-size", "2", "--shard-size", "4", "--no-progress"]
+    one = subprocess.run([sys.executable, "-m", "repgeom_eval", *args, "--output", str(single)], capture_output=True,
+                         text=True, env=_env(), timeout=300)
+    assert one.returncode == 0, one.stderr
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    launch = [torchrun, "--nproc-per-node", "2", "--master-port", "29563", "-m", "repgeom_eval", *args,
+              "--run-dir", str(run_dir), "--output", str(multi)]
+    proc = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    victim = _rank_process(proc.pid, 1)
+    state1 = run_dir / "state.rank1-of-2.pt"
+    deadline = time.monotonic() + 120
+    while not state1.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state1.exists() and proc.poll() is None, "rank 1 checkpointed nothing before the run ended"
+    victim.send_signal(signal.SIGSTOP)  # frozen after its first checkpoint, mid-run
+    time.sleep(1.0)
+    victim.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not multi.exists()
+    stopped = [line for line in err.splitlines() if line.startswith("repgeom: error: rank 0 of 2")]
+    assert len(stopped) == 1, err[-3000:]
+    assert "--resume" in stopped[0]
+    # no traceback through our code (torchrun prints its own report of the failed rank)
+    assert not [line for line in err.splitlines() if 'File "' in line and "repgeom_eval" in line], err[-3000:]
+    resumed = subprocess.run([*launch[:4], "29564", *launch[5:], "--resume"], capture_output=True, text=True,
+                             env=_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = json.loads(single.read_text()), json.loads(multi.read_text())
+    assert b["config"]["resumed_from_shard"] >= 1  # it continued from the checkpoint, not from the start
+    fa, fb = _flat(a["results"]), _flat(b["results"])
+    assert fa.keys() == fb.keys() and len(fa) > 5
+    for key, va in fa.items():
+        assert math.isclose(va, fb[key], rel_tol=1e-9, abs_tol=1e-12), (key, va, fb[key])

@@ -132,6 +132,7 @@ COMMANDS: dict[str, Callable[[Setup, Path, Path], list]] = {
 }
 
 
+@pytest.mark.fault("clean")
 def test_every_command_succeeds_on_the_good_setup(setup, capsys):
     """The baseline the cases break (one command per loader: measure's and the analyses' are the same)."""
     for name in ("measure", "ppl-bins", "gap"):
@@ -206,6 +207,7 @@ MODEL_CASES: dict[str, tuple[Callable[[Path], None], str, tuple[str, ...]]] = {
 }
 
 
+@pytest.mark.fault("refused")
 @pytest.mark.parametrize("case, command", [pytest.param(case, cmd, id=f"{case} · {cmd}")
                                            for case, (_, _, cmds) in MODEL_CASES.items() for cmd in cmds])
 def test_model_side(case, command, setup, capsys):
@@ -232,6 +234,7 @@ DATA_CASES: dict[str, tuple[str, bytes, str]] = {
 DATA_COMMANDS = ("measure", "ppl-bins", "knn-keys", "knnlm", "condensation", "clusters", "perturb", "train")
 
 
+@pytest.mark.fault("refused")
 @pytest.mark.parametrize("case, command", [pytest.param(case, cmd, id=f"{case} · {cmd}")
                                            for case in DATA_CASES for cmd in DATA_COMMANDS])
 def test_data_side(case, command, setup, capsys):
@@ -251,6 +254,7 @@ PARAM_CASES = {
 }
 
 
+@pytest.mark.fault("refused")
 @pytest.mark.parametrize("case", sorted(PARAM_CASES))
 def test_metric_parameter_of_the_wrong_type(case, setup, capsys):
     metric, param, pattern = PARAM_CASES[case]
@@ -258,6 +262,29 @@ def test_metric_parameter_of_the_wrong_type(case, setup, capsys):
     run_refused(args, capsys, pattern, [setup.model, setup.data], setup.out)
 
 
+@pytest.mark.fault("refused")
+@pytest.mark.parametrize("command", ["measure", "ppl-bins", "knnlm", "clusters", "perturb"])
+def test_a_device_without_values_is_refused_before_the_model_loads(command, setup, capsys):
+    args = COMMANDS[command](setup, setup.model, setup.data) + ["--device", "meta"]
+    run_refused(args, capsys, r"--device: 'meta' holds tensor shapes but no values.*use cpu", [setup.model, setup.data],
+                setup.out)
+
+
+@pytest.mark.fault("clean")
+@pytest.mark.parametrize("command, flag, value, recorded", [
+    ("knnlm", "--neighbors", "100000", "k_used"), ("clusters", "--clusters", "100000", "n_clusters_used")])
+def test_a_parameter_beyond_the_data_is_said_and_the_used_value_recorded(command, flag, value, recorded, setup,
+                                                                          capsys):
+    args = [str(a) for a in COMMANDS[command](setup, setup.model, setup.data)]
+    at = args.index(flag)
+    args[at + 1] = value
+    with pytest.warns(UserWarning, match=f"{flag} {value}"):
+        assert main(args) == 0
+    out = json.loads(setup.result.read_text())
+    assert out["config"][recorded] < int(value) and f"{flag} {value}" in " ".join(out["warnings"])
+
+
+@pytest.mark.fault("refused")
 def test_report_and_scores_with_absurdly_deep_json(setup, capsys):
     bad = setup.tmp / "deep.json"
     bad.write_text(DEEP)
@@ -399,6 +426,20 @@ OUTPUT_CASES: dict[str, OutputCase] = {
 }
 
 
+def _earlier_store(s: Setup) -> Path:
+    store = s.tmp / "store"
+    store.mkdir(exist_ok=True)
+    (store / "manifest.json").write_text('{"model": "another model"}')
+    (store / "keys_final.npy").write_bytes(b"not this run's keys")
+    return store
+
+
+OUTPUT_CASES["knnlm --store-dir over an earlier store"] = OutputCase(
+    lambda s: COMMANDS["knnlm"](s, s.model, s.data) + ["--store-dir", _earlier_store(s)],
+    r"--store-dir .* already holds an earlier kNN store .*--overwrite", lambda s: [s.model, s.data, s.tmp / "store"])
+
+
+@pytest.mark.fault("refused")
 @pytest.mark.parametrize("case", list(OUTPUT_CASES))
 def test_output_side(case, setup, capsys):
     c = OUTPUT_CASES[case]
@@ -406,6 +447,7 @@ def test_output_side(case, setup, capsys):
     run_refused(args, capsys, c.pattern, c.inputs(setup), setup.out)
 
 
+@pytest.mark.fault("refused")
 def test_train_overwrites_an_earlier_run_only_when_asked(setup, capsys):
     run = _earlier_run(setup)
     config = _train_config(setup, setup.model, setup.data, run)
@@ -417,6 +459,7 @@ def test_train_overwrites_an_earlier_run_only_when_asked(setup, capsys):
     assert snapshot(run) != before
 
 
+@pytest.mark.fault("refused")
 def test_disk_full_leaves_no_output(setup, capsys, monkeypatch):
     """ENOSPC while the outputs are written: one line, and neither --output nor --per-text is left."""
     import repgeom_eval.output.files as files
@@ -444,6 +487,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.fault("refused")
 def test_file_size_limit_leaves_no_output(setup):
     """RLIMIT_FSIZE (``ulimit -f``) below the size of the per-text file, in a child process."""
     args = _measure(setup, "--layers", "all", "--metrics", "dispersion", "token_dispersion", "-o", setup.result,
@@ -519,6 +563,7 @@ RESUME_CASES: dict[str, tuple[Callable[[Path, Path], None], str]] = {
 }
 
 
+@pytest.mark.fault("refused")
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_resume_side(case, checkpoints, base, tmp_path, capsys):
     breakage, pattern = RESUME_CASES[case]
@@ -532,6 +577,7 @@ def test_resume_side(case, checkpoints, base, tmp_path, capsys):
     run_refused(args, capsys, pattern, [model, data, run], s.out)
 
 
+@pytest.mark.fault("exact")
 def test_an_intact_checkpoint_resumes(checkpoints, base, tmp_path, capsys):
     """The baseline the resume cases break: the same copy, unbroken, resumes to the uninterrupted numbers."""
     model, data = base
@@ -582,7 +628,8 @@ def _set(state, path, value):
     d[last] = value
 
 
-def test_every_field_of_a_saved_state_changed_is_refused_naming_it(checkpoints, base, tmp_path, capsys):
+@pytest.mark.fault("refused")
+def test_every_field_of_a_saved_state_changed_is_refused_naming_it(checkpoints, base, tmp_path, capsys, request):
     import torch
 
     model, data = base
@@ -591,6 +638,7 @@ def test_every_field_of_a_saved_state_changed_is_refused_naming_it(checkpoints, 
     body = {k: v for k, v in saved.items() if k not in ("version", "key", "digests")}
     fields = [p for p, _ in _leaves(body)]
     assert len(fields) >= 10, fields
+    request.node.user_properties.append(("fault_cases", len(fields)))  # one case per field (tests/conftest.py)
     for i, field in enumerate(fields):
         run = tmp_path / f"run{i}"
         shutil.copytree(checkpoints / "run", run)
@@ -639,6 +687,7 @@ REWRITE_CASES = {
 }
 
 
+@pytest.mark.fault("refused")
 @pytest.mark.parametrize("case", list(REWRITE_CASES))
 def test_a_consistently_rewritten_state_is_checked_against_the_run(case, checkpoints, base, tmp_path, capsys):
     change, pattern = REWRITE_CASES[case]

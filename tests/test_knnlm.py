@@ -117,6 +117,7 @@ def test_fp16_and_ivf_store(gpt2, docs, tmp_path):
     assert np.load(tmp_path / "keys_resid_post_1.npy", mmap_mode="r").dtype == np.float16
 
 
+@pytest.mark.fault("clean")
 @pytest.mark.filterwarnings("ignore:--neighbors")
 def test_more_neighbors_than_keys_is_said_and_recorded(gpt2, docs):
     result = knnlm(gpt2, docs[:2], docs[2:4], keys=["resid_post:-1"], k=100_000, lambdas=[0.25], chunk_len=16,
@@ -126,6 +127,7 @@ def test_more_neighbors_than_keys_is_said_and_recorded(gpt2, docs):
     assert any(f"--neighbors 100000 is more than the {n_keys} keys" in w for w in result.warnings)
 
 
+@pytest.mark.fault("refused")
 def test_a_store_folder_is_replaced_only_with_overwrite(gpt2, docs, tmp_path):
     store = tmp_path / "store"
     args = dict(keys=["resid_post:-1"], k=4, lambdas=[0.25], chunk_len=16, progress=False)

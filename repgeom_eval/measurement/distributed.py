@@ -17,7 +17,11 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.errors import RepgeomError, first_line
+
+
+class RankStopped(RepgeomError):
+    """This rank of a distributed run stopped because another one ended (or the launcher stopped the run)."""
 
 
 @dataclass
@@ -61,7 +65,35 @@ class Distributed:
         if gpu:
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend)
-        return cls(dist.get_rank(), dist.get_world_size(), local_rank, backend, created_group=True)
+        out = cls(dist.get_rank(), dist.get_world_size(), local_rank, backend, created_group=True)
+        out.stop_on_sigterm()
+        return out
+
+    def stop_on_sigterm(self) -> None:
+        """When a rank dies, torchrun stops the others with SIGTERM, which would end them without a word: each
+        survivor says in one line why it stopped and how to continue (the checkpoint of every finished shard is
+        intact: states are written atomically, and each rank's state holds only the batches it owns)."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def stop(signum: int, frame: Any) -> None:
+            raise RankStopped(f"rank {self.rank} of {self.world}: stopped by the launcher, after another rank ended "
+                              f"(see its message); with --run-dir, every finished shard is kept: run the same "
+                              f"command with --resume and the same number of processes")
+
+        signal.signal(signal.SIGTERM, stop)
+
+    def _collective(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """A collective whose failure (a rank that died: gloo's 'Connection closed by peer') is one line."""
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as exc:  # torch's DistBackendError derives from RuntimeError
+            raise RankStopped(f"rank {self.rank} of {self.world}: another rank of the run is gone "
+                              f"({first_line(exc)[:120]}); with --run-dir, every finished shard is kept: run the "
+                              "same command with --resume and the same number of processes") from None
 
     def device(self, device: str | torch.device | None) -> str | torch.device | None:
         """One GPU per rank: ``cuda`` becomes ``cuda:LOCAL_RANK``."""
@@ -79,18 +111,18 @@ class Distributed:
         import torch.distributed as dist
 
         out: list[Any] | None = [None] * self.world if self.is_main else None
-        dist.gather_object(obj, out, dst=0)
+        self._collective(dist.gather_object, obj, out, dst=0)
         return out
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on every rank (in rank order)."""
-        return all_gather(obj, self.world)
+        return self._collective(all_gather, obj, self.world)
 
     def barrier(self) -> None:
         if self.active:
             import torch.distributed as dist
 
-            dist.barrier()
+            self._collective(dist.barrier)
 
     def close(self) -> None:
         if self.created_group:

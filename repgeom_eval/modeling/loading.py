@@ -117,6 +117,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from repgeom_eval.modeling.options import device_problem
+
+    if (problem := device_problem(str(device))) is not None:
+        raise RepgeomError(f"--device {problem}")
     try:
         dev = torch.device(device)
     except RuntimeError as exc:

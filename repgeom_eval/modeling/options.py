@@ -22,6 +22,19 @@ DTYPE_CHOICES = ("auto", "float32", "float64", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("8bit", "4bit")
 
 
+# Devices that hold no numbers: a model there has shapes only, so every measurement would be meaningless.
+NO_DATA_DEVICES = ("meta",)
+
+
+def device_problem(device: Any) -> str | None:
+    """Why ``device`` cannot run a measurement, or None (checked before the model loads; a device torch does not
+    know is named by :func:`repgeom_eval.modeling.loading.resolve_device`)."""
+    if isinstance(device, str) and device.split(":")[0].strip().lower() in NO_DATA_DEVICES:
+        return (f"{device!r} holds tensor shapes but no values, so nothing can be measured there; use cpu, cuda or "
+                "auto")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelOptions(Options):
     """Every option of loading a model (the model itself, a path or hub id, is given beside it)."""
@@ -30,7 +43,8 @@ class ModelOptions(Options):
 
     dtype: str = option("auto", "--dtype", choices=list(DTYPE_CHOICES),
                         help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16, float64")
-    device: str = option("cpu", "--device", help="cpu, cuda, cuda:1 or auto")
+    device: str = option("cpu", "--device", check=device_problem,
+                         help="cpu, cuda, cuda:1 or auto")
     revision: str | None = option(None, "--revision", metavar="REV",
                                   help="hub branch, tag or commit of the model (and its tokenizer)")
     device_map: str | None = option(None, "--device-map", metavar="MAP",
