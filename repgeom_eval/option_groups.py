@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import MISSING, dataclass
+from typing import Any
 
 from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.option_fields import Options, option, positive
@@ -21,12 +22,28 @@ def show_progress(on: bool) -> bool:
     return bool(on) and sys.stderr.isatty()
 
 
+def models_given(value: Any) -> str | tuple[str, ...]:
+    """``--model`` given once: that model; given several times (``-m A -m B``): all of them, in order (a command
+    that takes one model refuses several in one line: :func:`one_model`, never keeping only the last)."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if len(value) == 1 else tuple(value)
+    return value
+
+
+def one_model(value: Any) -> str | None:
+    if isinstance(value, (list, tuple)) and len(value) > 1:
+        return (f"given {len(value)} times ({', '.join(map(str, value))}); this command takes one model: run it "
+                "once per model (`repgeom measure` takes several)")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelGroup(ModelOptions):
     """One model and how to load it."""
 
     group_title = "model options"
-    model: str = option(MISSING, "--model", "-m", key=False, config=False,
+    model: str = option(MISSING, "--model", "-m", key=False, config=False, action="append", from_cli=models_given,
+                        check=one_model, metavar="MODEL",
                         help="hub id, local model directory, or .gguf file (loaded through transformers)")
 
 
@@ -35,7 +52,7 @@ class ModelsGroup(ModelOptions):
     """One model or several (measured alike, side by side)."""
 
     group_title = "model options"
-    model: tuple[str, ...] = option(MISSING, "--model", "-m", nargs="+", key=False, config=False,
+    model: tuple[str, ...] = option(MISSING, "--model", "-m", nargs="+", action="extend", key=False, config=False,
                                     help="one or more models (hub ids, directories, .gguf files), shown side by side")
 
 

@@ -177,14 +177,15 @@ def mteb_rows(folder: Path) -> list[dict[str, Any]]:
                     if main is not None:
                         name = scores.get("repgeom_main_score_name") or "main_score"
                         rows.append(base | {"kind": "score", "metric": str(name), "value": main})
+                    seen: set[str] = set()  # `repgeom_dispersion` and a requested `repgeom.dispersion`: one row
                     for key, raw in scores.items():
                         value = _number(raw)
-                        if value is None or key in _MTEB_SKIP:
+                        if value is None or key in _MTEB_SKIP or not key.startswith(("repgeom.", "repgeom_")):
                             continue
-                        if key.startswith("repgeom."):
-                            rows.append(base | {"kind": "geometry", "metric": key[len("repgeom."):], "value": value})
-                        elif key.startswith("repgeom_"):
-                            rows.append(base | {"kind": "geometry", "metric": key[len("repgeom_"):], "value": value})
+                        metric = key[len("repgeom."):]
+                        if metric not in seen:
+                            seen.add(metric)
+                            rows.append(base | {"kind": "geometry", "metric": metric, "value": value})
     # relative depth: over the deepest layer found of each model and recipe
     deepest: dict[tuple, float] = {}
     for r in rows:
@@ -267,7 +268,7 @@ def load_results(paths: str | Path | Sequence[str | Path]):
 
 def model_label(row: dict[str, Any]) -> str:
     """How a model is named in a table or legend: its folder or hub name, ``@revision`` where one is given."""
-    name = str(row["model"])
+    name = str(row["model"]).removeprefix("local/")  # `repgeom mteb run` names a local folder local/<folder>
     name = Path(name).name if ("/" in name and Path(name).exists()) or name.startswith(("/", ".")) else name
     return name + (f"@{str(row['revision'])[:12]}" if row.get("revision") else "")
 
