@@ -7,7 +7,6 @@ for one command is declared again with :func:`~repgeom_eval.option_fields.option
 
 from __future__ import annotations
 
-import sys
 from dataclasses import MISSING, dataclass
 from typing import Any
 
@@ -15,11 +14,6 @@ from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.option_fields import Options, option, positive
 
 PACKINGS = ("concat", "document")  # how documents become chunks: repgeom_eval/analyses/corpus.py
-
-
-def show_progress(on: bool) -> bool:
-    """A progress bar only where someone watches: on a terminal (logs and pipes get none)."""
-    return bool(on) and sys.stderr.isatty()
 
 
 def models_given(value: Any) -> str | tuple[str, ...]:
@@ -117,8 +111,19 @@ class RunGroup(Options):
     seed: int = option(0, "--seed", type=int, help="random seed (default: {default})")
     dtype: str | None = option("auto")  # flags: the model group's --dtype
     device: str | None = option("cpu", key=False)  # flags: the model group's --device
-    progress: bool = option(True, "--no-progress", action="store_false", key=False, config=False,
-                            from_cli=show_progress, cli_default=True, help="hide the progress bar")
+    progress: str | bool = option("auto", "--progress", choices=["auto", "always", "never"], key=False,
+                                  config=False, help="auto (default): a bar on a terminal, plain lines in logs and "
+                                                     "pipes (every 30 s or 10%%); always: a bar; never: nothing")
+    no_progress: bool = option(False, "--no-progress", action="store_true", key=False, config=False,
+                               help="the same as --progress never")
+
+    def __post_init__(self) -> None:
+        # the Python API's switch: True = auto (bars on a terminal, lines elsewhere), False = never
+        if self.no_progress or self.progress is False or self.progress is None:
+            self._set("progress", "never")
+        elif self.progress is True:
+            self._set("progress", "auto")
+        super().__post_init__()
 
 
 @dataclass(frozen=True, kw_only=True)

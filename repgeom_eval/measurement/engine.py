@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
+from repgeom_eval.output.progress import progress_bar
 
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_fingerprint
@@ -191,9 +191,8 @@ class MeasureRun:
         per_item = (1 if self.need_originals else 0) + self.n_views
         n = self.source.n_texts
         expected = None if n is None else -(-n * per_item // dist.world)
-        show = cfg.progress and dist.is_main
-        with Forward(self.loaded, self.plan.points) as fwd, tqdm(
-            total=expected, unit="seq", desc=desc, disable=not show, leave=False
+        with Forward(self.loaded, self.plan.points) as fwd, progress_bar(
+            total=expected, unit="seq", desc=desc, progress=cfg.progress, disable=not dist.is_main
         ) as bar:
             recount = [0, 0, 0, 0]
             for shard_no, shard in enumerate(self.source.shards(cfg.shard_size)):
