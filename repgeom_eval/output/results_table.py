@@ -186,6 +186,8 @@ def mteb_rows(folder: Path) -> list[dict[str, Any]]:
                         if metric not in seen:
                             seen.add(metric)
                             rows.append(base | {"kind": "geometry", "metric": metric, "value": value})
+    rows.sort(key=lambda r: (r["model"], str(r["revision"]), r["recipe"], r["task"], r["split"], str(r["subset"]),
+                             _sort_depth(r["depth"])))
     # relative depth: over the deepest layer found of each model and recipe
     deepest: dict[tuple, float] = {}
     for r in rows:
