@@ -81,6 +81,16 @@ def plot_slices(curve: dict[str, Any], path: str | Path, title: str | None = Non
 
 def plot_depth_profiles(rows: Sequence[dict[str, Any]], path: str | Path, x: str = "relative",
                         title: str | None = None) -> Path:
+    """:func:`depth_profiles_figure` written to ``path`` (PNG)."""
+    plt = pyplot()
+    fig = depth_profiles_figure(rows, x, title)
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+def depth_profiles_figure(rows: Sequence[dict[str, Any]], x: str = "relative", title: str | None = None) -> Any:
     """Depth profiles of several models overlaid: one panel per metric (and task, when several tasks give it), one
     line per model (and source, when several sources give the panel), a shared x axis: ``relative`` depth (0 =
     embeddings, 1 = the deepest position) or the ``layer`` index (depth). Rows without a depth are left out.
@@ -115,7 +125,4 @@ def plot_depth_profiles(rows: Sequence[dict[str, Any]], path: str | Path, x: str
                            else "layer (0 = embeddings)")
     fig.suptitle(title or "depth profiles")
     fig.tight_layout()
-    with atomic_open(path, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return Path(path)
+    return fig
