@@ -144,3 +144,48 @@ def test_address_depth():
     assert address_depth("embed") == 0 and address_depth("resid_post:0") == 1 and address_depth("final", 4) == 4
     assert address_depth("mlp_in:2") == 2.5 and address_depth("resid_post:-1", 4) == 4 and address_depth("3") == 3
     assert address_depth("final") is None and address_depth("resid_post:-1") is None and address_depth(None) is None
+
+
+def test_measure_keeps_its_warnings_and_report_shows_them(measured, tmp_path):
+    work, files, (a, _) = measured
+    result = rg.measure(a, str(work / "texts.jsonl"), max_length=4, progress=False)
+    assert any("longer than" in w for w in result.warnings)  # truncation, also shown as a warning
+    path = tmp_path / "short.json"
+    result.write(path)
+    assert json.loads(path.read_text())["warnings"] == result.warnings
+    assert rg.load_results(path).attrs["warnings"] == {str(path): result.warnings}
+    from repgeom_eval.analyses.html_report import build_report
+
+    page = build_report([path])
+    assert page.count('<div class="warn">') == len(result.warnings) and "longer than" in page
+
+
+def test_report_reads_lmeval_mteb_and_slices(measured, tmp_path):
+    from repgeom_eval.analyses.html_report import build_report
+
+    _, files, _ = measured
+    lm, mt = write_lmeval(tmp_path / "lm"), write_mteb(tmp_path / "mteb")
+    fractions = [0.0, 0.5, 1.0]
+    slices = {"source": "samples.jsonl", "n_queries": 40, "n_correct": 20, "dim": 8,
+              "slices": {"fractions": fractions, "size": 10, "requested_size": 10, "seeds": 2, "n_queries": 40,
+                         "n_correct": 20, "dispersion": [[0.5, 0.6]] * 3, "perplexity": None,
+                         "dispersion_mean": [0.55, 0.5, 0.45], "dispersion_se": [0.01, 0.01, 0.02],
+                         "spearman": -1.0, "spearman_all_slices": -0.8},
+              "calibration": None, "notes": ["slice size shrunk to 10 (`--size` 100 asked)"]}
+    (tmp_path / "slices.json").write_text(json.dumps(slices), encoding="utf-8")
+    page = build_report([files[0], lm, mt, tmp_path / "slices.json"])
+    for title in ("<h2>measure: ", "<h2>lm-eval: tiny-gpt2", "<h2>mteb-layers: mteb", "<h2>slices: samples.jsonl"):
+        assert title in page, title
+    assert "<code>--size</code>" in page and "`" not in page  # inline Markdown rendered, not shown raw
+    assert "cosine_spearman" in page and "0.5500 ± 0.0100" in page and "an earlier layer" not in page
+    assert page.count("data:image/png") == 3  # measure profile, MTEB profiles, slices curve
+
+
+def test_report_cells_and_durations():
+    from repgeom_eval.analyses.report_html import is_seconds, md, table
+
+    assert md("run `repgeom x` **now** <b>") == "run <code>repgeom x</code> <strong>now</strong> &lt;b&gt;"
+    assert all(is_seconds(h) for h in ("seconds", "lm_eval wall s", "s/step", "total_s", "time (s)"))
+    assert not any(is_seconds(h) for h in ("chunks", "steps", "ρ", "mean %"))
+    html = table(["what", "seconds"], [["screen", 143.7], ["eval wall / screen wall", 68.1], ["tiny", 0.4321]])
+    assert "2m24s" in html and "68.1000" in html and "0.43s" in html and "143.7000" not in html
