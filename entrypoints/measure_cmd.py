@@ -78,11 +78,16 @@ def run(args: argparse.Namespace) -> int:
     runs = per_model(cfg)
     for one in runs:  # every check (outputs, inputs) before the first forward pass
         _check(one)
+    documents = []
     for one in runs:
-        rc = _measure_one(one)
-        if rc:
-            return rc
-    if len(runs) > 1 and cfg.output:
+        doc = _measure_one(one, print_json=len(runs) == 1)
+        if doc is None:
+            return 0  # a rank > 0 of a distributed run
+        documents.append(doc)
+    if cfg.json and len(runs) > 1:  # one JSON document: the list of the models' results, in -m order
+        print(json.dumps(documents, indent=2))
+        return 0
+    if len(runs) > 1 and cfg.output and not cfg.json:
         from rich.console import Console
         from rich.markup import escape
 
@@ -107,7 +112,9 @@ def _check(cfg: MeasureCommand) -> None:
             check_writable(path)  # fail before the forward passes, not after
 
 
-def _measure_one(cfg: MeasureCommand) -> int:
+def _measure_one(cfg: MeasureCommand, print_json: bool = True) -> dict | None:
+    """Measure one model, write its outputs and print its table (``--json``: its results); returns the results
+    (``None`` on a rank > 0 of a distributed run)."""
     from rich.console import Console
 
     from repgeom_eval.measurement.engine import measure
@@ -118,16 +125,18 @@ def _measure_one(cfg: MeasureCommand) -> int:
     with commit_together([cfg.output, cfg.per_text_path, cfg.save_preprocess_stats]):  # all of them, or none
         result = measure(cfg.model, cfg.data, config)
         if not result.is_main:
-            return 0  # a rank > 0 of a distributed run: the merged results and the files belong to rank 0
+            return None  # a rank > 0 of a distributed run: the merged results and the files belong to rank 0
         if cfg.output:
             result.write(cfg.output, cfg.per_text_path)
         elif cfg.per_text_path:
             from repgeom_eval.output.files import write_jsonl
 
             write_jsonl(cfg.per_text_path, result.per_text)
+    doc = jsonable(result.to_dict())
     if cfg.json:
-        print(json.dumps(jsonable(result.to_dict()), indent=2))
-        return 0
+        if print_json:
+            print(json.dumps(doc, indent=2))
+        return doc
     # Wide enough for every metric column: a results table truncated to "1.…" is useless.
     names = {m for per_metric in result.results.values() for m in per_metric}
     needed = 18 + sum(max(len(m), 9) + 3 for m in names)
@@ -138,7 +147,7 @@ def _measure_one(cfg: MeasureCommand) -> int:
     if cfg.output:
         console.print(f"results: {cfg.output}" + (f", per-text scores: {cfg.per_text_path}" if cfg.per_text_path
                                                   else ""))
-    return 0
+    return doc
 
 
 def run_dir_files(run_dir: str | None) -> list[str]:

@@ -60,10 +60,14 @@ def measured(tiny_model_dir, texts, tmp_path_factory):
     return work, files, (a, b)
 
 
-def test_measure_with_two_models_writes_one_file_per_model(measured):
-    _, files, (a, b) = measured
+def test_measure_with_two_models_writes_one_file_per_model(measured, capsys):
+    work, files, (a, b) = measured
     names = [json.loads(f.read_text())["model"]["name"] for f in files]
     assert names == [a, b]  # each model measured, not only the last
+    capsys.readouterr()
+    assert main(["measure", "-m", a, "-m", b, "-d", str(work / "texts.jsonl"), "--json", "--progress", "never"]) == 0
+    docs = json.loads(capsys.readouterr().out)  # one JSON document: a list, in -m order
+    assert [d["model"]["name"] for d in docs] == [a, b]
 
 
 def test_measure_two_models_without_placeholder_is_one_line(measured, capsys, tmp_path):
