@@ -82,3 +82,22 @@ def test_measure_progress_lines_in_a_log(tiny_model_dir, texts, tmp_path):
     assert quiet.returncode == 0 and "repgeom: measure:" not in quiet.stderr
     old = subprocess.run(base + ["--no-progress"], capture_output=True, text=True, timeout=300)
     assert old.returncode == 0 and "repgeom: measure:" not in old.stderr
+
+
+def test_training_progress_lines_in_a_log(capsys):
+    from types import SimpleNamespace
+
+    from repgeom_eval.training.loop import _progress_callback
+
+    callback = _progress_callback("auto")  # pytest's stderr is no terminal: lines
+    state = SimpleNamespace(is_world_process_zero=True, max_steps=20, global_step=0)
+    callback.on_train_begin(None, state, None)
+    for step in range(1, 21):
+        state.global_step = step
+        callback.on_step_end(None, state, None)
+        if step == 10:
+            callback.on_log(None, state, None, logs={"ce": 3.25, "aux/push_away": 0.5})
+    callback.on_train_end(None, state, None)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("repgeom: train: 2/20 step (10%)") and len(lines) == 10
+    assert lines[-1].startswith("repgeom: train: 20/20 step (100%), done in ") and "[ce=3.25, push_away=0.5]" in lines[-1]
