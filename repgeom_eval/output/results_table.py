@@ -281,7 +281,7 @@ def _sort_depth(value: Any) -> float:
 
 def wide(rows: Iterable[dict[str, Any]]) -> tuple[list[str], list[tuple[tuple, dict[str, float]]]]:
     """The comparison table: one column per model, one row per (source, task, split, metric, address) in depth
-    order; returns (model labels, [(row key, {label: value})])."""
+    order (relative depth where known, so that ``final`` comes last for every model); returns (model labels, [(row key, {label: value})])."""
     labels: list[str] = []
     table: dict[tuple, dict[str, float]] = {}
     depth: dict[tuple, Any] = {}
@@ -291,6 +291,9 @@ def wide(rows: Iterable[dict[str, Any]]) -> tuple[list[str], list[tuple[tuple, d
             labels.append(label)
         key = (r["source"], r["task"], r["split"] or "", r["recipe"] or "", r["metric"], r["address"] or "")
         table.setdefault(key, {})[label] = r["value"]
-        depth.setdefault(key, r["depth"])
+        at = r["relative_depth"] if r["relative_depth"] is not None else r["depth"]  # models of different depth
+        if at is not None and (depth.get(key) is None or at < depth[key]):
+            depth[key] = at
+        depth.setdefault(key, None)
     order = sorted(table, key=lambda k: (k[0], k[1], k[2], k[3], k[4], _sort_depth(depth[k]), k[5]))
     return labels, [(k, table[k]) for k in order]
