@@ -259,7 +259,7 @@ def load_results(paths: str | Path | Sequence[str | Path]):
     try:
         import pandas as pd
     except ImportError:
-        raise RepgeomError("load_results needs pandas: pip install pandas") from None
+        raise RepgeomError("load_results needs pandas: pip install 'repgeom-eval[compare]'") from None
     rows, warnings = read_results([paths] if isinstance(paths, (str, Path)) else list(paths))
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
     frame.attrs["warnings"] = warnings
