@@ -192,4 +192,4 @@ def test_report_cells_and_durations():
     assert all(is_seconds(h) for h in ("seconds", "lm_eval wall s", "s/step", "total_s", "time (s)"))
     assert not any(is_seconds(h) for h in ("chunks", "steps", "ρ", "mean %"))
     html = table(["what", "seconds"], [["screen", 143.7], ["eval wall / screen wall", 68.1], ["tiny", 0.4321]])
-    assert "2m24s" in html and "68.1000" in html and "0.43s" in html and "143.7000" not in html
+    assert "2m24s" in html and "68.1×" in html and "0.43s" in html and "143.7000" not in html

@@ -100,4 +100,5 @@ def test_training_progress_lines_in_a_log(capsys):
     callback.on_train_end(None, state, None)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("repgeom: train: 2/20 step (10%)") and len(lines) == 10
-    assert lines[-1].startswith("repgeom: train: 20/20 step (100%), done in ") and "[ce=3.25, push_away=0.5]" in lines[-1]
+    assert lines[-1].startswith("repgeom: train: 20/20 step (100%), done in ")
+    assert "[ce=3.25, push_away=0.5]" in lines[-1]

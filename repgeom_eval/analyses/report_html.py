@@ -51,7 +51,9 @@ def is_seconds(header: str) -> bool:
     return bool(_SECONDS.search(str(header).strip()))
 
 
-def cell(value: Any, seconds: bool = False) -> str:
+def cell(value: Any, seconds: bool | str = False) -> str:
+    if seconds == "ratio" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return esc(f"{value:.1f}×")
     if seconds and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return esc(duration(float(value)))
     return md(fmt(value)) if isinstance(value, str) else esc(fmt(value))
@@ -62,11 +64,18 @@ def _ratio(row: Sequence[Any]) -> bool:
     return bool(row) and isinstance(row[0], str) and (" / " in row[0] or "ratio" in row[0].lower())
 
 
+def _kind(times: list[bool], i: int, row: Sequence[Any]) -> bool | str:
+    """How cell ``i`` of ``row`` reads: a duration (a seconds column), a ratio (such a column's ratio row), as is."""
+    if i >= len(times) or not times[i]:
+        return False
+    return "ratio" if _ratio(row) else True
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     times = [is_seconds(h) for h in header]
     head = "".join(f"<th>{md(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{cell(c, times[i] if i < len(times) and not _ratio(row) else False)}</td>"
-                                    for i, c in enumerate(row)) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{cell(c, _kind(times, i, row))}</td>" for i, c in enumerate(row))
+                   + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 

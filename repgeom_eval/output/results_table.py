@@ -281,7 +281,8 @@ def _sort_depth(value: Any) -> float:
 
 def wide(rows: Iterable[dict[str, Any]]) -> tuple[list[str], list[tuple[tuple, dict[str, float]]]]:
     """The comparison table: one column per model, one row per (source, task, split, metric, address) in depth
-    order (relative depth where known, so that ``final`` comes last for every model); returns (model labels, [(row key, {label: value})])."""
+    order (relative depth where known, so that ``final`` comes last for every model); returns (model labels,
+    [(row key, {label: value})])."""
     labels: list[str] = []
     table: dict[tuple, dict[str, float]] = {}
     depth: dict[tuple, Any] = {}
