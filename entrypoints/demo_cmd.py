@@ -26,6 +26,8 @@ class DemoCommand(Options):
                           help="paragraphs of pydoc_data.topics (default {default})")
     max_length: int = option(192, "--max-length", type=int, check=positive, help="tokens per text (default {default})")
     batch_size: int = option_like(RunGroup, "batch_size", 16)
+    progress: str = option_like(RunGroup, "progress")
+    no_progress: bool = option_like(RunGroup, "no_progress")
     model: str | None = option(None, "--model", help="override the model (default: SmolLM2-135M-Instruct GGUF)")
     dtype: str = option_like(ModelOptions, "dtype")
     revision: str | None = option_like(ModelOptions, "revision")
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(model, dtype=cfg.dtype)  # once, for every step
     result = measure(loaded, texts, layers="all", metrics=["dispersion", "token_dispersion"], pooling="last",
                      batch_size=cfg.batch_size, max_length=cfg.max_length, dtype=cfg.dtype,
-                     progress=sys.stderr.isatty())
+                     progress=_progress(cfg))
     result.data["path"] = "pydoc_data.topics (paragraphs)"
     result.write(out / "results.json")
     plot = plot_profile(result.to_dict(), out / "dispersion_profile.png")
@@ -120,7 +122,7 @@ def _analyses(cfg: DemoCommand, loaded, texts: list[str], out: Path, console) ->
     )
     from repgeom_eval.analyses.ppl_bins import ppl_bins
 
-    show = sys.stderr.isatty()
+    show = _progress(cfg)
     console.print(f"\n[bold]perplexity vs dispersion[/bold] (paper A): {cfg.ppl_chunks} chunks of "
                   f"{cfg.chunk_len} tokens of the Python docs, groups of {cfg.group_size}")
     docs = [topics[k] for k in sorted(topics)]
@@ -153,3 +155,7 @@ def _analyses(cfg: DemoCommand, loaded, texts: list[str], out: Path, console) ->
     report = write_report([out / "results.json", out / "ppl_bins.json", out / "condensation.json"],
                           out / "report.html", title="repgeom demo: SmolLM2-135M on the Python docs")
     console.print(f"\nreport:  {report} (one self-contained page, opens offline)")
+
+
+def _progress(cfg: DemoCommand) -> str:
+    return "never" if cfg.no_progress else cfg.progress

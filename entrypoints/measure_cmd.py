@@ -6,6 +6,7 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from repgeom_eval.errors import RepgeomError
 from repgeom_eval.measurement.config import RunConfig
 from repgeom_eval.option_fields import option, option_like
 from repgeom_eval.option_groups import DataGroup, JsonGroup, ModelGroup, OutputGroup
@@ -15,6 +16,10 @@ from repgeom_eval.option_groups import DataGroup, JsonGroup, ModelGroup, OutputG
 class MeasureCommand(ModelGroup, DataGroup, RunConfig, OutputGroup, JsonGroup):
     """Every option of ``repgeom measure``: the model, the data, the run (RunConfig) and the outputs."""
 
+    model: str | tuple[str, ...] = option_like(
+        ModelGroup, "model", check=None,
+        help="hub id, local model directory, or .gguf file; repeat (-m A -m B) to measure several models one after "
+             "the other, with {model} in the output paths (-o out-{model}.json): one result file per model")
     data: str = option_like(DataGroup, "data", help=".jsonl with a text field per line, .txt with one text per line, "
                             "or a Hugging Face datasets stream hf:NAME?split=train (e.g. "
                             "hf:json?data_files=big.jsonl); read in shards")
@@ -26,16 +31,75 @@ def configure(p: argparse.ArgumentParser) -> None:
     MeasureCommand.add_arguments(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+PER_MODEL = {"--output": "output", "--per-text": "per_text_path", "--save-preprocess-stats": "save_preprocess_stats",
+             "--run-dir": "run_dir"}
 
-    from repgeom_eval.measurement.engine import measure
+
+def model_slug(model: str) -> str:
+    """How ``{model}`` in an output path names a model: its folder or file name (``org__name`` for a hub id)."""
+    import os
+    import re
+
+    text = str(model).rstrip("/\\")
+    name = os.path.basename(text) if os.path.exists(text) or text.startswith((".", "/", "~")) else text
+    return re.sub(r"[^\w.+-]+", "__", name) or "model"
+
+
+def per_model(cfg: MeasureCommand) -> list[MeasureCommand]:
+    """One configuration per ``-m/--model``: several models are measured one after the other, each into the output
+    paths with ``{model}`` replaced by its :func:`model_slug`; with several models an output path without
+    ``{model}`` is a one-line error (one model's results would replace another's)."""
+    models = [cfg.model] if isinstance(cfg.model, str) else list(cfg.model)
+    slugs = [model_slug(m) for m in models]
+    if len(set(slugs)) < len(slugs):
+        dup = next(s for s in slugs if slugs.count(s) > 1)
+        raise RepgeomError(f"--model: two models are both named {dup!r} in output paths; give each once")
+    if len(models) > 1:
+        for flag, name in PER_MODEL.items():
+            value = getattr(cfg, name)
+            if value and "{model}" not in value:
+                raise RepgeomError(f"{flag} {value!r}: with {len(models)} models give a path holding {{model}} "
+                                   f"(e.g. {flag} {_example(value)}): one file per model, {{model}} = the model's "
+                                   "folder name")
+    return [cfg.replace(model=m, **{name: getattr(cfg, name).replace("{model}", slug)
+                                    for name in PER_MODEL.values() if getattr(cfg, name)})
+            for m, slug in zip(models, slugs)]
+
+
+def _example(path: str) -> str:
+    import os
+
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-{{model}}{ext}"
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = MeasureCommand.from_args(args)
+    runs = per_model(cfg)
+    for one in runs:  # every check (outputs, inputs) before the first forward pass
+        _check(one)
+    documents = []
+    for one in runs:
+        doc = _measure_one(one, print_json=len(runs) == 1)
+        if doc is None:
+            return 0  # a rank > 0 of a distributed run
+        documents.append(doc)
+    if cfg.json and len(runs) > 1:  # one JSON document: the list of the models' results, in -m order
+        print(json.dumps(documents, indent=2))
+        return 0
+    if len(runs) > 1 and cfg.output and not cfg.json:
+        from rich.console import Console
+        from rich.markup import escape
+
+        Console().print("compare them: repgeom compare " + " ".join(escape(r.output) for r in runs), soft_wrap=True)
+    return 0
+
+
+def _check(cfg: MeasureCommand) -> None:
     from repgeom_eval.measurement.texts import source_files
     from repgeom_eval.modeling.loading import model_files
-    from repgeom_eval.output.console import results_table
-    from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable, commit_together, jsonable
+    from repgeom_eval.output.files import check_creatable_dir, check_outputs, check_writable
 
-    cfg = MeasureCommand.from_args(args)
     if cfg.run_dir:
         check_creatable_dir(cfg.run_dir, "--run-dir")
     outputs = {"--output": cfg.output, "--per-text": cfg.per_text_path,
@@ -46,20 +110,33 @@ def run(args: argparse.Namespace) -> int:
     for path in (cfg.output, cfg.per_text_path, cfg.save_preprocess_stats):
         if path:
             check_writable(path)  # fail before the forward passes, not after
+
+
+def _measure_one(cfg: MeasureCommand, print_json: bool = True) -> dict | None:
+    """Measure one model, write its outputs and print its table (``--json``: its results); returns the results
+    (``None`` on a rank > 0 of a distributed run)."""
+    from rich.console import Console
+
+    from repgeom_eval.measurement.engine import measure
+    from repgeom_eval.output.console import results_table
+    from repgeom_eval.output.files import commit_together, jsonable
+
     config = RunConfig.of(cfg, per_text=bool(cfg.per_text_path))
     with commit_together([cfg.output, cfg.per_text_path, cfg.save_preprocess_stats]):  # all of them, or none
         result = measure(cfg.model, cfg.data, config)
         if not result.is_main:
-            return 0  # a rank > 0 of a distributed run: the merged results and the files belong to rank 0
+            return None  # a rank > 0 of a distributed run: the merged results and the files belong to rank 0
         if cfg.output:
             result.write(cfg.output, cfg.per_text_path)
         elif cfg.per_text_path:
             from repgeom_eval.output.files import write_jsonl
 
             write_jsonl(cfg.per_text_path, result.per_text)
+    doc = jsonable(result.to_dict())
     if cfg.json:
-        print(json.dumps(jsonable(result.to_dict()), indent=2))
-        return 0
+        if print_json:
+            print(json.dumps(doc, indent=2))
+        return doc
     # Wide enough for every metric column: a results table truncated to "1.…" is useless.
     names = {m for per_metric in result.results.values() for m in per_metric}
     needed = 18 + sum(max(len(m), 9) + 3 for m in names)
@@ -70,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.output:
         console.print(f"results: {cfg.output}" + (f", per-text scores: {cfg.per_text_path}" if cfg.per_text_path
                                                   else ""))
-    return 0
+    return doc
 
 
 def run_dir_files(run_dir: str | None) -> list[str]:

@@ -99,7 +99,8 @@ class MtebRunCommand(ModelGroup):
                                help="track CO2 with codecarbon (if installed)")
     summary: bool = option(True, "--no-summary", action="store_false",
                            help="do not write repgeom_summary.{csv,md,png} into the output folder afterwards")
-    progress: bool = option_like(RunGroup, "progress", help="hide the progress bars")
+    progress: str = option_like(RunGroup, "progress")
+    no_progress: bool = option_like(RunGroup, "no_progress")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,10 +214,11 @@ def _run(cfg: MtebRunCommand) -> int:
     from repgeom_eval.errors import RepgeomError
     from repgeom_eval.measurement.distributed import Distributed
     from repgeom_eval.modeling.loading import model_files
-    from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
+    from repgeom_eval.mteb_layers import resolve_tasks, write_summary
     from repgeom_eval.mteb_layers.metrics import check_metrics
     from repgeom_eval.mteb_layers.preprocess import check_method
     from repgeom_eval.output.files import check_creatable_dir, check_outputs
+    from repgeom_eval.output.progress import progress_mode
 
     metric_params = dict(cfg.metric_params or {})
     metrics = check_metrics(_words(cfg.metrics) or (), metric_params)  # before tasks and model are loaded
@@ -234,14 +236,9 @@ def _run(cfg: MtebRunCommand) -> int:
     # process); each rank writes its tasks into the shared mteb cache, and rank 0 reports and summarizes them all.
     dist = Distributed.from_env(cfg.device)
     mine = [t for i, t in enumerate(tasks) if dist.owns(i)]
-    result = run_layers(
-        cfg.model, mine, _words(cfg.layers), pooling=cfg.pooling, normalize=cfg.normalize,
-        max_length=cfg.max_length, batch_size=cfg.batch_size, dtype=cfg.dtype, device=dist.device(cfg.device),
-        output_folder=str(out), overwrite_strategy=cfg.overwrite_strategy, name=cfg.name,
-        revision=cfg.record_revision or cfg.revision, co2_tracker=cfg.co2_tracker,
-        prediction_folder=cfg.prediction_folder, num_proc=cfg.num_proc, progress=cfg.progress and dist.is_main,
-        metrics=metrics, metric_params=metric_params, seed=cfg.seed, preprocess=cfg.preprocess,
-        preprocess_stats=cfg.preprocess_stats)
+    mode = "never" if cfg.no_progress or not dist.is_main else cfg.progress
+    with progress_mode(mode):  # the bars of mteb_layers take an on/off switch; the mode says bars or log lines
+        result = _run_layers(cfg, mine, out, dist, metrics, metric_params, progress=mode != "never")
     parts = dist.gather((result.rows, result.forward_passes))
     dist.close()
     if parts is None:
@@ -286,3 +283,16 @@ def _summary(cfg: MtebSummaryCommand) -> int:
     paths = written["paths"]
     console.print(f"wrote {paths['csv']}, {paths['markdown']}" + "".join(f", {p}" for p in paths["plots"]))
     return 0
+
+
+def _run_layers(cfg, mine, out, dist, metrics, metric_params, progress: bool):
+    from repgeom_eval.mteb_layers import run_layers
+
+    return run_layers(
+        cfg.model, mine, _words(cfg.layers), pooling=cfg.pooling, normalize=cfg.normalize,
+        max_length=cfg.max_length, batch_size=cfg.batch_size, dtype=cfg.dtype, device=dist.device(cfg.device),
+        output_folder=str(out), overwrite_strategy=cfg.overwrite_strategy, name=cfg.name,
+        revision=cfg.record_revision or cfg.revision, co2_tracker=cfg.co2_tracker,
+        prediction_folder=cfg.prediction_folder, num_proc=cfg.num_proc, progress=progress,
+        metrics=metrics, metric_params=metric_params, seed=cfg.seed, preprocess=cfg.preprocess,
+        preprocess_stats=cfg.preprocess_stats)

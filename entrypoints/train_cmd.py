@@ -6,7 +6,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from repgeom_eval.option_fields import add_option_arguments, option, options_from_namespace
+from repgeom_eval.option_fields import add_option_arguments, option, option_like, options_from_namespace
+from repgeom_eval.option_groups import RunGroup
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class TrainCommand:
     overwrite: bool = option(False, "--overwrite", action="store_true",
                              help="replace the run already in output_dir (its results.json, model/ and trainer/); "
                                   "without it such an output_dir is refused")
-    progress: bool = option(True, "--no-progress", action="store_false", help="no progress bar")
+    progress: str = option_like(RunGroup, "progress")
+    no_progress: bool = option_like(RunGroup, "no_progress")
     json: bool = option(False, "--json", action="store_true", help="print the per-domain perplexities as JSON")
 
 
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     command = TrainCommand(**options_from_namespace(TrainCommand, args))
     cfg = read_config(command.config, command.overrides)
     check_train_outputs(cfg, command.overwrite, config_file=command.config)
-    result = train(cfg, progress=command.progress, overwrite=command.overwrite)
+    result = train(cfg, progress="never" if command.no_progress else command.progress, overwrite=command.overwrite)
     if command.json:
         print(json.dumps(result.perplexity_table(), indent=2))
         return 0

@@ -27,6 +27,8 @@ COMMANDS = {
     "knn-keys": ("knn_keys_cmd", "Rank kNN-LM key addresses by the dispersion of last-token vectors (paper A Table 1)."),
     "knnlm": ("knnlm_cmd", "A real kNN-LM: faiss datastore at a key address, perplexity with and without retrieval."),
     "condensation": ("condensation_cmd", "Per-layer cosine histograms and the condensation trend by depth (paper C)."),
+    "compare": ("compare_cmd", "Results of several models, layers or tools (measure, lm-eval, MTEB) as one table, "
+                "a CSV and overlaid depth profiles."),
     "report": ("report_cmd", "One self-contained offline HTML page from the JSON outputs of the other commands."),
     "clusters": ("clusters_cmd", "Contexts sharing an n-gram continuation: within/between-cluster distance (paper A)."),
     "perturb": ("perturb_cmd", "Prompt entropy and dispersion under repetition, random tokens, length (paper B)."),

@@ -42,6 +42,7 @@ _LAZY = {
     "check_metric": "repgeom_eval.testing",
     "make_tiny_model": "repgeom_eval.testing",
     "save_tiny": "repgeom_eval.tiny_models",
+    "load_results": "repgeom_eval.output.results_table",
 }
 
 
@@ -63,7 +64,7 @@ __all__ = [
     "RepgeomError", "ParameterError", "PluginError", "UnknownNameError", "check_param", "is_real", "is_count",
     # running
     "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo", "ModelOptions", "get_host",
-    "PluginHost",
+    "PluginHost", "load_results",
     # testing helpers (a plugin's own tests)
     "check_metric", "make_tiny_model", "save_tiny",
     "__version__",

@@ -7,8 +7,8 @@ for one command is declared again with :func:`~repgeom_eval.option_fields.option
 
 from __future__ import annotations
 
-import sys
 from dataclasses import MISSING, dataclass
+from typing import Any
 
 from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.option_fields import Options, option, positive
@@ -16,9 +16,19 @@ from repgeom_eval.option_fields import Options, option, positive
 PACKINGS = ("concat", "document")  # how documents become chunks: repgeom_eval/analyses/corpus.py
 
 
-def show_progress(on: bool) -> bool:
-    """A progress bar only where someone watches: on a terminal (logs and pipes get none)."""
-    return bool(on) and sys.stderr.isatty()
+def models_given(value: Any) -> str | tuple[str, ...]:
+    """``--model`` given once: that model; given several times (``-m A -m B``): all of them, in order (a command
+    that takes one model refuses several in one line: :func:`one_model`, never keeping only the last)."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if len(value) == 1 else tuple(value)
+    return value
+
+
+def one_model(value: Any) -> str | None:
+    if isinstance(value, (list, tuple)) and len(value) > 1:
+        return (f"given {len(value)} times ({', '.join(map(str, value))}); this command takes one model: run it "
+                "once per model (`repgeom measure` takes several)")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +36,8 @@ class ModelGroup(ModelOptions):
     """One model and how to load it."""
 
     group_title = "model options"
-    model: str = option(MISSING, "--model", "-m", key=False, config=False,
+    model: str = option(MISSING, "--model", "-m", key=False, config=False, action="append", from_cli=models_given,
+                        check=one_model, metavar="MODEL",
                         help="hub id, local model directory, or .gguf file (loaded through transformers)")
 
 
@@ -35,7 +46,7 @@ class ModelsGroup(ModelOptions):
     """One model or several (measured alike, side by side)."""
 
     group_title = "model options"
-    model: tuple[str, ...] = option(MISSING, "--model", "-m", nargs="+", key=False, config=False,
+    model: tuple[str, ...] = option(MISSING, "--model", "-m", nargs="+", action="extend", key=False, config=False,
                                     help="one or more models (hub ids, directories, .gguf files), shown side by side")
 
 
@@ -100,8 +111,19 @@ class RunGroup(Options):
     seed: int = option(0, "--seed", type=int, help="random seed (default: {default})")
     dtype: str | None = option("auto")  # flags: the model group's --dtype
     device: str | None = option("cpu", key=False)  # flags: the model group's --device
-    progress: bool = option(True, "--no-progress", action="store_false", key=False, config=False,
-                            from_cli=show_progress, cli_default=True, help="hide the progress bar")
+    progress: str | bool = option("auto", "--progress", choices=["auto", "always", "never"], key=False,
+                                  config=False, help="auto (default): a bar on a terminal, plain lines in logs and "
+                                                     "pipes (every 30 s or 10%%); always: a bar; never: nothing")
+    no_progress: bool = option(False, "--no-progress", action="store_true", key=False, config=False,
+                               help="the same as --progress never")
+
+    def __post_init__(self) -> None:
+        # the Python API's switch: True = auto (bars on a terminal, lines elsewhere), False = never
+        if self.no_progress or self.progress is False or self.progress is None:
+            self._set("progress", "never")
+        elif self.progress is True:
+            self._set("progress", "auto")
+        super().__post_init__()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,10 @@ def parse(argv: list[str]) -> Probe:
 
 
 def test_flags_yaml_and_precedence(tmp_path):
-    assert parse(["-m", "x"]) == Probe(model="x", layers=("all",), progress=False)  # no terminal: no bar
+    # --progress auto: bars on a terminal, plain lines elsewhere (repgeom_eval/output/progress.py)
+    assert parse(["-m", "x"]) == Probe(model="x", layers=("all",), progress="auto")
+    assert parse(["-m", "x", "--no-progress"]).progress == "never"
+    assert parse(["-m", "x", "--progress", "always"]).progress == "always"
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model: from-file\nsize: 5\nbatch-size: 9\nlayers: [embed, final]\n")
     got = parse(["--config", str(cfg), "--size", "6"])

@@ -18,7 +18,7 @@ PUBLIC = {
     "post_ln_encoder", "AuxLoss", "build_aux_loss",
     "RepgeomError", "ParameterError", "PluginError", "UnknownNameError", "check_param", "is_real", "is_count",
     "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo", "ModelOptions", "get_host",
-    "PluginHost",
+    "PluginHost", "load_results",
     "check_metric", "make_tiny_model", "save_tiny",
     "__version__",
 }

@@ -40,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from repgeom_eval.analyses.plots import label_points  # noqa: E402
 from gallery import Experiment, fortunes, pydoc_paragraphs, stable_key, write_jsonl  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -336,13 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     for ax, y, label, key in ((axes[0], ppl, "held-out perplexity", "ppl"),
                               (axes[1], acc, "cloze accuracy", "cloze_acc")):
         ax.scatter(G, y, c=steps, cmap="viridis")
-        for g, v, s in zip(G, y, steps):
-            ax.annotate(str(s), (g, v), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel("dispersion gap G (T = python_keywords)")
         ax.set_ylabel(label)
         ax.set_title(f"Spearman ρ = {rho[key]['rho']:+.2f} (n = {rho[key]['n']})", fontsize=9)
     axes[0].set_yscale("log")
     fig.tight_layout()
+    for ax, y in ((axes[0], ppl), (axes[1], acc)):  # step labels that do not overlap (a crowded one is left out)
+        label_points(ax, G, y, steps)
     exp.figure(fig, "gap_vs_ppl", "G against held-out perplexity and cloze accuracy, one point per checkpoint "
                "(labels: training step)")
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import gallery  # noqa: E402
+from repgeom_eval.analyses.plots import outside_legend  # noqa: E402
 import prepare_data  # noqa: E402
 
 VARIANTS = {
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             ax.plot(xs, smooth, label=v)
     ax.set_xlabel("step")
     ax.set_ylabel("train d at final (smoothed)")
-    ax.legend(fontsize=8)
+    outside_legend(ax, fontsize=8)
     ax.set_title(f"dispersion of the final hidden states, seed {seeds[0]}")
     exp.figure(fig, "dispersion", "Dispersion d of the final hidden states of each training batch, by step "
                f"(moving average, seed {seeds[0]}).")

@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gallery  # noqa: E402
+from repgeom_eval.analyses.plots import outside_legend  # noqa: E402
 from gallery import Experiment, stable_key, wordnet_synsets, write_jsonl  # noqa: E402
 
 TASK = "repgeom_wordnet_quiz"
@@ -182,7 +183,7 @@ def slice_figure(curve: dict, size: int):
     ax.set_yscale("log")
     ax.set_xlabel("correct questions in the slice (%)")
     ax.set_ylabel("slice mean perplexity (per token)")
-    ax.legend(fontsize=8)
+    outside_legend(ax, fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -204,7 +205,7 @@ def calibration_figure(calibration: dict):
                 alpha=0.5, lw=1, label="fitted (chosen on validation)" if seed == 0 else None)
     ax.set_xlabel("slice dispersion D")
     ax.set_ylabel("slice accuracy")
-    ax.legend(fontsize=8)
+    outside_legend(ax, fontsize=8)
     ax.grid(alpha=0.3)
     ax = axes[1]
     for points in calibration["test_slices"]:

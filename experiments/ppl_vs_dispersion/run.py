@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gallery  # noqa: E402
+from repgeom_eval.analyses.plots import outside_legend  # noqa: E402
 from gallery import Experiment  # noqa: E402
 
 NAME = "ppl_vs_dispersion"
@@ -255,7 +256,7 @@ def figure_by_depth(layers: list[str], sources: list[str], corr: Any, cfg: dict[
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("corr(group perplexity, group dispersion)")
-    axes[1].legend(fontsize=7, loc="lower left")
+    outside_legend(axes[1], fontsize=7)
     fig.suptitle(f"SmolLM2-135M: perplexity vs token dispersion by depth ({cfg['per_source']} chunks of "
                  f"{cfg['chunk_len']} tokens a source, groups of {cfg['group_size']})", fontsize=10)
     fig.tight_layout()
@@ -283,7 +284,7 @@ def figure_scatter(chunks: list[dict[str, Any]], pops: dict[str, Any], sources: 
     ax.set_title(f"SmolLM2-135M at {layer}; pooled r={corr('pooled', layer, 'pearson'):+.2f}, "
                  f"ρ={corr('pooled', layer, 'spearman'):+.2f}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    outside_legend(ax, fontsize=7)
     fig.tight_layout()
     return fig
 

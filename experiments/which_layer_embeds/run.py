@@ -28,6 +28,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gallery  # noqa: E402
+from repgeom_eval.analyses.plots import outside_legend  # noqa: E402
 
 SOURCES = {"pydoc": "Pydoc", "fortunes": "Fortunes"}
 TYPES = {"STS": "STS", "TopicClassification": "Classification", "TopicClustering": "Clustering"}
@@ -190,7 +191,8 @@ def main() -> None:
             ax.grid(alpha=0.3)
             if i == len(sources) - 1:
                 ax.set_xlabel("relative depth (0 = embeddings, 1 = last layer)", fontsize=8)
-    axes[0, 0].legend(fontsize=7, loc="best")
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), fontsize=7, loc="upper center", ncol=4,
+               bbox_to_anchor=(0.5, 0.0), frameon=False)  # below the panels, over no data
     fig.tight_layout()
     exp.figure(fig, "score_by_depth", "Main score against relative depth, per task; solid raw, dashed standardized "
                                       "(statistics from each task's own texts); blue SmolLM2-135M, orange MiniLM")
@@ -212,7 +214,7 @@ def main() -> None:
     for ax in axes:
         ax.set_xlabel("relative depth", fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        outside_legend(ax, fontsize=7)
     fig.tight_layout()
     exp.figure(fig, "entropy_and_massive_share", "Dataset entropy of the scored embeddings (raw solid, standardized "
                                                  "dashed) and the largest dimension's share of the squared norm of "

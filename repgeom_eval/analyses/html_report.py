@@ -9,10 +9,6 @@ section: its config and results as pretty-printed JSON.
 
 from __future__ import annotations
 
-import base64
-import html
-import json
-import math
 import tempfile
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -22,10 +18,13 @@ from typing import Any
 from .. import __version__
 from ..errors import RepgeomError
 from repgeom_eval.output.files import atomic_open
-from . import plots
+from repgeom_eval.output.progress import duration
+from repgeom_eval.output.results_table import is_lmeval, mteb_rows
+from . import plots, report_sources
+from .report_html import bullets, esc, figure, fmt, generic, md, para, png_file, table  # noqa: F401 (API)
 
 Section = tuple[str, list[str]]  # (title, HTML blocks)
-RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {}
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = dict(report_sources.RENDERERS)
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
@@ -37,6 +36,7 @@ img{max-width:100%;display:block;margin:.8em 0}.meta{color:#666;font-size:.85em}
 .warn{background:#fff4d6;border-left:4px solid #e0a800;padding:.4em .8em;margin:.5em 0}
 pre{background:#f6f6f6;padding:.6em;overflow-x:auto;font-size:.8em;max-height:30em}
 nav ul{columns:2;font-size:.9em}
+code{background:#f0f0f0;padding:0 .25em;border-radius:3px;font-size:.92em}
 """
 
 
@@ -56,6 +56,10 @@ def classify(doc: Any) -> str:
         return "unknown"
     if isinstance(doc.get("kind"), str):
         return doc["kind"]
+    if is_lmeval(doc):
+        return "lm-eval"
+    if report_sources.is_slices(doc):
+        return "slices"
     if (doc.get("config") or {}).get("metric") == "dispersion_gap" and isinstance(doc.get("results"), list):
         return "gap"
     if isinstance(doc.get("results"), dict) and "layers" in (doc.get("config") or {}) and "summary" in doc:
@@ -68,10 +72,13 @@ def result_files(paths: Sequence[str | Path]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            # a folder of results, or the gallery's layout (experiments/NAME/results/result.json)
-            found = sorted(p.glob("*.json")) or sorted(p.glob("*/results/result.json"))
+            # a folder of results, the gallery's layout (experiments/NAME/results/result.json), an lm-eval
+            # --output_path folder (MODEL/results_*.json) or a `repgeom mteb run` folder (every file under it)
+            found = (sorted(p.rglob("*.json")) if _is_mteb(p) else sorted(p.glob("*.json"))
+                     or sorted(p.glob("*/results/result.json")) or sorted(p.rglob("results_*.json")))
             if not found:
-                raise RepgeomError(f"directory {str(p)!r} holds no .json file (nor */results/result.json)")
+                raise RepgeomError(f"directory {str(p)!r} holds no .json file (nor */results/result.json, "
+                                   "lm-eval results_*.json or MTEB layer results)")
             files.extend(found)
         elif p.exists():
             files.append(p)
@@ -82,8 +89,27 @@ def result_files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+def _is_mteb(folder: Path) -> bool:
+    return any(folder.rglob("model_meta.json"))
+
+
 def collect(paths: Sequence[str | Path]) -> list[tuple[Path, dict[str, Any]]]:
-    """(path, parsed JSON) for every file; a directory contributes its ``*.json`` files in name order."""
+    """(path, parsed JSON) for every file; a directory contributes its ``*.json`` files in name order, an MTEB
+    result folder one document of all its layers (``kind`` mteb-layers, ``rows`` as ``repgeom compare`` reads
+    them)."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir() and _is_mteb(p):
+            rows = mteb_rows(p)
+            if not rows:
+                raise RepgeomError(f"{p}: MTEB folder without layer results (written by `repgeom mteb run`?)")
+            out.append((p, {"kind": report_sources.MTEB_KIND, "folder": str(p), "rows": rows}))
+        else:
+            out += _collect_files([p])
+    return out
+
+
+def _collect_files(paths: Sequence[Path]) -> list[tuple[Path, dict[str, Any]]]:
     from repgeom_eval.measurement.texts import parse_json
 
     out = []
@@ -105,48 +131,17 @@ def collect(paths: Sequence[str | Path]) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
-# -- HTML pieces ------------------------------------------------------------------------------------------------
-
-def esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return f"{value:.{digits}g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) else f"{value:.{digits}f}"
-    return str(value)
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    head = "".join(f"<th>{esc(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{esc(fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def figure(fig: Any, alt: str) -> str:
-    data = base64.b64encode(plots.png_bytes(fig)).decode("ascii")
-    return f'<img alt="{esc(alt)}" src="data:image/png;base64,{data}">'
-
-
-def png_file(path: Path, alt: str) -> str:
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<img alt="{esc(alt)}" src="data:image/png;base64,{data}">'
-
-
-def para(text: str) -> str:
-    return f"<p>{esc(text)}</p>"
-
+# -- HTML pieces: repgeom_eval/analyses/report_html.py --------------------------------------------------------------
 
 def _model_name(doc: dict[str, Any]) -> str:
-    if classify(doc) == "gap":
+    kind = classify(doc)
+    if kind == "lm-eval":
+        return str(doc.get("model_name") or (doc.get("config") or {}).get("model_args", "?"))
+    if kind == report_sources.MTEB_KIND:
+        return Path(doc["folder"]).name
+    if kind == "slices":
+        return Path(str(doc.get("source", "?"))).name
+    if kind == "gap":
         return ", ".join(Path(str(m)).name for m in (doc.get("config") or {}).get("models", []))
     if doc.get("models"):
         return ", ".join(Path(str(m.get("name", "?"))).name for m in doc["models"])
@@ -291,25 +286,17 @@ def _experiment(doc: dict[str, Any], folder: Path) -> list[str]:
     """A finding of the reproduction gallery (experiments/*/results/result.json): its summary, figures (read from
     the result's folder) and tables."""
     blocks = [para(f"Mirrors {doc['mirrors']}." + (" Smoke run (tiny size)." if doc.get("smoke") else ""))]
-    blocks.append("<ul>" + "".join(f"<li>{esc(line)}</li>" for line in doc["summary"]) + "</ul>")
+    blocks.append(bullets(doc["summary"]))
     for fig in doc.get("figures") or []:
         png = folder / fig["file"]
         blocks.append(png_file(png, fig["caption"]) if png.is_file() else para(f"(figure {png} is missing)"))
-        blocks.append(f'<p class="meta">{esc(fig["caption"])}</p>')
+        blocks.append(f'<p class="meta">{md(fig["caption"])}</p>')
     for t in doc.get("tables") or []:
-        blocks += [f"<h3>{esc(t['title'])}</h3>", table(t["header"], t["rows"])]
+        blocks += [f"<h3>{md(t['title'])}</h3>", table(t["header"], t["rows"])]
     for note in doc.get("notes") or []:
         blocks.append(para(note))
-    blocks.append(f'<p class="meta">{esc(doc["command"])} · {fmt(float(doc["seconds"]), 1)} s</p>')
+    blocks.append(f'<p class="meta"><code>{esc(doc["command"])}</code> · {esc(duration(float(doc["seconds"])))}</p>')
     return blocks
-
-
-def _generic(doc: dict[str, Any]) -> list[str]:
-    shown = {k: doc.get(k) for k in ("config", "results") if k in doc}
-    text = json.dumps(shown, indent=1, default=str)
-    if len(text) > 20000:
-        text = text[:20000] + "\n... (truncated)"
-    return [para("No renderer for this kind; its config and results:"), f"<pre>{esc(text)}</pre>"]
 
 
 # -- the page ---------------------------------------------------------------------------------------------------
@@ -321,11 +308,11 @@ def section(path: Path, doc: dict[str, Any]) -> Section:
     version = doc.get("repgeom_version") or versions.get("repgeom_eval", "?")
     blocks = [f'<p class="meta">{esc(path.name)} · written by repgeom-eval {esc(version)}</p>']
     for w in doc.get("warnings") or []:
-        blocks.append(f'<div class="warn">{esc(w)}</div>')
+        blocks.append(f'<div class="warn">{md(w)}</div>')
     if kind == "experiment":
         title = f"{doc.get('title', path.parent.parent.name)} (experiment)"
     try:
-        blocks += _experiment(doc, path.parent) if kind == "experiment" else RENDERERS.get(kind, _generic)(doc)
+        blocks += _experiment(doc, path.parent) if kind == "experiment" else RENDERERS.get(kind, generic)(doc)
     except (KeyError, TypeError, IndexError, ValueError) as exc:
         raise RepgeomError(f"{path} looks like a {kind} result but lacks what its section needs ({exc!r}); was it "
                            "written by another repgeom version?") from None

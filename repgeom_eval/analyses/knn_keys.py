@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from repgeom_eval.output.progress import progress_bar
 
 from ..errors import RepgeomError
 from ..functional.dispersion import dispersion
@@ -57,8 +57,8 @@ def last_token_vectors(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: 
                        progress: bool = True) -> dict[Any, torch.Tensor]:
     """{address: [len(chunks), D] float64}: the hidden state at each chunk's last token."""
     parts: dict[Any, list[torch.Tensor]] = {a: [] for a in addresses}
-    with Forward.at(loaded, addresses) as runner, tqdm(total=len(chunks), unit="chunk", desc="knn-keys",
-                                                         disable=not progress, leave=False) as bar:
+    with Forward.at(loaded, addresses) as runner, progress_bar(total=len(chunks), unit="chunk", desc="knn-keys",
+                                                                 progress=progress) as bar:
         for batch in batches(chunks, batch_size):
             out = runner.token_ids([c.ids for c in batch])
             for a in addresses:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
+from repgeom_eval.output.progress import progress_bar
 
 from ..errors import RepgeomError
 from repgeom_eval.modeling.loading import LoadedModel, load_model
@@ -122,8 +122,8 @@ def build_datastores(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Se
                                               shape=(total, dim)) for a in addresses}
     values = np.empty(total, dtype=np.int64)
     row = 0
-    with Forward.at(loaded, addresses) as runner, tqdm(total=len(chunks), unit="chunk", desc="datastore",
-                                                         disable=not progress, leave=False) as bar:
+    with Forward.at(loaded, addresses) as runner, progress_bar(total=len(chunks), unit="chunk", desc="datastore",
+                                                                 progress=progress) as bar:
         for batch in batches(chunks, batch_size):
             out = runner.token_ids([c.ids for c in batch])
             for i, c in enumerate(batch):
@@ -285,8 +285,8 @@ def knnlm(
         lm_parts: list[np.ndarray] = []
         knn_parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
         hit_parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
-        with Forward.at(loaded, addrs, logits=True) as runner, tqdm(
-                total=len(eval_chunks), unit="chunk", desc="evaluate", disable=not progress, leave=False) as bar:
+        with Forward.at(loaded, addrs, logits=True) as runner, progress_bar(
+                total=len(eval_chunks), unit="chunk", desc="evaluate", progress=progress) as bar:
             for batch in batches(eval_chunks, batch_size):
                 out = runner.token_ids([c.ids for c in batch])
                 logprob, valid = next_token_logprobs(out.logits, out.ids, out.mask)

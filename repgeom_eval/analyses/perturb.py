@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from repgeom_eval.output.progress import progress_bar
 
 from ..errors import RepgeomError
 from ..functional.dispersion import dispersion
@@ -137,8 +137,8 @@ def perturb(
                 got = [list(ids[:int(v)]) for ids in prompts]
             conditions.append((sweep, v, got))
     results: dict[str, Any] = {}
-    with torch.no_grad(), Forward.at(loaded, addrs) as runner, tqdm(
-            total=len(conditions), unit="condition", desc="perturb", disable=not progress, leave=False) as bar:
+    with torch.no_grad(), Forward.at(loaded, addrs) as runner, progress_bar(
+            total=len(conditions), unit="condition", desc="perturb", progress=progress) as bar:
         for sweep, v, got in conditions:
             r = results.setdefault(sweep, {"values": [], "prompt_entropy": [], "token_dispersion": []})
             m = _measure(runner, addrs, got, batch_size)

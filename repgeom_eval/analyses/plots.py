@@ -20,7 +20,7 @@ def save_png(fig: Any, path: str | Path, dpi: int = 110) -> Path:
     plt = pyplot()
     try:
         with atomic_open(path, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=dpi)
+            fig.savefig(fh, format="png", dpi=dpi, bbox_inches="tight")  # legends outside the axes included
     finally:
         plt.close(fig)
     return Path(path)
@@ -30,10 +30,23 @@ def png_bytes(fig: Any, dpi: int = 100) -> bytes:
     plt = pyplot()
     buf = io.BytesIO()
     try:
-        fig.savefig(buf, format="png", dpi=dpi)
+        fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     finally:
         plt.close(fig)
     return buf.getvalue()
+
+
+def outside_legend(ax: Any, fontsize: int = 7) -> None:
+    """The legend right of the axes, where it hides no data (the figure is saved with ``bbox_inches="tight"``); on
+    an axes with another panel to its right, where matplotlib finds the least data (``best``)."""
+    if not ax.get_legend_handles_labels()[0]:
+        return
+    spec = ax.get_subplotspec() if hasattr(ax, "get_subplotspec") else None
+    rightmost = spec is None or spec.colspan.stop == spec.get_gridspec().ncols
+    if rightmost:
+        ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+    else:
+        ax.legend(fontsize=fontsize, loc="best", framealpha=0.8)
 
 
 def _model_name(result: dict[str, Any]) -> str:
@@ -83,7 +96,7 @@ def figure_ppl_vs_dispersion(result: dict[str, Any], layers: Sequence[str] | Non
         ax.set_ylabel("group mean token dispersion")
         ax.set_title(addr)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        outside_legend(ax, fontsize=7)
     cfg = result.get("config", {})
     fig.suptitle(f"{_model_name(result)}: perplexity vs dispersion "
                  f"(chunks of {cfg.get('chunk_len')} tokens, groups of {cfg.get('group_size')})", fontsize=10)
@@ -113,7 +126,7 @@ def figure_correlation_vs_depth(result: dict[str, Any]) -> Any:
     ax.set_xticklabels(layers, rotation=70, fontsize=7)
     ax.set_ylabel("corr(perplexity, dispersion)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    outside_legend(ax, fontsize=7)
     ax.set_title(f"{_model_name(result)}: correlation by depth", fontsize=10)
     fig.tight_layout()
     return fig
@@ -137,7 +150,7 @@ def figure_knn_keys(result: dict[str, Any]) -> Any:
     ax.set_xlabel("chunks per sample (N)")
     ax.set_ylabel("dispersion of last-token keys")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    outside_legend(ax, fontsize=8)
     ax.set_title(f"{_model_name(result)}: kNN-LM key candidates "
                  f"({result.get('config', {}).get('n_seeds')} seeds)", fontsize=10)
     fig.tight_layout()
@@ -176,7 +189,7 @@ def figure_condensation(result: dict[str, Any]) -> Any:
     ax.set_xlabel("relative depth (layer index / L)")
     ax.set_ylabel("mean token cosine")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    outside_legend(ax, fontsize=7)
     fig.suptitle(f"embedding condensation by depth ({result.get('data', {}).get('n_texts')} texts, "
                  f"≤ {result.get('config', {}).get('max_length')} tokens each)", fontsize=10)
     fig.tight_layout()
@@ -199,7 +212,7 @@ def figure_clusters(result: dict[str, Any]) -> Any:
         ax.set_xlabel("relative depth (layer index / L)")
         ax.set_ylabel(f"{key} cosine distance")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        outside_legend(ax, fontsize=7)
     if series:
         ax = axes[0, 2]
         xs = list(range(len(models)))
@@ -209,7 +222,7 @@ def figure_clusters(result: dict[str, Any]) -> Any:
         ax.set_xticklabels(list(models), rotation=30, fontsize=7)
         ax.set_ylabel(f"distance at {next(iter(models.values()))['layers'][-1]}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        outside_legend(ax, fontsize=7)
     cfg = result.get("config", {})
     fig.suptitle(f"{len(result['results']['clusters'])} clusters of contexts sharing a {cfg.get('ngram')}-gram "
                  f"continuation ({cfg.get('context_len')}-token contexts)", fontsize=10)
@@ -237,7 +250,7 @@ def figure_perturb(result: dict[str, Any]) -> Any:
                 axes[row, col].plot(xs, [_nan(y) for y in r[key][j]], color=color, marker="o", ms=2.5, label=label)
         axes[0, col].set_title(sweep, fontsize=10)
         axes[1, col].set_xlabel("relative depth")
-        axes[0, col].legend(fontsize=7)
+        outside_legend(axes[0, col], fontsize=7)
     axes[0, 0].set_ylabel("prompt entropy (normalized)")
     axes[1, 0].set_ylabel("token dispersion")
     for ax in axes.flat:
@@ -246,3 +259,26 @@ def figure_perturb(result: dict[str, Any]) -> Any:
                  fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def label_points(ax: Any, xs: Sequence[float], ys: Sequence[float], labels: Sequence[str], fontsize: int = 7) -> int:
+    """Label scatter points without overlapping labels: each label tries a few offsets around its point and takes
+    the first whose box touches no label already placed; a label with no free place is left out. Returns how many
+    were placed. Call after the axes' limits and scales are final."""
+    fig = ax.figure
+    fig.canvas.draw()  # the transforms (log scales, limits) are final only once drawn
+    renderer = fig.canvas.get_renderer()
+    offsets = [(4, 4), (4, -11), (-4, 4), (-4, -11), (4, 14), (-4, -21)]
+    placed: list[Any] = []
+    count = 0
+    for x, y, text in sorted(zip(xs, ys, map(str, labels)), key=lambda p: (p[0], p[1])):
+        for dx, dy in offsets:
+            ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                              ha="left" if dx > 0 else "right")
+            box = ann.get_window_extent(renderer).expanded(1.05, 1.1)
+            if not any(box.overlaps(other) for other in placed):
+                placed.append(box)
+                count += 1
+                break
+            ann.remove()
+    return count

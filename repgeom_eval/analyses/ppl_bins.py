@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from repgeom_eval.output.progress import progress_bar
 
 from ..errors import RepgeomError
 from ..functional.dispersion import token_dispersion
@@ -134,9 +134,9 @@ def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Se
     ppl = np.full(len(chunks), np.nan, dtype=np.float64)
     disp = np.full((len(chunks), len(addresses)), np.nan, dtype=np.float64)
     mine = [(b, lo) for b, lo in enumerate(range(0, len(chunks), batch_size)) if dist.owns(b)]
-    with Forward.at(loaded, addresses, logits=True) as runner, tqdm(
+    with Forward.at(loaded, addresses, logits=True) as runner, progress_bar(
             total=sum(min(batch_size, len(chunks) - lo) for _, lo in mine), unit="chunk", desc="ppl-bins",
-            disable=not progress or not dist.is_main, leave=False) as bar:
+            progress=progress, disable=not dist.is_main) as bar:
         for _, lo in mine:
             batch = chunks[lo:lo + batch_size]
             out = runner.token_ids([c.ids for c in batch])

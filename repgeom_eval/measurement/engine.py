@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
+from repgeom_eval.output.progress import progress_bar
 
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_fingerprint
@@ -32,7 +32,7 @@ from repgeom_eval.measurement.forward import Forward, context_length
 from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics
 from repgeom_eval.measurement.plan import ShardPlan, plan_shard
 from repgeom_eval.measurement.preprocess import Preprocessor
-from repgeom_eval.measurement.results import MeasureResult, report
+from repgeom_eval.measurement.results import MeasureResult, kept_warnings, report
 from repgeom_eval.measurement.states import RunState, energy_metric, shard_counts
 from repgeom_eval.measurement.texts import TextSet, TextSource, open_source
 from repgeom_eval.metric import Consumes
@@ -92,19 +92,29 @@ def measure(
         prep = Preprocessor.load(config.preprocess_stats, config.preprocess)
     source = open_source(data, text_field=config.text_field)  # validates a file whole before the model is loaded
     dist = Distributed.from_env(config.device)
+    kept: list[str] = []
     try:
-        t0 = time.perf_counter()
-        if isinstance(model, (str, Path)):
-            from repgeom_eval.modeling.loading import loading_policy
-
-            opts = (model_options or loading_policy()).replace(dtype=config.dtype, device=dist.device(config.device))
-            loaded = load_model(str(model), host=host, options=opts)
-        else:
-            loaded = as_loaded(model, tokenizer, host=host)
-        run = MeasureRun(config, loaded, source, dist, host, specs, prep, t_load=time.perf_counter() - t0)
-        return run.execute(t_start)
+        with kept_warnings(kept):
+            result = _measure_loaded(model, tokenizer, model_options, config, host, source, dist, specs, prep,
+                                     t_start)
+        result.warnings = kept
+        return result
     finally:
         dist.close()
+
+
+def _measure_loaded(model, tokenizer, model_options, config, host, source, dist, specs, prep, t_start):
+    """Load ``model`` (unless loaded) and run :class:`MeasureRun` (the body of :func:`measure`)."""
+    t0 = time.perf_counter()
+    if isinstance(model, (str, Path)):
+        from repgeom_eval.modeling.loading import loading_policy
+
+        opts = (model_options or loading_policy()).replace(dtype=config.dtype, device=dist.device(config.device))
+        loaded = load_model(str(model), host=host, options=opts)
+    else:
+        loaded = as_loaded(model, tokenizer, host=host)
+    run = MeasureRun(config, loaded, source, dist, host, specs, prep, t_load=time.perf_counter() - t0)
+    return run.execute(t_start)
 
 
 class MeasureRun:
@@ -191,9 +201,8 @@ class MeasureRun:
         per_item = (1 if self.need_originals else 0) + self.n_views
         n = self.source.n_texts
         expected = None if n is None else -(-n * per_item // dist.world)
-        show = cfg.progress and dist.is_main
-        with Forward(self.loaded, self.plan.points) as fwd, tqdm(
-            total=expected, unit="seq", desc=desc, disable=not show, leave=False
+        with Forward(self.loaded, self.plan.points) as fwd, progress_bar(
+            total=expected, unit="seq", desc=desc, progress=cfg.progress, disable=not dist.is_main
         ) as bar:
             recount = [0, 0, 0, 0]
             for shard_no, shard in enumerate(self.source.shards(cfg.shard_size)):

@@ -8,6 +8,8 @@ its values (docs/plugins.md#parameters-per-text-results-and-diagnostics).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,10 +35,14 @@ class MeasureResult:
     per_text: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)  # metric → result of Metric.across_layers
     is_main: bool = True  # False on ranks > 0 of a distributed run: their results are merged into rank 0's
+    warnings: list[str] = field(default_factory=list)  # what the run warned about, kept in the results file
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "data": self.data, "config": self.config, "results": self.results,
-                "summary": self.summary, "diagnostics": self.diagnostics, "timings": self.timings}
+        out = {"model": self.model, "data": self.data, "config": self.config, "results": self.results,
+               "summary": self.summary, "diagnostics": self.diagnostics, "timings": self.timings}
+        if self.warnings:
+            out["warnings"] = list(self.warnings)
+        return out
 
     def write(self, path: str | Path, per_text_path: str | Path | None = None) -> None:
         write_json(path, self.to_dict())
@@ -141,3 +147,19 @@ def compact(flagged: list[tuple[Address, int, float]]) -> str:
         name = str(run[0][0]) if len(run) == 1 else f"{run[0][0]}..{run[-1][0].layer}"
         parts.append(f"{name} (dim {run[0][1]}: {share})")
     return ", ".join(parts)
+
+
+@contextmanager
+def kept_warnings(into: list[str]) -> Iterator[None]:
+    """The warnings raised in the block, appended to ``into`` (each message once) and shown as usual afterwards:
+    how a run's warnings reach its results file (and ``repgeom report``), not only the terminal."""
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            yield
+    finally:
+        for w in caught:
+            text = str(w.message)
+            if text not in into:
+                into.append(text)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)

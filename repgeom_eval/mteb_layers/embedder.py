@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lines: --progress
 
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
 from repgeom_eval.errors import RepgeomError

@@ -22,7 +22,7 @@ import datasets
 import mteb
 import numpy as np
 from mteb.evaluate import OverwriteStrategy
-from tqdm.auto import tqdm
+from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lines: --progress
 
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.modeling.loading import LoadedModel

@@ -77,3 +77,52 @@ def plot_slices(curve: dict[str, Any], path: str | Path, title: str | None = Non
         fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def plot_depth_profiles(rows: Sequence[dict[str, Any]], path: str | Path, x: str = "relative",
+                        title: str | None = None) -> Path:
+    """:func:`depth_profiles_figure` written to ``path`` (PNG)."""
+    plt = pyplot()
+    fig = depth_profiles_figure(rows, x, title)
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+def depth_profiles_figure(rows: Sequence[dict[str, Any]], x: str = "relative", title: str | None = None) -> Any:
+    """Depth profiles of several models overlaid: one panel per metric (and task, when several tasks give it), one
+    line per model (and source, when several sources give the panel), a shared x axis: ``relative`` depth (0 =
+    embeddings, 1 = the deepest position) or the ``layer`` index (depth). Rows without a depth are left out.
+    Legends sit outside the axes, so that no line is hidden."""
+    from repgeom_eval.output.results_table import model_label
+
+    key = "relative_depth" if x == "relative" else "depth"
+    panels: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
+    for r in rows:
+        if r.get(key) is None or r.get("value") is None:
+            continue
+        split = f" {r['split']}" if r.get("split") else ""
+        panel = panels.setdefault((r["metric"], f"{r['task']}{split}"), {})
+        line = model_label(r) + (f" ({r['recipe']})" if r.get("recipe") else "")
+        panel.setdefault(f"{line} [{r['source']}]", []).append((float(r[key]), float(r["value"])))
+    if not panels:
+        raise RepgeomError("nothing to plot: no result has a layer depth (lm-eval values at an unknown layer, or "
+                           "single numbers only)")
+    plt = pyplot()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8.5, 2.6 * len(panels) + 0.6), sharex=True, squeeze=False)
+    for ax, ((metric, task), lines) in zip(axes[:, 0], sorted(panels.items())):
+        sources = {name.rsplit(" [", 1)[1] for name in lines}
+        for name, points in sorted(lines.items()):
+            points.sort()
+            shown = name if len(sources) > 1 else name.rsplit(" [", 1)[0]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=shown)
+        ax.set_ylabel(metric, fontsize=8)
+        ax.set_title(f"{metric} · {task}", fontsize=9, loc="left")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+    axes[-1, 0].set_xlabel("relative depth (0 = embeddings, 1 = last layer)" if x == "relative"
+                           else "layer (0 = embeddings)")
+    fig.suptitle(title or "depth profiles")
+    fig.tight_layout()
+    return fig

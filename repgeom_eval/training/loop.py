@@ -17,6 +17,7 @@ from typing import Any
 
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.output.files import write_json
+from repgeom_eval.output.progress import mode_of, progress_bar
 from repgeom_eval.training.config import TRAINING_DEFAULTS, TrainConfig
 from repgeom_eval.moved import moved_names
 from repgeom_eval.training.results import TrainResult
@@ -77,8 +78,8 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None, overwrite: 
     # with the running CE / aux / dispersion says the same without flooding the terminal.
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.remove_callback(transformers.ProgressCallback)
-    if progress:
-        trainer.add_callback(_progress_callback())
+    if mode_of(progress) != "never":
+        trainer.add_callback(_progress_callback(progress))
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the Trainer's info/warnings (loss_type, ...) are not for users
     try:
@@ -154,8 +155,7 @@ def _training_arguments(cfg: TrainConfig) -> tuple[Any, dict[str, Any]]:
         raise RepgeomError(f"training: {str(exc).splitlines()[0]}") from None
 
 
-def _progress_callback():
-    from tqdm.auto import tqdm
+def _progress_callback(progress: Any = True):
     from transformers import TrainerCallback
 
     class TrainProgress(TrainerCallback):
@@ -165,7 +165,8 @@ def _progress_callback():
 
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
-                self.bar = tqdm(total=state.max_steps, desc="train", unit="step", dynamic_ncols=True)
+                self.bar = progress_bar(total=state.max_steps, desc="train", unit="step", progress=progress,
+                                        dynamic_ncols=True)
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
