@@ -217,3 +217,25 @@ def test_a_sweep_says_it_once_per_task(bert4, sts, tmp_path):
     assert len(said) == 1 and "model 'tiny/massive'" in said[0] and "embed (dim 5" in said[0]
     rows = {r["layer"]: r for r in sweep.rows}
     assert rows["embed"]["repgeom_warnings"] and rows["embed"]["repgeom_massive_dimension"] == 5
+
+
+def test_summary_reads_both_layouts(tmp_path):
+    """Per-layer names (today) and experiment folders (results written before) give the same summary rows."""
+    from repgeom_eval.mteb_layers import summarize
+
+    recipe = {"layer": "final", "pooling": "mean", "normalize": False}
+    scores = {"test": [{"hf_subset": "default", "main_score": 0.5, "repgeom_dispersion": 0.25, "repgeom_depth": 2.0}]}
+    for folder, meta in [
+        (tmp_path / "new" / "local__x@layer=final,pooling=mean,normalize=False" / "r",
+         {"name": "local/x@layer=final,pooling=mean,normalize=False", "revision": "r", "experiment_kwargs": None,
+          "loader_kwargs": {"model": "/somewhere/x", **recipe}}),
+        (tmp_path / "old" / "local__x" / "r" / "experiments" / "layer_final__normalize_False__pooling_mean",
+         {"name": "local/x", "revision": "r", "experiment_kwargs": recipe, "loader_kwargs": {"model": "/somewhere/x"}}),
+    ]:
+        folder.mkdir(parents=True)
+        (folder / "model_meta.json").write_text(json.dumps(meta))
+        (folder / "T.json").write_text(json.dumps({"task_name": "T", "scores": scores}))
+    new, old = summarize(tmp_path / "new"), summarize(tmp_path / "old")
+    assert new == old and len(new) == 1
+    assert (new[0]["model"], new[0]["layer"], new[0]["pooling"], new[0]["main_score"]) == ("local/x", "final", "mean",
+                                                                                          0.5)
