@@ -125,7 +125,7 @@ def test_sentence_transformers_folder_matches_its_own_encode(tiny_model_dir, tmp
     encoder = layer_encoder(str(folder), "final")
     recipe = encoder.sweep.embedder.recipe
     assert (recipe.pooling, recipe.normalize, recipe.max_length) == ("first", True, 8)
-    assert encoder.mteb_model_meta.experiment_kwargs == {"layer": "final", "pooling": "first", "normalize": True}
+    assert encoder.experiment_kwargs == {"layer": "final", "pooling": "first", "normalize": True}
     want = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_numpy=True)
     np.testing.assert_allclose(_encode(encoder, TEXTS), want, atol=1e-5)
     with pytest.raises(RepgeomError, match="not a sentence-transformers model"):
@@ -141,12 +141,16 @@ def test_meta_identity_and_canonical_layers(tiny_model_dir):
     assert meta.name.startswith("local/") and "/" in meta.name
     assert len(meta.revision) == 16  # content hash of the folder
     assert meta.similarity_fn_name is mteb.models.model_meta.ScoringFunction.COSINE
-    assert meta.experiment_kwargs == {"layer": "resid_post:0", "pooling": "mean", "normalize": False}
+    assert enc.experiment_kwargs == {"layer": "resid_post:0", "pooling": "mean", "normalize": False}
+    # one mteb model per layer and recipe: the recipe is in the name (and, canonical, in loader_kwargs)
+    assert meta.name == enc.name + "@layer=resid_post_0,pooling=mean,normalize=False"
+    assert meta.experiment_kwargs is None
+    assert meta.loader_kwargs == {"model": model_dir, "layer": "resid_post:0", "pooling": "mean", "normalize": False}
     # hidden_states[1] == resid_post:0; on BERT the last block's output IS `final`; resid_pre:0 IS `embed`
     assert layer_encoder(model_dir, "resid_post:0").experiment_kwargs["layer"] == "resid_post:0"
     assert layer_encoder(model_dir, "resid_post:1").experiment_kwargs["layer"] == "final"
     assert layer_encoder(model_dir, "resid_pre:0").experiment_kwargs["layer"] == "embed"
-    names = {layer_encoder(model_dir, k).mteb_model_meta.experiment_name for k in range(3)}
+    names = {layer_encoder(model_dir, k).mteb_model_meta.model_name_as_path() for k in range(3)}
     assert len(names) == 3  # one results folder per layer
     with pytest.raises(RepgeomError, match="names 3 addresses"):
         layer_encoder(model_dir, "all")
@@ -157,12 +161,16 @@ def test_mteb_get_model_after_import(tiny_model_dir):
     enc = mteb.get_model(GENERIC_NAME, model=model_dir, layer=1, pooling="mean")
     assert isinstance(enc, LayerEncoder) and isinstance(enc, mteb.EncoderProtocol)
     # mteb assigns its own meta (experiment_kwargs = the raw keywords); the canonical identity survives
-    assert enc.mteb_model_meta.experiment_kwargs == {"layer": "resid_post:0", "pooling": "mean", "normalize": False}
+    assert enc.mteb_model_meta.loader_kwargs["layer"] == "resid_post:0"
+    assert enc.mteb_model_meta.experiment_kwargs is None
     assert enc.mteb_model_meta.name.startswith("local/")
     register_model(model_dir, name="tiny/bert-layers")
     enc = mteb.get_model("tiny/bert-layers", layer=2)
-    assert enc.mteb_model_meta.name == "tiny/bert-layers"
-    assert enc.mteb_model_meta.experiment_kwargs["layer"] == "final"
+    assert enc.name == "tiny/bert-layers"
+    assert enc.mteb_model_meta.name == "tiny/bert-layers@layer=final,pooling=mean,normalize=False"
+    # the meta mteb saves rebuilds the same layer encoder
+    again = enc.mteb_model_meta.load_model()
+    assert again.mteb_model_meta.name == enc.mteb_model_meta.name and again.address == enc.address
     with pytest.raises(RepgeomError, match="already has a model"):
         register_model(model_dir, name="sentence-transformers/all-MiniLM-L6-v2")
     with pytest.raises(RepgeomError, match="no option"):
@@ -225,13 +233,14 @@ def test_results_on_disk_resume_and_summary(tiny_model_dir, specs, tmp_path):
                        progress=False, pooling="last")
     assert first.forward_passes > 0
     files = sorted(out.rglob("PydocSTS.json"))
-    assert len(files) == 2 and all("experiments" in f.parts for f in files)
+    assert len(files) == 2 and len({f.parent.parent for f in files}) == 2  # one model folder per layer
     for f in files:
         scores = json.loads(f.read_text())["scores"]["test"][0]
         assert {"repgeom_dataset_entropy", "repgeom_dispersion", "repgeom_effective_rank", "repgeom_depth"} <= set(
             scores)
         meta = json.loads((f.parent / "model_meta.json").read_text())
-        assert meta["experiment_kwargs"]["layer"] in ("embed", "final")
+        assert meta["loader_kwargs"]["layer"] in ("embed", "final")
+        assert meta["name"].endswith(f"@layer={meta['loader_kwargs']['layer']},pooling=last,normalize=False")
         assert meta["similarity_fn_name"] == "cosine"
         # mteb's own loader reads the extra keys back
         loaded = mteb.TaskResult.from_disk(f)

@@ -59,7 +59,7 @@ def cached_scores(folder: Path, task: str) -> dict[str, dict]:
     """layer → the test split's score dict, read back through mteb's own TaskResult."""
     out = {}
     for path in sorted(folder.rglob(f"{task}.json")):
-        layer = json.loads((path.parent / "model_meta.json").read_text())["experiment_kwargs"]["layer"]
+        layer = json.loads((path.parent / "model_meta.json").read_text())["loader_kwargs"]["layer"]
         (scores,) = mteb.TaskResult.from_disk(path).scores["test"]
         out[layer] = scores
     return out

@@ -43,7 +43,7 @@ def test_final_layer_matches_sentence_transformers(minilm, sts_spec, tmp_path):
     # and the vectors themselves
     texts = [r["sentence1"] for r in sts_spec["data"]]
     encoder = layer_encoder(minilm, "final")
-    assert encoder.mteb_model_meta.experiment_kwargs == {"layer": "final", "pooling": "mean", "normalize": True}
+    assert encoder.experiment_kwargs == {"layer": "final", "pooling": "mean", "normalize": True}
     batches = [{"text": texts[i:i + 8]} for i in range(0, len(texts), 8)]
     got = encoder.encode(batches, task_metadata=make_task({"name": "MiniSTS", **sts_spec}).metadata,
                          hf_split="test", hf_subset="default", batch_size=8)
@@ -58,7 +58,7 @@ def test_a_sentence_transformer_object_is_encoded_with_its_own_pooling(minilm):
     st_model = SentenceTransformer(minilm, device="cpu")
     texts = ["A sentence about layers.", "Another one, somewhat longer than the first sentence.", "Short."]
     encoder = layer_encoder(st_model, "final")
-    assert encoder.mteb_model_meta.experiment_kwargs == {"layer": "final", "pooling": "mean", "normalize": True}
+    assert encoder.experiment_kwargs == {"layer": "final", "pooling": "mean", "normalize": True}
     got = encoder.sweep.vectors(texts, encoder.address, batch_size=2)
     np.testing.assert_allclose(got, st_model.encode(texts, convert_to_numpy=True), atol=1e-5)
     middle = layer_encoder(st_model, 3)

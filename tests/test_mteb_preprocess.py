@@ -92,7 +92,8 @@ def test_standardized_embedding_is_the_hand_standardized_raw_one(tiny_model_dir,
     assert {r["preprocess"] for r in sweep.rows} == {"standardize"}
     # the choice is part of the result's identity, written to disk and read back by mteb
     (path, *_) = sorted((tmp_path / "res").rglob("TinySTS.json"))
-    assert "preprocess_standardize" in path.parent.name and "preprocess_stats_task" in path.parent.name
+    model_folder = path.parent.parent.name  # one mteb model name per layer and recipe, preprocessing included
+    assert "preprocess=standardize" in model_folder and "preprocess_stats=task" in model_folder
     scores = mteb.TaskResult.from_disk(path).scores["test"][0]
     assert json.loads(scores["repgeom_preprocess"])["n_texts"] == len(TEXTS)
     # the raw run of the same model lands in its own folder and is not mistaken for the standardized one
@@ -139,7 +140,7 @@ def test_statistics_file_from_measure(tiny_model_dir, tmp_path, scored):
     record = json.loads(sweep.rows[0]["repgeom_preprocess"])
     assert record["statistics"] == "file" and record["file"] == str(stats) and len(record["sha256"]) == 64
     (path, *_) = sorted((tmp_path / "res").rglob("TinySTS.json"))
-    assert f"preprocess_stats_file-{record['sha256'][:16]}" in path.parent.name
+    assert f"preprocess_stats=file-{record['sha256'][:16]}" in path.parent.parent.name
 
     # a file without every evaluated address, for another method, or from a model of another hidden size
     part = tmp_path / "part.safetensors"

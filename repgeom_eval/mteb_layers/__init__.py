@@ -13,12 +13,15 @@ Python use::
     # or through mteb's registry (importing this package registers "repgeom/layer-encoder"):
     encoder = mteb.get_model("repgeom/layer-encoder", model="path/to/model", layer=3)
 
-Importing this package imports mteb (a few seconds).
+Importing this package imports mteb (a few seconds), adds "repgeom/layer-encoder" to mteb's model registry and wraps
+the ``evaluate`` method of mteb's task classes so that a layer encoder's results carry the ``repgeom_*`` geometry
+(:func:`install_geometry_hook`; other models are untouched). Each layer and embedding recipe is its own mteb model
+name (``org/model@layer=...,pooling=...,normalize=...``), in every mteb cache and results table.
 """
 
 from .embedder import POOLING_CHOICES, LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep, content_hash, layer_encoder
-from .geometry import attach_geometry, geometry_scores
+from .geometry import attach_geometry, geometry_scores, install_geometry_hook
 from repgeom_eval.mteb_layers.encoder import GENERIC_NAME, load_layer_encoder
 from repgeom_eval.mteb_layers.model_meta import register_generic, register_model
 from .metrics import SweepMetrics
@@ -27,9 +30,10 @@ from .summary import summarize, write_summary
 from .tasks import load_tasks_file, make_task
 
 register_generic()
+install_geometry_hook()  # plain mteb.evaluate / mteb.MTEB(...).run of a layer encoder get the repgeom_* keys too
 
 __all__ = [
     "GENERIC_NAME", "POOLING_CHOICES", "LayerEmbedder", "LayerEncoder", "LayerSweep", "SweepMetrics", "SweepResult",
-    "attach_geometry", "content_hash", "geometry_scores", "layer_encoder", "load_layer_encoder", "load_tasks_file",
+    "attach_geometry", "content_hash", "geometry_scores", "install_geometry_hook", "layer_encoder", "load_layer_encoder", "load_tasks_file",
     "make_task", "register_generic", "register_model", "resolve_tasks", "run_layers", "summarize", "write_summary",
 ]

@@ -2,8 +2,9 @@
 
 ``LayerEncoder`` is an ``mteb.models.abs_encoder.AbsEncoder``: mteb calls ``encode(dataloader, ...)`` and scores what
 it returns. Its ``ModelMeta`` carries the model's real name and revision (the Hub commit, or a content hash of a local
-folder) and, in ``experiment_kwargs``, the canonical layer address and the embedding recipe, so mteb's cache keeps one
-results folder per layer: ``results/<org__model>/<revision>/experiments/<layer_..._pooling_...>/``.
+folder); its name carries the canonical layer address and the embedding recipe (``org/model@layer=final,pooling=mean,
+normalize=False``), so every mteb cache and table keeps one model per layer: ``results/<org__model@layer=...>/<revision>/``
+(mteb.evaluate's ``ResultCache`` and the legacy ``mteb.MTEB(...).run`` alike).
 
 Several encoders can share one :class:`LayerSweep`: the first ``encode`` call for a list of texts runs one forward
 pass that captures every address still to be evaluated, and the other layers' encoders answer the same texts from
@@ -62,6 +63,7 @@ class LayerSweep:
         self.progress = progress
         self.metrics = metrics  # registered metrics fed from these forward passes (see .metrics)
         self.forward_passes = 0  # number of embed() calls, for tests and benchmarks
+        self.said: list | None = None  # a sweep collects degenerate-number warnings here, to say them once per task
         self._store: dict[str, dict[Address, np.ndarray]] = {}
         # --preprocess (see .preprocess): the transforms, what to record, and the pooled vectors of the statistics
         # pass (address → rows, text → row), from which evaluations are answered without another forward pass
@@ -171,10 +173,20 @@ class LayerEncoder(AbsEncoder):
     def depth(self) -> float:
         return self.sweep.embedder.depth(self.address)
 
+    @property
+    def layer_name(self) -> str:
+        """The name mteb sees: the model's name and this layer's recipe, ``local/x@layer=final,pooling=mean,...``."""
+        return layer_model_name(self.name, self.experiment_kwargs)
+
     def _with_identity(self, meta: ModelMeta) -> ModelMeta:
+        # One mteb model per layer and recipe: every mteb path that keys results on (name, revision) alone (the
+        # legacy mteb.MTEB(...).run cache, load_results, BenchmarkResults tables) keeps the layers apart. The
+        # recipe is also in loader_kwargs (canonical values), so the saved model_meta.json says how to rebuild it.
         e = self.sweep.embedder
+        source = e.source if isinstance(e.source, str) else str(e.source)
         return meta.model_copy(update={
-            "name": self.name, "revision": self.revision, "experiment_kwargs": self.experiment_kwargs,
+            "name": self.layer_name, "revision": self.revision, "experiment_kwargs": None,
+            "loader": load_layer_encoder, "loader_kwargs": {"model": source, **self.experiment_kwargs},
             "similarity_fn_name": ScoringFunction.COSINE, "embed_dim": e.loaded.info.hidden_size,
             "n_parameters": e.loaded.info.n_parameters, "max_tokens": e.recipe.max_length,
             "use_instructions": bool(self.model_prompts),
@@ -187,7 +199,8 @@ class LayerEncoder(AbsEncoder):
     @mteb_model_meta.setter
     def mteb_model_meta(self, meta: ModelMeta) -> None:
         # mteb.get_model() assigns a meta whose experiment_kwargs are the raw keyword arguments (layer=12); keep
-        # the canonical identity, so `layer=12` and `layer="resid_post:11"` share one cached result.
+        # the canonical identity, so `layer=12` and `layer="resid_post:11"` share one cached result (and the
+        # layer stays in the name, not in an experiment folder).
         self._meta = self._with_identity(meta)
 
     # -- encoding --------------------------------------------------------------------------------------------------
@@ -319,7 +332,23 @@ def weights_hash(model: Any) -> str:
 
 
 GENERIC_NAME = "repgeom/layer-encoder"
-_LOADER_OPTIONS = ("model", "layer", "pooling", "normalize", "max_length", "dtype", "device")
+_LOADER_OPTIONS = ("model", "layer", "pooling", "normalize", "max_length", "dtype", "device", "preprocess",
+                   "preprocess_stats")
+_UNSAFE = set('<>:"|?*\\/ @,=')
+
+
+def layer_model_name(name: str, recipe: dict[str, Any]) -> str:
+    """``org/model@layer=resid_post_11,pooling=mean,normalize=False``: one mteb model name per layer and recipe
+    (characters that are unsafe in a folder name, or that separate the parts, become ``_``)."""
+    def safe(value: Any) -> str:
+        return "".join("_" if c in _UNSAFE else c for c in str(value))
+
+    return f"{name}@" + ",".join(f"{k}={safe(v)}" for k, v in recipe.items())
+
+
+def base_model_name(name: str) -> str:
+    """The model's own name in a :func:`layer_model_name`."""
+    return name.split("@", 1)[0]
 
 
 def load_layer_encoder(name: str, revision: str | None = None, **kwargs: Any):
@@ -329,10 +358,14 @@ def load_layer_encoder(name: str, revision: str | None = None, **kwargs: Any):
     if unknown:
         raise RepgeomError(f"the layer encoder has no option(s) {unknown} (options: {', '.join(_LOADER_OPTIONS)})")
     model = kwargs.pop("model", None)
+    if kwargs.pop("preprocess", "none") not in (None, "none"):
+        raise RepgeomError("a preprocessed layer needs statistics from texts: use "
+                           "repgeom_eval.mteb_layers.run_layers(..., preprocess=...) or `repgeom mteb run --preprocess`")
+    kwargs.pop("preprocess_stats", None)
     if not model:
         raise RepgeomError(f"{name}: say which model to embed with, e.g. "
                            f"mteb.get_model({GENERIC_NAME!r}, model='path/or/hub-id', layer=12)")
-    own_name = None if name == GENERIC_NAME else name
+    own_name = None if name == GENERIC_NAME else base_model_name(name)  # a saved per-layer meta: its model's name
     return layer_encoder(model, kwargs.pop("layer", "final"), name=own_name,
                          revision=None if own_name is None else revision, **kwargs)
 

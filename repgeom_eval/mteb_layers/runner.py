@@ -11,8 +11,10 @@ or holds it with other parameters, is evaluated again.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from repgeom_eval.modeling.loading import LoadedModel
 
 from .embedder import LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep
-from .geometry import GEOMETRY_KEYS, attach_geometry
+from .geometry import GEOMETRY_KEYS, MASSIVE_KEYS, WARNINGS_KEY, ZERO_KEY, attach_geometry, sweep_warning
 from .metrics import SweepMetrics, check_metrics, metric_keys
 from .preprocess import PREPROCESS_KEY, check_method, file_digest, fit_on_texts, load_stats_file, record, task_texts
 from .tasks import load_tasks_file
@@ -130,7 +132,8 @@ def _rows(result: Any, task: Any, encoder: LayerEncoder) -> list[dict[str, Any]]
             row = {"task": task.metadata.name, "task_type": task.metadata.type, "layer": str(encoder.address),
                    "depth": encoder.depth, "split": split, "subset": scores.get("hf_subset"),
                    "main_score_name": task.metadata.main_score, "main_score": scores.get("main_score")}
-            row.update({k: scores.get(k) for k in (*GEOMETRY_KEYS, "repgeom_n_texts")})
+            row.update({k: scores.get(k) for k in (*GEOMETRY_KEYS, "repgeom_n_texts", *MASSIVE_KEYS, ZERO_KEY)})
+            row[WARNINGS_KEY] = json.loads(scores.get(WARNINGS_KEY) or "[]")
             row["preprocess"] = encoder.sweep.embedder.recipe.preprocess
             if PREPROCESS_KEY in scores:
                 row[PREPROCESS_KEY] = scores[PREPROCESS_KEY]
@@ -163,10 +166,12 @@ def run_layers(
     seed: int = 0,
     preprocess: str = "none",
     preprocess_stats: str | Path | None = None,
+    tokenizer: Any = None,
 ) -> SweepResult:
     """Evaluate ``model`` at every address of ``layers`` on ``tasks`` (instances, or names for
     :func:`resolve_tasks`), with ``repgeom_*`` geometry next to each score, cached in ``output_folder`` (mteb's
-    cache layout; ``None`` = no cache).
+    cache layout; ``None`` = no cache). ``model`` may also be a model in memory (a ``SentenceTransformer``, or a
+    transformers model with its ``tokenizer``).
 
     ``metrics``: registered metric names computed at every layer from the sweep's forward passes and written next to
     each score as ``repgeom.<metric>[.<sub>]`` (:mod:`repgeom_eval.mteb_layers.metrics`); ``metric_params``:
@@ -190,7 +195,8 @@ def run_layers(
     task_list = [t for t in tasks if not isinstance(t, str)] + (
         resolve_tasks([t for t in tasks if isinstance(t, str)]) if any(isinstance(t, str) for t in tasks) else [])
     embedder = model if isinstance(model, LayerEmbedder) else LayerEmbedder(
-        model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device)
+        model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device,
+        tokenizer=tokenizer)
     addresses = embedder.addresses(layers)
     file_prep, file_sha = None, None
     if preprocess != "none" and preprocess_stats:
@@ -250,6 +256,7 @@ def run_layers(
                     sweep.set_pooled(texts, pooled)
                     sweep.prep_record = record(preprocess, "task", n_texts=len(texts),
                                                pooling=embedder.recipe.pooling)
+            sweep.said = []
             try:
                 for addr in addresses:
                     bar.set_description(f"{task.metadata.name} · {addr}" + ("" if addr in todo else " (cached)"))
@@ -270,6 +277,10 @@ def run_layers(
                             bar.set_postfix_str(f"{task.metadata.main_score}={rows[0]['main_score']:.4f}")
                     bar.update(1)
             finally:
+                message = sweep_warning(first.name, sweep.said)
+                if message:  # degenerate numbers of this task's layers, said once (as repgeom measure says them)
+                    warnings.warn(message, stacklevel=2)
+                sweep.said = None
                 sweep.clear()
                 if loaded_here and task.data_loaded:
                     task.unload_data()

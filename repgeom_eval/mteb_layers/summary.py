@@ -1,9 +1,11 @@
 """Per-layer tables and plots built from mteb's cache folder.
 
-mteb's own ``BenchmarkResults.to_dataframe()`` averages the experiments of one model (here: its layers) together,
-so this module reads the cache files itself: every ``experiments/<name>/`` folder whose ``model_meta.json`` has a
-``layer`` in its ``experiment_kwargs`` is one layer of one model, and each ``<Task>.json`` in it holds the scores,
-the ``repgeom_*`` geometry and the ``repgeom.*`` values of requested metrics of that layer. Outputs: a long CSV (one
+Each layer is its own mteb model name, so mteb's ``BenchmarkResults.to_dataframe()`` shows one column per layer;
+this module reads the cache files itself to put the layers of one model side by side: every folder whose
+``model_meta.json`` has a ``layer`` in its ``loader_kwargs`` (the name is then ``org/model@layer=...``), or in its
+``experiment_kwargs`` (results written before each layer had its own name, in ``experiments/<name>/`` folders), is
+one layer of one model, and each ``<Task>.json`` in it holds the scores, the ``repgeom_*`` geometry and the
+``repgeom.*`` values of requested metrics of that layer. Outputs: a long CSV (one
 row per model, recipe, layer, task, split and subset), a Markdown report (one table per task: layers × main score,
 geometry and metrics, with the best layer against the last one), and one plot per model and recipe (score, geometry
 and metrics against depth).
@@ -62,7 +64,10 @@ def summarize(folder: str | Path) -> list[dict[str, Any]]:
             meta = json.loads(meta_file.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             continue
-        exp = meta.get("experiment_kwargs") or {}
+        exp, model = meta.get("experiment_kwargs") or {}, meta.get("name")
+        if "layer" not in exp:  # today's layout: the layer and recipe are in the name and in loader_kwargs
+            exp = {k: v for k, v in (meta.get("loader_kwargs") or {}).items() if k != "model"}
+            model = str(model).split("@", 1)[0]
         if "layer" not in exp:
             continue  # not a layer result (e.g. an ordinary mteb run)
         for result_file in sorted(meta_file.parent.glob("*.json")):
@@ -76,7 +81,7 @@ def summarize(folder: str | Path) -> list[dict[str, Any]]:
             for split, subsets in (result.get("scores") or {}).items():
                 for scores in subsets:
                     declared = scores.get(MAIN_SCORE_NAME_KEY) or _main_score_name(task, names)
-                    row = {"model": meta.get("name"), "revision": meta.get("revision"),
+                    row = {"model": model, "revision": meta.get("revision"),
                            "pooling": exp.get("pooling"), "normalize": exp.get("normalize"),
                            "max_length": exp.get("max_length", meta.get("max_tokens")),
                            "preprocess": exp.get("preprocess", "none"),
