@@ -56,6 +56,7 @@ class MtebRunCommand(ModelGroup):
                                                help="statistics written by `repgeom measure --save-preprocess-stats` "
                                                     "(same pooling, every evaluated layer) instead of the task's own "
                                                     "texts")
+    allow_other_stats: bool = option_like(RunConfig, "allow_other_stats")
     metrics: tuple[str, ...] | None = option(
         None, "--metrics", nargs="+", metavar="NAME",
         help="registered metrics (built-in or from plugins; `repgeom plugins` lists them) computed at every layer "
@@ -295,4 +296,4 @@ def _run_layers(cfg, mine, out, dist, metrics, metric_params, progress: bool):
         revision=cfg.record_revision or cfg.revision, co2_tracker=cfg.co2_tracker,
         prediction_folder=cfg.prediction_folder, num_proc=cfg.num_proc, progress=progress,
         metrics=metrics, metric_params=metric_params, seed=cfg.seed, preprocess=cfg.preprocess,
-        preprocess_stats=cfg.preprocess_stats)
+        preprocess_stats=cfg.preprocess_stats, allow_other_stats=cfg.allow_other_stats)

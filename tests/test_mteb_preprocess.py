@@ -161,9 +161,12 @@ def test_statistics_file_from_measure(tiny_model_dir, tmp_path, scored):
     narrow.transforms = {k: {n: t[: wide // 2] for n, t in v.items()} for k, v in narrow.transforms.items()}
     bad = tmp_path / "narrow.safetensors"
     narrow.save(bad)
-    with pytest.raises(RepgeomError, match=rf"dimension {wide // 2}, but final .* has dimension {wide}"):
+    with pytest.raises(RepgeomError, match=r"narrow\.safetensors were computed on .*, not on .*--allow-other-stats"):
         run_layers(other, [sts_task()], "final", pooling="mean", preprocess="standardize", preprocess_stats=bad,
                    output_folder=None, progress=False)
+    with pytest.raises(RepgeomError, match=rf"dimension {wide // 2}, but final .* has dimension {wide}"):
+        run_layers(other, [sts_task()], "final", pooling="mean", preprocess="standardize", preprocess_stats=bad,
+                   allow_other_stats=True, output_folder=None, progress=False)
 
 
 def test_errors(tiny_model_dir, tmp_path, capsys):

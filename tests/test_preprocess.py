@@ -57,6 +57,40 @@ def test_reference_statistics_file_round_trip(tmp_path, tiny_model_dir, texts):
                 metrics=["dispersion"], progress=False)
 
 
+@pytest.mark.fault("refused")
+def test_statistics_of_another_model_of_the_same_width_are_refused_unless_allowed(tmp_path, tiny_model_dir, texts):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model_dir("llama")
+    other = tmp_path / "other"  # the same architecture and width, other weights
+    shutil.copytree(model, other)
+    weights = load_file(other / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, other / "model.safetensors", metadata={"format": "pt"})
+    stats = tmp_path / "ref.safetensors"
+    kw = dict(metrics=["dispersion"], layers="final", progress=False)
+    written = measure(model, texts[:12], preprocess="center", save_preprocess_stats=stats, **kw)
+    identity = Preprocessor.load(stats, "center").identity
+    assert identity["model_name"] == str(model) and identity["addresses"] == ["final"]
+    assert identity["model"].startswith("sha256:") and identity["data"].startswith("sha256:")
+    assert identity["poolings"] and identity["method"] == "center"
+    assert written.config["preprocess"]["statistics"] == "same data"
+    with pytest.raises(RepgeomError, match=r"ref\.safetensors were computed on .*, not on .*other.*"
+                                           r"--allow-other-stats"):
+        measure(other, texts[:6], preprocess="center", preprocess_stats=stats, **kw)
+    allowed = measure(other, texts[:6], preprocess="center", preprocess_stats=stats, allow_other_stats=True, **kw)
+    record = allowed.config["preprocess"]["allow_other_stats"]
+    assert record["statistics_model"] == identity["model"] != record["this_model"]
+    same = measure(model, texts[:6], preprocess="center", preprocess_stats=stats, **kw)
+    assert "allow_other_stats" not in same.config["preprocess"]
+    legacy = tmp_path / "legacy.safetensors"  # a file written before identities were recorded
+    tensors = load_file(stats)
+    save_file(tensors, legacy, metadata={"repgeom_preprocess": '{"method": "center"}'})
+    with pytest.raises(RepgeomError, match="record no model identity"):
+        measure(model, texts[:6], preprocess="center", preprocess_stats=legacy, **kw)
+
+
 def test_vector_stats_merge_exactly():
     x = torch.randn(30, 4, dtype=torch.float64)
     whole, a, b = VectorStats(True), VectorStats(True), VectorStats(True)

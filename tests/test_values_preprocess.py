@@ -100,7 +100,10 @@ def test_statistics_from_another_corpus(kind, method, corpora, tiny_model_dir, t
     run(model_dir, stats_texts, preprocess=method, save_preprocess_stats=path)
     assert path.is_file()
     result = run(model_dir, texts, preprocess=method, preprocess_stats=path)
-    assert result.config["preprocess"] == {"method": method, "statistics": str(path)}
+    recorded = dict(result.config["preprocess"])
+    identity = recorded.pop("statistics_identity")  # where the file's statistics came from: this model, other texts
+    assert recorded == {"method": method, "statistics": str(path)}
+    assert identity["model_name"] == str(model_dir) and identity["method"] == method
 
     stats_states = ref.hidden_states(model_dir, stats_texts)
     states = ref.hidden_states(model_dir, texts)

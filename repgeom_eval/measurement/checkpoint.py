@@ -53,6 +53,16 @@ def model_fingerprint(name: str, source: str, config: Any = None) -> str:
     return f"hub:{name}@{revision or 'unknown-revision'}"
 
 
+def model_identity(loaded: Any) -> str:
+    """What a model is, by content: its files' hash (local folder or .gguf), its weights' hash (a model given as an
+    object), or hub id and revision. Keys resumable runs and statistics files."""
+    if loaded.info.source == "memory":
+        from repgeom_eval.modeling.in_memory import weights_hash
+
+        return "weights:" + weights_hash(loaded.model)
+    return model_fingerprint(loaded.info.name, loaded.info.source, loaded.model.config)
+
+
 class RunDir:
     """The checkpoint files of one run, for one process."""
 

@@ -84,6 +84,9 @@ class RunConfig(TextsGroup, LayersGroup, RunGroup):
     save_preprocess_stats: str | None = option(
         None, "--save-preprocess-stats", metavar="FILE", key=False, config=False,
         help="write the preprocessing statistics of this run (safetensors) for reuse")
+    allow_other_stats: bool = option(
+        False, "--allow-other-stats", action="store_true",
+        help="apply --preprocess-stats computed on another model (or recording none); recorded in the output")
     batch_size: int = option_like(RunGroup, "batch_size", 16, help=None)
     max_length: int | None = option(None, "--max-length", type=int, check=positive,
                                     help="truncate texts to this many tokens (default: the model context)")
@@ -115,6 +118,8 @@ class RunConfig(TextsGroup, LayersGroup, RunGroup):
             raise RepgeomError("resume needs the run directory of the run to continue (--run-dir DIR)")
         if not self.metrics:
             raise RepgeomError("no metric requested")
+        if self.allow_other_stats and not self.preprocess_stats:
+            raise RepgeomError("--allow-other-stats applies to a --preprocess-stats file; give one (or drop the flag)")
         if self.preprocess == "none" and (self.preprocess_stats or self.save_preprocess_stats):
             flag = "--preprocess-stats" if self.preprocess_stats else "--save-preprocess-stats"
             raise RepgeomError(f"{flag} has no effect without preprocessing; add --preprocess center, standardize "

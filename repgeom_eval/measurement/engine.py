@@ -24,7 +24,7 @@ from typing import Any
 from repgeom_eval.output.progress import progress_bar
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_fingerprint
+from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_identity
 from repgeom_eval.measurement.config import RunConfig
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.feed import Feeder, StatsCollector
@@ -125,6 +125,9 @@ class MeasureRun:
         self.config, self.loaded, self.source, self.dist, self.specs, self.prep, self.host = (
             config, loaded, source, dist, specs, prep, host)
         self.plan = resolve_request(config.layers, loaded, host)
+        self.model_identity = model_identity(loaded)  # content hash: keys the checkpoint and statistics files
+        if config.preprocess_stats and prep.active:
+            prep.check_identity(self.model_identity, loaded.info.name, config.allow_other_stats)
         # where each metric comes from (plugin, distribution, version): recorded in the config, part of the resume key
         self.plugins = host.provenance("metric", [spec.name for spec in specs])
         self.addresses = list(self.plan.addresses)
@@ -144,6 +147,13 @@ class MeasureRun:
         self._pool = None  # threads of the metric work (see _feed_addresses), made on first use
         self._feed_workers = self._metric_threads(host)
         self.checkpoint = self._open_checkpoint()
+
+    def _stats_identity(self) -> dict[str, Any]:
+        """What this run's preprocessing statistics come from (written into --save-preprocess-stats files)."""
+        return {"model": self.model_identity, "model_name": self.loaded.info.name,
+                "addresses": [str(a) for a in self.addresses],
+                "poolings": sorted({k.rpartition("|")[2] for k in self.prep.transforms}),
+                "data": self.source.fingerprint, "method": self.config.preprocess}
 
     def _metric_threads(self, host: PluginHost) -> int:
         """How many threads the metric work of a batch may use (1: sequential; see :meth:`_feed_addresses`)."""
@@ -165,7 +175,7 @@ class MeasureRun:
             return None
         # The content of every input, never its path: a moved file resumes, an edited one is refused.
         key = cfg.checkpoint_key({
-            "model": model_fingerprint(loaded.info.name, loaded.info.source, loaded.model.config),
+            "model": self.model_identity,
             "data": self.source.fingerprint,
             "preprocess_stats": "sha256:" + file_fingerprint(Path(cfg.preprocess_stats)) if cfg.preprocess_stats
             else None,
@@ -184,6 +194,7 @@ class MeasureRun:
                                    f"{str(exc)[:160]}); delete the run directory to start over") from None
             if self.state.prep_transforms is not None:
                 self.prep = Preprocessor(cfg.preprocess, self.state.prep_transforms, "same data (checkpoint)")
+                self.prep.identity = self._stats_identity()
         return ckpt
 
     def _plan(self, shard: list) -> ShardPlan:
@@ -300,6 +311,7 @@ class MeasureRun:
             for k, st in part.items():
                 merged[k] = merged[k].merge(st) if k in merged else st
         self.prep = Preprocessor.from_stats(self.config.preprocess, merged, "same data")
+        self.prep.identity = self._stats_identity()
         self.state.prep_transforms = self.prep.transforms
         self.timer["forward"] = self.timer["metrics"] = 0.0
         self.processed = 0

@@ -13,6 +13,7 @@ augmented views, or ``tokens`` for the token vectors of token-level metrics.
 from __future__ import annotations
 
 import json
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -92,12 +93,17 @@ class Preprocessor:
     """Per-(address, kind) transforms; ``identity`` when the method is ``none``."""
 
     def __init__(self, method: str = "none", transforms: dict[str, dict[str, torch.Tensor]] | None = None,
-                 source: str | None = None):
+                 source: str | None = None, identity: dict[str, Any] | None = None):
         if method not in METHODS:
             raise RepgeomError(f"unknown preprocess {method!r} (valid: {', '.join(METHODS)})")
         self.method = method
         self.transforms = transforms or {}
         self.source = source
+        # What produced the statistics (model content hash and name, addresses, poolings, data hash): written into a
+        # saved file, read back from one (None: a file written before identities were recorded)
+        self.identity = identity
+        self.accepted_from_other_model: dict[str, Any] | None = None
+        self.from_file = False
 
     @property
     def active(self) -> bool:
@@ -127,7 +133,29 @@ class Preprocessor:
         return apply(x, params)
 
     def config(self) -> dict[str, object]:
-        return {"method": self.method, "statistics": self.source if self.active else None}
+        out: dict[str, object] = {"method": self.method, "statistics": self.source if self.active else None}
+        if self.active and self.from_file and self.identity is not None:  # where a file's statistics came from
+            out["statistics_identity"] = self.identity
+        if self.accepted_from_other_model is not None:
+            out["allow_other_stats"] = self.accepted_from_other_model
+        return out
+
+    def check_identity(self, model: str, model_name: str, allow_other: bool = False) -> None:
+        """Refuse statistics of another model (its content hash ``model`` differs from the one recorded), or of
+        unknown origin, unless ``allow_other``: then what was accepted is recorded in :meth:`config`."""
+        recorded = (self.identity or {}).get("model")
+        if recorded == model:
+            return
+        if recorded is None:
+            problem = "record no model identity (written by an earlier version)"
+        else:
+            problem = (f"were computed on {self.identity.get('model_name')!r} ({recorded[:23]}), not on "  # type: ignore[union-attr]
+                       f"{model_name!r} ({model[:23]})")
+        if not allow_other:
+            raise RepgeomError(f"preprocess statistics {self.source} {problem}; recompute them on this model with "
+                               "--save-preprocess-stats, or pass --allow-other-stats to apply them anyway (recorded "
+                               "in the output)")
+        self.accepted_from_other_model = {"statistics_model": recorded, "this_model": model}
 
     # -- reference files ---------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -138,7 +166,8 @@ class Preprocessor:
         tensors = {f"{key}|{name}": t.contiguous() for key, params in self.transforms.items()
                    for name, t in params.items()}
         with atomic_open(path, "wb") as fh:
-            fh.write(save(tensors, metadata={"repgeom_preprocess": json.dumps({"method": self.method})}))
+            fh.write(save(tensors, metadata={"repgeom_preprocess": json.dumps({"method": self.method}),
+                                             "repgeom_identity": json.dumps(self.identity or {})}))
 
     @classmethod
     def load(cls, path: str | Path, method: str) -> "Preprocessor":
@@ -150,6 +179,7 @@ class Preprocessor:
         try:
             with safe_open(str(p), framework="pt") as fh:
                 meta = json.loads((fh.metadata() or {}).get("repgeom_preprocess", "{}"))
+                identity = json.loads((fh.metadata() or {}).get("repgeom_identity", "{}")) or None
                 transforms: dict[str, dict[str, torch.Tensor]] = {}
                 for name in fh.keys():
                     key, _, param = name.rpartition("|")
@@ -159,4 +189,9 @@ class Preprocessor:
         if meta.get("method") != method:
             raise RepgeomError(f"{p} holds {meta.get('method')!r} statistics but --preprocess {method!r} was asked; "
                                "use the same method or recompute the statistics")
-        return cls(method, transforms, str(p))
+        if identity is not None and not isinstance(identity, dict):
+            raise RepgeomError(f"{p}: its recorded identity is a JSON {type(identity).__name__}, not an object; "
+                               "recompute the statistics")
+        out = cls(method, transforms, str(p), identity)
+        out.from_file = True
+        return out

@@ -3,6 +3,7 @@ sentence-transformers ``SentenceTransformer``, as a :class:`~repgeom_eval.modeli
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -57,3 +58,15 @@ def _st_name(model: Any) -> str:
     card = getattr(model, "model_card_data", None)
     return getattr(card, "base_model", None) or getattr(model[0].auto_model.config, "_name_or_path", "") \
         or "SentenceTransformer"
+
+
+def weights_hash(model: Any) -> str:
+    """First 16 hex digits of a SHA-256 over a model's parameters and buffers (names, shapes, dtypes, bytes)."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]

@@ -25,6 +25,7 @@ from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
 from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.modeling.in_memory import weights_hash
 from repgeom_eval.errors import RepgeomError
 
 from .embedder import LayerEmbedder
@@ -317,18 +318,6 @@ def model_revision(source: str, loaded: Any) -> str:
         return content_hash(path)
     commit = getattr(loaded.model.config, "_commit_hash", None)
     return str(commit) if commit else "no_revision_available"
-
-
-def weights_hash(model: Any) -> str:
-    """First 16 hex digits of a SHA-256 over a model's parameters and buffers (names, shapes, dtypes, bytes)."""
-    import torch
-
-    h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
 
 
 GENERIC_NAME = "repgeom/layer-encoder"

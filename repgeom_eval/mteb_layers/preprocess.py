@@ -58,9 +58,13 @@ def file_digest(path: str | Path) -> str:
 
 
 def load_stats_file(path: str | Path, method: str, embedder: LayerEmbedder,
-                    addresses: Sequence[Address]) -> Preprocessor:
-    """The transforms of a ``measure --save-preprocess-stats`` file, checked against every evaluated address."""
+                    addresses: Sequence[Address], allow_other: bool = False) -> Preprocessor:
+    """The transforms of a ``measure --save-preprocess-stats`` file, checked against the model that wrote it (its
+    content hash; ``allow_other`` accepts another model's, recorded) and every evaluated address."""
+    from repgeom_eval.measurement.checkpoint import model_identity
+
     prep = Preprocessor.load(path, method)
+    prep.check_identity(model_identity(embedder.loaded), embedder.loaded.info.name, allow_other)
     kind = embedder.recipe.pooling
     width = embedder.loaded.info.hidden_size
     missing = [str(a) for a in addresses if Preprocessor.key(str(a), kind) not in prep.transforms]
@@ -135,7 +139,7 @@ def fit_on_texts(embedder: LayerEmbedder, texts: Sequence[str], addresses: Seque
 
 
 def record(method: str, source: str, *, n_texts: int | None = None, file: str | None = None,
-           sha256: str | None = None, pooling: str) -> str:
+           sha256: str | None = None, pooling: str, accepted_from_other_model: dict | None = None) -> str:
     """The ``repgeom_preprocess`` value: what was done and where the statistics came from (a JSON string, since
     mteb rounds every number of a score dict)."""
     doc: dict[str, Any] = {"method": method, "statistics": source, "pooling": pooling,
@@ -146,4 +150,6 @@ def record(method: str, source: str, *, n_texts: int | None = None, file: str | 
     else:
         doc["file"] = file
         doc["sha256"] = sha256
+        if accepted_from_other_model is not None:  # --allow-other-stats: statistics of another model, said so
+            doc["allow_other_stats"] = accepted_from_other_model
     return json.dumps(doc, sort_keys=True)

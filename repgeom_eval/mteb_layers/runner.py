@@ -166,6 +166,7 @@ def run_layers(
     seed: int = 0,
     preprocess: str = "none",
     preprocess_stats: str | Path | None = None,
+    allow_other_stats: bool = False,
     tokenizer: Any = None,
 ) -> SweepResult:
     """Evaluate ``model`` at every address of ``layers`` on ``tasks`` (instances, or names for
@@ -181,7 +182,8 @@ def run_layers(
     ``preprocess`` (``none``, ``center``, ``standardize``, ``whiten``) transforms each layer's pooled vectors before
     unit normalisation, with :mod:`repgeom_eval.measurement.preprocess`; its statistics come from
     ``preprocess_stats`` (a ``repgeom measure --save-preprocess-stats`` file) or else from the task's own texts
-    (:mod:`repgeom_eval.mteb_layers.preprocess`)."""
+    (:mod:`repgeom_eval.mteb_layers.preprocess`); a file written on another model is refused unless
+    ``allow_other_stats`` (then recorded in ``repgeom_preprocess``)."""
     t_start = time.perf_counter()
     try:
         strategy = OverwriteStrategy.from_str(overwrite_strategy)
@@ -200,7 +202,7 @@ def run_layers(
     addresses = embedder.addresses(layers)
     file_prep, file_sha = None, None
     if preprocess != "none" and preprocess_stats:
-        file_prep = load_stats_file(preprocess_stats, preprocess, embedder, addresses)
+        file_prep = load_stats_file(preprocess_stats, preprocess, embedder, addresses, allow_other_stats)
         file_sha = file_digest(preprocess_stats)
     embedder.recipe = dataclasses.replace(
         embedder.recipe, preprocess=preprocess,
@@ -213,7 +215,8 @@ def run_layers(
     if file_prep is not None:
         sweep.prep = file_prep
         sweep.prep_record = record(preprocess, "file", file=str(preprocess_stats), sha256=file_sha,
-                                   pooling=embedder.recipe.pooling)
+                                   pooling=embedder.recipe.pooling,
+                                   accepted_from_other_model=file_prep.accepted_from_other_model)
     encoders = {a: sweep.encoder(a, name=name, revision=revision) for a in addresses}
     first = encoders[addresses[0]]
     cache = mteb.ResultCache(output_folder) if output_folder is not None else None
