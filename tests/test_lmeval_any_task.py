@@ -156,3 +156,34 @@ def test_measures_warnings_reach_the_results_and_the_log(model_dir, task_dir, mo
     assert math.isnan(out["results"]["rg_any_multiple_choice"]["repgeom:dispersion@final,none"])
     logged = [r.getMessage() for r in caplog.records if r.name == "lm_eval.repgeom"]
     assert len(logged) == len(said) and all("rg_any_multiple_choice" in line for line in logged)
+
+
+def test_plain_lm_eval_adds_rows_to_every_task_of_a_group_and_the_others(model_dir, task_dir, tmp_path):
+    """The command line of the issue, with plain ``lm_eval`` (the start-up hook registers ``repgeom-hf``): a group of
+    two tasks and two more tasks; rows in the results JSON, per-sample values in the samples files."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (task_dir / "rg_any_group.yaml").write_text(
+        "group: rg_any_group\ntask: [rg_any_loglikelihood, rg_any_multiple_choice]\n"
+        "aggregate_metric_list:\n  - {metric: acc, aggregation: mean, weight_by_size: true}\nmetadata:\n  version: 1\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("REPGEOM_LM_EVAL_AUTOLOAD", None)
+    cmd = [str(Path(sys.executable).parent / "lm_eval"), "--model", "repgeom-hf", "--model_args",
+           f"pretrained={model_dir},repgeom_metrics=dispersion,repgeom_layers=final", "--tasks",
+           "rg_any_group,rg_any_loglikelihood_rolling,rg_any_generate_until", "--include_path", str(task_dir),
+           "--device", "cpu", "--batch_size", "4", "--log_samples", "--output_path", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    saved = json.loads(results_file.read_text())
+    tasks = ["rg_any_loglikelihood", "rg_any_multiple_choice", "rg_any_loglikelihood_rolling", "rg_any_generate_until"]
+    for task in tasks:
+        assert 0 < saved["results"][task]["repgeom:dispersion@final,none"] < 2, task
+        (samples_file,) = (tmp_path / "out").rglob(f"samples_{task}_20*.jsonl")
+        for line in samples_file.read_text().splitlines():
+            assert isinstance(json.loads(line)["repgeom:dispersion@final"], float)
+    assert "repgeom_warnings" in saved
+    assert "repgeom:dispersion@final" in proc.stdout  # lm-eval's table
