@@ -218,7 +218,8 @@ def one_line(exc):
     import re
 
     text = " ".join(str(exc).split())
-    return re.sub(r" or -p no:[\w.-]+", "", text)
+    text = re.sub(r"`?(?:repgeom )?--debug\b`?", f"{DEBUG_ENV}=1", text)  # the repgeom command's flag: lm_eval has none
+    return re.sub(r" or -p no:[\w.-]+", "", text)  # -p no:NAME switches a plugin off on repgeom's command line
 
 
 def patch_cli(module):

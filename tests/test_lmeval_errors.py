@@ -142,6 +142,9 @@ def test_a_failing_plugin_ends_lm_eval_in_one_line_naming_it(tiny_model_dir, tmp
     assert "Traceback" not in captured
     err = [line for line in captured.splitlines() if "repgeom" in line]
     assert len(err) == 1 and err[0].startswith("repgeom: error: ") and "boomplugin" in err[0], err
+    assert "metric 'boom'" in err[0] and "--debug" not in err[0] and "REPGEOM_DEBUG=1" in err[0]
+    with capsys.disabled():
+        print("\n" + err[0])
     monkeypatch.setenv("REPGEOM_DEBUG", "1")
     with pytest.raises(rg.errors.PluginError):
         HarnessCLI().execute()
