@@ -187,3 +187,20 @@ def test_plain_lm_eval_adds_rows_to_every_task_of_a_group_and_the_others(model_d
             assert isinstance(json.loads(line)["repgeom:dispersion@final"], float)
     assert "repgeom_warnings" in saved
     assert "repgeom:dispersion@final" in proc.stdout  # lm-eval's table
+
+
+def test_the_metadata_route_and_the_cache_refusal(model_dir, task_dir, tmp_path):
+    """``repgeom_metrics`` in ``--metadata`` (the TaskManager's metadata) reaches every task of a ``repgeom-hf`` run
+    as well; with ``--use_cache`` the answers would skip the forward pass, so the run is refused before any compute."""
+    from repgeom_eval.errors import RepgeomError
+
+    lm = RepgeomHFLM(pretrained=model_dir, batch_size=4, device="cpu", dtype="float64")
+    tm = TaskManager(include_defaults=False, include_path=str(task_dir),
+                     metadata={"repgeom_metrics": ["dispersion"], "repgeom_layers": ["resid_post:-1"]})
+    out = simple_evaluate(model=lm, tasks=["rg_any_loglikelihood"], task_manager=tm, bootstrap_iters=0)
+    assert 0 < out["results"]["rg_any_loglikelihood"]["repgeom:dispersion@resid_post:1,none"] < 2
+    with pytest.raises(RepgeomError, match="--use_cache"):
+        simple_evaluate(model=RepgeomHFLM(pretrained=model_dir, batch_size=4, device="cpu",
+                                          repgeom_metrics="dispersion"),
+                        tasks=["rg_any_loglikelihood"], bootstrap_iters=0, use_cache=str(tmp_path / "cache"),
+                        task_manager=TaskManager(include_defaults=False, include_path=str(task_dir)))
