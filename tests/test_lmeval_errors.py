@@ -62,7 +62,7 @@ def test_plain_lm_eval_says_one_line_before_the_model_loads(tmp_path):
      "repgeom_pooling sets the pooling of metric 'vendi'"),
     ({"repgeom_metrics": "dispersion", "repgeom_layers": "resid_pst:1"}, "repgeom_layers: unknown layer-address site"),
     ({"repgeom_metrics": "dispersion", "repgeom_layers": "resid_post:x"}, "not an integer"),
-    ({"repgeom_layer": "bogus"}, "unknown layer address 'bogus'"),
+    ({"repgeom_layer": "bogus"}, "repgeom_layer: unknown layer address 'bogus'"),
     ({"repgeom_capture": "twice"}, "repgeom_capture must be fused or extra"),
     ({"repgeom_metrcs": "dispersion"}, "unknown metadata key 'repgeom_metrcs'"),
 ])

@@ -19,5 +19,5 @@ def check_settings(given: Mapping[str, Any]) -> None:
     from repgeom_eval.lmeval.settings import Settings
 
     settings = Settings.from_metadata(given, "any")
-    check_layers([str(settings.layer)])
+    check_layers([str(settings.layer)], key="repgeom_layer")
     MetricRequest.from_settings(settings)

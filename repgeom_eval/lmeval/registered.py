@@ -161,7 +161,7 @@ def _pooling_into(params: dict[str, dict[str, Any]], pooling: Any, names: Sequen
     return None
 
 
-def check_layers(layers: Sequence[str], host: Any = None) -> None:
+def check_layers(layers: Sequence[str], host: Any = None, key: str = "repgeom_layers") -> None:
     """What can be checked of a layer request without the model: site names, index syntax and selector names
     (the ranges are checked on the model, before its first forward pass)."""
     from repgeom_eval.modeling.addresses import parse_layers
@@ -177,7 +177,7 @@ def check_layers(layers: Sequence[str], host: Any = None) -> None:
     try:
         parse_layers(syntax, 10 ** 6, selector, None, selector_names=names)
     except RepgeomError as exc:
-        raise RepgeomError(f"repgeom_layers: {exc}") from None
+        raise RepgeomError(f"{key}: {exc}") from None
 
 
 def _reported(value: float, items: Sequence[Any]) -> float:
