@@ -9,6 +9,13 @@ program imports ``lm_eval.tasks.manager``; right after that module has run, ``pa
 repgeom-eval's ``task_configs`` folder to the folders every ``TaskManager`` searches (as if ``--include_path`` had
 been given). The tasks themselves load the rest of repgeom-eval when lm-eval builds them.
 
+Two more callbacks make plain ``lm_eval`` a repgeom front end: after ``lm_eval.models`` has run,
+``register_model_name`` adds the model name ``repgeom-hf`` to lm-eval's model registry as a lazy placeholder (the
+class is imported only when a run asks for it); after ``lm_eval._cli.harness`` has run, ``patch_cli`` makes an error
+of repgeom-eval's own (a ``RepgeomError``: an unknown metric, a bad parameter, a failing or switched-off plugin) end
+the command with one line on stderr instead of a traceback (``REPGEOM_DEBUG=1`` shows the traceback); and
+``patch_config`` checks every ``repgeom_*`` setting of the command line before lm-eval loads the model.
+
 Switch it off with ``REPGEOM_LM_EVAL_AUTOLOAD=0`` (also ``false``, ``no``, ``off``). ``pip uninstall repgeom-eval``
 removes the ``.pth`` file and this module with the rest of the package.
 """
@@ -177,5 +184,100 @@ def patch_task_manager(module):
     cls.__init__ = __init__
 
 
-if enabled():
+# -- the model name and one-line errors ---------------------------------------------------------------------------
+
+MODEL_NAME = "repgeom-hf"
+MODEL_TARGET = "repgeom_eval.lmeval.model:RepgeomHFLM"
+DEBUG_ENV = "REPGEOM_DEBUG"
+_ON = {"1", "true", "yes", "on"}
+
+
+def register_model_name(module):
+    """Register ``repgeom-hf`` in lm-eval's model registry as a lazy placeholder (``module``: ``lm_eval.models``,
+    which registers lm-eval's own names the same way)."""
+    from lm_eval.api.registry import model_registry
+
+    if MODEL_NAME not in model_registry:
+        model_registry.register(MODEL_NAME, target=MODEL_TARGET)
+
+
+def repgeom_error(exc):
+    """The RepgeomError in ``exc`` or the exceptions it was raised from, or None (matched by class name: this
+    module never imports repgeom_eval)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(c.__name__ == "RepgeomError" for c in type(exc).__mro__):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def one_line(exc):
+    """The message of a RepgeomError as one line, without advice that only the ``repgeom`` command can follow."""
+    import re
+
+    text = " ".join(str(exc).split())
+    text = re.sub(r"`?(?:repgeom )?--debug\b`?", f"{DEBUG_ENV}=1", text)  # the repgeom command's flag: lm_eval has none
+    return re.sub(r" or -p no:[\w.-]+", "", text)  # -p no:NAME switches a plugin off on repgeom's command line
+
+
+def patch_cli(module):
+    """Make ``HarnessCLI.execute`` (``module``: ``lm_eval._cli.harness``, behind ``lm_eval`` and ``python -m
+    lm_eval``) end on a RepgeomError with ``repgeom: error: MESSAGE`` and exit status 2."""
+    import functools
+
+    cls = module.HarnessCLI
+    if getattr(cls.execute, "_repgeom_errors", False):
+        return
+    original = cls.execute
+
+    @functools.wraps(original)
+    def execute(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except Exception as exc:
+            found = repgeom_error(exc)
+            if found is None or os.environ.get(DEBUG_ENV, "").strip().lower() in _ON:
+                raise
+            print(f"repgeom: error: {one_line(found)}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    execute._repgeom_errors = True  # type: ignore[attr-defined]
+    cls.execute = execute
+
+
+def patch_config(module):
+    """Check every ``repgeom_*`` key of a command line's merged ``--model_args`` and ``--metadata`` when lm-eval
+    prepares its tasks, which it does before it loads the model (``module``: ``lm_eval.config.evaluate_config``)."""
+    import functools
+
+    cls = module.EvaluatorConfig
+    if getattr(cls.process_tasks, "_repgeom_checked", False):
+        return
+    original = cls.process_tasks
+
+    @functools.wraps(original)
+    def process_tasks(self, metadata=None, *args, **kwargs):
+        merged = metadata if isinstance(metadata, dict) else getattr(self, "metadata", None)
+        given = {k: v for k, v in (merged or {}).items() if isinstance(k, str) and k.startswith("repgeom_")}
+        if given or getattr(self, "model", None) == MODEL_NAME:
+            from repgeom_eval.lmeval.precheck import check_settings
+
+            check_settings(given)
+        return original(self, metadata, *args, **kwargs)
+
+    process_tasks._repgeom_checked = True  # type: ignore[attr-defined]
+    cls.process_tasks = process_tasks
+
+
+def install():
+    """The callbacks (each runs now if its module is already imported)."""
     when_imported("lm_eval.tasks.manager", patch_task_manager)
+    when_imported("lm_eval.models", register_model_name)
+    when_imported("lm_eval._cli.harness", patch_cli)
+    when_imported("lm_eval.config.evaluate_config", patch_config)
+
+
+if enabled():
+    install()

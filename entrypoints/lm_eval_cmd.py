@@ -64,7 +64,7 @@ def check_arguments(argv: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from _repgeom_lm_eval_hook import patch_task_manager, when_imported
+    from _repgeom_lm_eval_hook import install
 
     from repgeom_eval.errors import RepgeomError
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:
         raise RepgeomError("lm-eval is not installed: pip install 'repgeom-eval[lmeval]'") from None
-    when_imported("lm_eval.tasks.manager", patch_task_manager)
+    install()  # the task folder, the repgeom-hf name and one-line errors, whatever REPGEOM_LM_EVAL_AUTOLOAD says
     import repgeom_eval.lmeval.model  # noqa: F401  (metrics, capture, repgeom-hf)
 
     argv = sys.argv

@@ -128,7 +128,7 @@ def test_builtin_metrics_equal_measure_on_the_scored_contexts(lm, model_dir, dat
 def test_third_party_metric_equals_measure(lm, model_dir, data, example_plugin_site, monkeypatch):
     """mean_norm from examples/repgeom-example-metric, installed by pip into a target folder and found through its
     entry point (nothing registers it by hand); MMLU (one-token continuations, one context for four requests),
-    its default ``last`` pooling and, at a second address, ``mean`` set through repgeom_metric_params."""
+    its default ``last`` pooling and, at a second address, ``mean`` set through repgeom_pooling."""
     from repgeom_eval.plugin_system.host import reset_host
 
     monkeypatch.syspath_prepend(str(example_plugin_site))
@@ -137,7 +137,8 @@ def test_third_party_metric_equals_measure(lm, model_dir, data, example_plugin_s
         for pooling in ("last", "mean"):
             params = {"mean_norm": {"pooling": pooling}}
             results, samples, out = run(lm, "repgeom_hardness_mmlu", data["mmlu"], repgeom_metrics=["mean_norm"],
-                                        repgeom_metric_params=params, repgeom_layers=["resid_post:0", "final"])
+                                        repgeom_pooling={"mean_norm": pooling},
+                                        repgeom_layers=["resid_post:0", "final"])
             texts = scored_contexts(lm, samples)
             result = measured(model_dir, texts, layers=["resid_post:0", "final"], metrics=["mean_norm"],
                               metric_params=params)
@@ -195,7 +196,7 @@ def test_perplexity_task_documents_span_their_rolling_windows(lm, data):
     document equals the task's own repgeom_token_dispersion, and prompt_entropy gets one value per document."""
     results, samples, out = run(lm, "repgeom_ppl_wikitext", data["wikitext"],
                                 repgeom_metrics=["token_dispersion", "prompt_entropy", "dispersion"],
-                                repgeom_metric_params={"dispersion": {"pooling": "mean"}})
+                                repgeom_pooling={"dispersion": "mean"})
     assert any(len(lm.tok_encode(s["target"])) > lm.max_length for s in samples)  # several windows per document
     for sample in samples:
         assert sample["repgeom:token_dispersion@final"] == pytest.approx(sample["repgeom_token_dispersion"],

@@ -3,7 +3,8 @@
 Modules, in the order a run meets them:
 
 * ``_repgeom_lm_eval_hook`` (top level, standard library only, run at start-up by ``repgeom_lm_eval.pth``): adds
-  the ``task_configs`` folder to every lm-eval ``TaskManager``.
+  the ``task_configs`` folder to every lm-eval ``TaskManager``, the ``repgeom-hf`` model name, one-line errors and
+  the settings check before the model loads.
 * ``settings``: the ``repgeom_*`` keys of ``--metadata`` (and ``--model_args``), declared once.
 * ``documents``: ``custom_dataset`` loader (upstream Hub dataset, or a local file through ``--metadata``).
 * ``task``: the task classes the YAMLs name; importing it registers the metrics and installs ``session``.
@@ -15,7 +16,11 @@ Modules, in the order a run meets them:
 * ``metrics``: the per-query items and lm-eval aggregations (dispersion, AUROC, deciles, slice Spearman).
 * ``registered``: any registered metric at any layers (``repgeom_metrics``): the request and its states.
 * ``ranks``: lm-eval's data-parallel ranks, for the sums and states gathered in ``apply_filters``.
-* ``model``: ``repgeom-hf`` for lm-eval's upcoming ``lm_eval.models`` entry points.
+* ``model``: ``repgeom-hf`` (plain ``lm_eval`` knows it through the start-up hook, a lazy placeholder).
+* ``precheck``: every check of the ``repgeom_*`` settings that needs no model, run before the model loads.
+* ``any_task``: the registered metrics added to every other task of a ``repgeom-hf`` run (stock tasks, groups,
+  a user's YAML; loglikelihood, multiple-choice, rolling and generation).
+* ``diagnostics``: ``repgeom measure``'s warnings (degenerate numbers, a massive dimension) for those metrics.
 """
 
 SUPPORTED_LM_EVAL = ((0, 4, 13), (0, 5, 0))  # [lowest tested, first unsupported): HFLM's private call order

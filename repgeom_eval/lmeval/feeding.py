@@ -62,6 +62,11 @@ class BankFeeder:
     def reads_contexts(self) -> bool:
         return any(bank.kind == "context" for bank in self.banks.values())
 
+    @property
+    def reads_prompts(self) -> bool:
+        """A generation task has registered metrics: its prompts get a forward pass of their own."""
+        return any(getattr(bank, "generation", False) for bank in self.banks.values())
+
     def clear(self) -> None:
         self._contexts, self._context_rows, self._windows, self._window_rows = {}, {}, {}, {}
         self._pending = []
@@ -77,6 +82,8 @@ class BankFeeder:
             bank = self.banks.get(getattr(inst, "task_name", None))
             if bank is None or bank.kind != "context" or not bank.needs_originals:
                 continue
+            if getattr(inst, "idx", 0) != 0:
+                continue  # one text per document: the context of its first request (the choices share it)
             if tuple(strings) != tuple(inst.args):
                 continue  # not in the order of the instances: unattributed, reported as missing by the task
             row = ScoredRow.of(ctx, cont, max_len)
@@ -214,3 +221,30 @@ class BankFeeder:
             names = [f"view {v} of document {d}" for d, v in zip(owners, views)]
             for chunk, batch in self.extra.run(seqs, bank.points, names, as_lm_eval=False, rows_per_batch=rows):
                 bank.feed(batch.hidden, batch.mask, [owners[k] for k in chunk], [views[k] for k in chunk])
+
+    def feed_prompts(self, requests: Sequence[Any]) -> None:
+        """Generation tasks (``generate_until``): one forward pass over each document's prompt (the context of its
+        first request), encoded and left-truncated as ``HFLM.generate_until`` encodes it (room left for
+        ``max_gen_toks``), run as a text of its own with its attention mask, as ``repgeom measure`` runs texts."""
+        from lm_eval.models.huggingface import normalize_gen_kwargs
+
+        for bank in self.banks.values():
+            if not getattr(bank, "generation", False) or not bank.needs_originals:
+                continue
+            seqs, owners = [], []
+            for inst in requests:
+                if getattr(inst, "task_name", None) != bank.task or getattr(inst, "idx", 0) != 0:
+                    continue
+                if not bank.claim(int(inst.doc_id)):
+                    continue
+                context, gen_kwargs = inst.args[0], inst.args[1] if len(inst.args) > 1 else {}
+                room = normalize_gen_kwargs(dict(gen_kwargs or {}), self.lm.max_gen_toks)["max_gen_toks"]
+                ids, _ = self.lm.tok_batch_encode([context], left_truncate_len=max(1, self.lm.max_length - room),
+                                                  truncation=self.lm.truncation)
+                seqs.append([int(t) for t in ids[0].tolist()] or [self.lm.prefix_token_id])
+                owners.append(int(inst.doc_id))
+            if not seqs:
+                continue
+            names = [f"prompt of document {d}" for d in owners]
+            for chunk, batch in self.extra.run(seqs, bank.points, names, as_lm_eval=False):
+                bank.feed(batch.hidden, batch.mask, [owners[k] for k in chunk])

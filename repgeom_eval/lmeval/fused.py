@@ -130,6 +130,8 @@ class HiddenStates:
         names = ["_loglikelihood_tokens", "loglikelihood_rolling"]
         if self.feeder.reads_contexts:
             names.append("loglikelihood")
+        if self.feeder.reads_prompts:
+            names.append("generate_until")
         if self.method == "fused":
             names += ["_model_call", "_select_cont_toks"]
             self._capture = Capture(self.model, self.points, stop_early=False).__enter__()
@@ -164,6 +166,15 @@ class HiddenStates:
             results = self._originals["loglikelihood"](requests, *args, **kwargs)
         finally:
             self._instances = None
+        self.feeder.feed_views(requests, "context")
+        return results
+
+    def generate_until(self, requests: list, *args: Any, **kwargs: Any):
+        """Only with registered metrics in a generation task: lm-eval generates, then each prompt gets one forward
+        pass of its own (generation runs the prompt with left padding, batched by length; see
+        :meth:`~repgeom_eval.lmeval.feeding.BankFeeder.feed_prompts`)."""
+        results = self._originals["generate_until"](requests, *args, **kwargs)
+        self.feeder.feed_prompts(requests)
         self.feeder.feed_views(requests, "context")
         return results
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,7 @@ class MetricRequest:
     params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     layers: tuple[str, ...] = ("final",)
     seed: int = 0
+    pooling: str | None = None  # repgeom_pooling as one name: the pooling of every POOLED metric without its own
 
     @classmethod
     def from_settings(cls, settings: "Settings", host: Any = None) -> "MetricRequest | None":
@@ -71,12 +73,15 @@ class MetricRequest:
         Unknown metrics, parameters or bad values fail here, when lm-eval loads the task, before any model is
         loaded."""
         metrics, params, layers, seed = settings.metrics, settings.metric_params, settings.layers, settings.seed
+        pooling = settings.pooling
         if metrics is None or metrics == [] or metrics == "":
             if layers is not None:
                 raise RepgeomError("repgeom_layers selects the layers of repgeom_metrics, and none are requested; "
                                    "add repgeom_metrics (the task's own geometry reads repgeom_layer)")
             if params is not None:
                 raise RepgeomError("repgeom_metric_params given without repgeom_metrics")
+            if isinstance(pooling, Mapping):
+                raise RepgeomError("repgeom_pooling names metrics, and no repgeom_metrics are requested")
             return None
         names = cls._names(metrics, "repgeom_metrics")
         if params is None:
@@ -86,11 +91,13 @@ class MetricRequest:
             raise RepgeomError('repgeom_metric_params must map metric names to their parameters, e.g. '
                                f'{{"dataset_entropy": {{"alpha": 2}}}}, got {params!r}')
         params = {k: dict(v) for k, v in params.items()}
+        run_pooling = _pooling_into(params, pooling, names)
         # layers are not split here: "resid_post:[0,-1]" holds a comma; resolve_request splits outside brackets
         layer_request = cls._items(layers, "repgeom_layers") if layers is not None else (str(settings.layer),)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise RepgeomError(f"repgeom_seed must be an integer, got {seed!r}")
-        request = cls(names, params, layer_request, seed)
+        check_layers(layer_request, host)
+        request = cls(names, params, layer_request, seed, run_pooling)
         request.specs(host)  # unknown names and bad parameters are errors now, not after the forward passes
         return request
 
@@ -114,15 +121,63 @@ class MetricRequest:
         from repgeom_eval.measurement.metric_specs import instantiate_metrics
         from repgeom_eval.plugin_system.host import get_host
 
-        specs = instantiate_metrics(list(self.metrics), host or get_host(), self.params, per_text=True)
+        specs = instantiate_metrics(list(self.metrics), host or get_host(), self.params, per_text=True,
+                                    pooling=self.pooling)
         for spec in specs:
             spec.new()
         return specs
 
     def record(self) -> dict[str, Any]:
         """What the task config records under ``metadata.repgeom`` (the request as given)."""
-        return {"metrics": list(self.metrics), "metric_params": {k: dict(v) for k, v in self.params.items()},
-                "layers": list(self.layers), "seed": self.seed}
+        out = {"metrics": list(self.metrics), "metric_params": {k: dict(v) for k, v in self.params.items()},
+               "layers": list(self.layers), "seed": self.seed}
+        if self.pooling is not None:
+            out["pooling"] = self.pooling
+        return out
+
+
+def _pooling_into(params: dict[str, dict[str, Any]], pooling: Any, names: Sequence[str]) -> str | None:
+    """``repgeom_pooling`` for the registered metrics: a name is returned (every POOLED metric without its own), a
+    mapping goes into ``params`` as each metric's ``pooling``. ``repgeom_metric_params.METRIC.pooling``, the older
+    spelling, still works, with a DeprecationWarning."""
+    import warnings
+
+    old = sorted(m for m, p in params.items() if "pooling" in p)
+    if old:
+        warnings.warn(f"repgeom_metric_params.{old[0]}.pooling is deprecated: give repgeom_pooling "
+                      f'{{"{old[0]}": "{params[old[0]]["pooling"]}"}} (or one name for every metric)',
+                      DeprecationWarning, stacklevel=4)
+    if not isinstance(pooling, Mapping):
+        return pooling
+    for metric, value in pooling.items():
+        if metric not in names:
+            raise RepgeomError(f"repgeom_pooling sets the pooling of metric {metric!r}, which repgeom_metrics does "
+                               f"not request (requested: {', '.join(names)})")
+        given = params.get(metric, {}).get("pooling")
+        if given is not None and given != value:
+            raise RepgeomError(f"metric {metric!r}: repgeom_pooling says {value!r}, repgeom_metric_params "
+                               f"{given!r}; give it once, in repgeom_pooling")
+        params.setdefault(metric, {})["pooling"] = value
+    return None
+
+
+def check_layers(layers: Sequence[str], host: Any = None, key: str = "repgeom_layers") -> None:
+    """What can be checked of a layer request without the model: site names, index syntax and selector names
+    (the ranges are checked on the model, before its first forward pass)."""
+    from repgeom_eval.modeling.addresses import parse_layers
+    from repgeom_eval.plugin_system.host import get_host
+
+    host = host or get_host()
+    names = host.layer_selectors.names()
+
+    def selector(name: str):
+        return (lambda info: ["final"]) if name in names else None  # expanded on the model
+
+    syntax = [re.sub(r":\s*\*", ":0", str(x)) for x in layers]  # `*` expands on the model
+    try:
+        parse_layers(syntax, 10 ** 6, selector, None, selector_names=names)
+    except RepgeomError as exc:
+        raise RepgeomError(f"{key}: {exc}") from None
 
 
 def _reported(value: float, items: Sequence[Any]) -> float:
@@ -169,6 +224,9 @@ class TaskBank:
         self.per_doc: dict[int, dict[str, float | None]] = {}
         self.names: list[str] = []
         self.finished = False
+        self.generation = False  # a generate_until task: its prompts get a forward pass of their own (feeding)
+        self.energy: dict = {}  # address → the energy diagnostic (massive_activations), as in repgeom measure
+        self.warnings: list[str] = []  # what repgeom measure would warn about these numbers
 
     # -- set-up ------------------------------------------------------------------------------------------------------
     def resolve(self, loaded: Any) -> None:
@@ -178,6 +236,7 @@ class TaskBank:
         plan = resolve_request(list(self.request.layers), loaded, self.host)
         self.addresses, self.points = list(plan.addresses), dict(plan.points)
         self.bank = self._new_bank()
+        self.energy = self._new_energy()
         if self.bank.needs_views:
             from repgeom_eval.measurement.augment import Augmenter
 
@@ -185,7 +244,13 @@ class TaskBank:
 
     def _new_bank(self) -> MetricBank:
         return MetricBank(self.request.metrics, self.addresses, params=self.request.params, per_text=True,
-                          host=self.host)
+                          host=self.host, pooling=self.request.pooling)
+
+    def _new_energy(self) -> dict:
+        from repgeom_eval.measurement.states import ENERGY_TOP, energy_metric
+
+        cls = energy_metric(self.host)
+        return {a: cls(top_k=ENERGY_TOP) for a in self.addresses} if cls is not None else {}
 
     @property
     def n_views(self) -> int:
@@ -223,6 +288,12 @@ class TaskBank:
         for addr in self.addresses:
             h = hidden[addr]
             self.bank.update(addr, h, mask.to(h.device), list(doc_ids), views)
+            if views is None and addr in self.energy:  # the raw mean-pooled vectors of the texts themselves
+                from repgeom_eval.measurement.pooling import pool64
+                from repgeom_eval.metric import LayerBatch
+
+                vectors = pool64(h, mask.to(h.device).bool(), "mean")[0]
+                self.energy[addr].update(LayerBatch(str(addr), torch.tensor(list(doc_ids)), pooled=vectors))
 
     def expect(self, doc_id: int, n_windows: int) -> bool:
         """Announce a document of ``n_windows`` rolling windows; False if it was announced already."""
@@ -272,15 +343,25 @@ class TaskBank:
         if self.bank.feeder.pending_views():
             raise RuntimeError("augmented views of some texts never all arrived")  # a bug, never a user error
         ranks = lm_eval_ranks(world_size, "the metric states of every rank are needed")
-        states = ranks.all_gather(_cpu(self.bank.state()))
+        states = ranks.all_gather(_cpu((self.bank.state(), {str(a): e.state_dict() for a, e in self.energy.items()})))
         if len(states) == 1:
-            merged = self.bank
+            merged, energy = self.bank, self.energy
         else:
-            merged = self._new_bank()
-            for state in states:
+            merged, energy = self._new_bank(), self._new_energy()
+            for state, energy_state in states:
                 merged.merge_state(state)
-        self.values = {score_name(name, addr): value
-                       for addr, scores in merged.flat().items() for name, value in scores.items()}
+                for a, e in energy.items():
+                    other = type(e)(top_k=e.top_k)
+                    other.load_state_dict(dict(energy_state[str(a)]))
+                    e.merge(other)
+        from repgeom_eval.measurement.bank import flatten_result
+        from repgeom_eval.lmeval.diagnostics import bank_warnings
+
+        computed = merged.compute()
+        self.warnings = bank_warnings(merged, computed, energy)
+        self.values = {score_name(name, addr): value for addr, results in computed.items()
+                       for metric, result in results.items()
+                       for name, value in flatten_result(metric, result).items()}
         self.per_doc = {}
         for doc_id, by_addr in merged.per_text_scores().items():
             self.per_doc[doc_id] = {score_name(key, addr): _plain(v)

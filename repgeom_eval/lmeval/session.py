@@ -40,11 +40,18 @@ def _wrap_evaluate(module: Any) -> None:
     @functools.wraps(original)
     def evaluate(*args: Any, **kwargs: Any):
         bound = signature.bind_partial(*args, **kwargs).arguments
+        lm = bound.get("lm")
         tasks = geometry_tasks(bound.get("task_dict"))
-        if not tasks:
+        adopted: list = []
+        if getattr(getattr(lm, "lm", lm), "repgeom_metadata", None) is not None:  # repgeom-hf (CachingLM wraps it)
+            from repgeom_eval.lmeval.any_task import adopt
+
+            adopted = adopt(bound.get("task_dict"), getattr(lm, "lm", lm), tasks)
+        if not tasks and not adopted:
             return original(*args, **kwargs)
-        with hidden_states_for(bound.get("lm"), tasks):
-            return original(*args, **kwargs)
+        with hidden_states_for(lm, tasks, adopted):
+            out = original(*args, **kwargs)
+        return with_warnings(out, tasks, adopted)
 
     evaluate._repgeom_wrapped = True  # type: ignore[attr-defined]
     module.evaluate = evaluate
@@ -89,27 +96,57 @@ def check_model(lm: Any) -> Any:
     return lm
 
 
+def with_warnings(out: Any, tasks: list, adopted: list) -> Any:
+    """What ``repgeom measure`` would warn about the registered metrics' numbers (degenerate values, a massive
+    dimension; :mod:`repgeom_eval.lmeval.diagnostics`): into lm-eval's log, and into the results as
+    ``repgeom_warnings`` (task → lines; present whenever registered metrics ran)."""
+    import logging
+
+    banks = [(t.config.task, t.bank) for t in tasks if t.bank is not None] + [(a.name, a.bank) for a in adopted]
+    if not banks:
+        return out
+    said = {name: list(bank.warnings) for name, bank in banks if bank.warnings}
+    logger = logging.getLogger("lm_eval.repgeom")
+    for name, lines in said.items():
+        for line in lines:
+            logger.warning("repgeom (task %s): %s", name, line)
+    if isinstance(out, dict):
+        out["repgeom_warnings"] = said
+    return out
+
+
 @contextmanager
-def hidden_states_for(lm: Any, tasks: list) -> Iterator[Any]:
-    """Attach what ``tasks`` read to ``lm``'s results for the duration of the block."""
+def hidden_states_for(lm: Any, tasks: list, adopted: list = ()) -> Iterator[Any]:
+    """Attach what ``tasks`` read to ``lm``'s results for the duration of the block, and add the registered
+    metrics to the ``adopted`` tasks (:mod:`repgeom_eval.lmeval.any_task`)."""
     from repgeom_eval.lmeval.fused import HiddenStates, resolve_layer
     from repgeom_eval.lmeval.registered import TaskBank
     from repgeom_eval.modeling.loading import wrap_model
 
     check_model(lm)
     loaded = wrap_model(lm.model, getattr(lm, "tokenizer", None), source="lm-eval")
-    reads = {id(t): (resolve_layer(t.settings.layer, loaded), t.settings.pooling) for t in tasks}
+    reads = {id(t): (resolve_layer(t.settings.layer, loaded), t.settings.read_pooling(t.KIND)) for t in tasks}
     method = "extra" if any(t.settings.capture == "extra" for t in tasks) else "fused"
     banks = {t.config.task: TaskBank(t.config.task, t.metric_request, "document" if t.KIND == "perplexity"
                                      else "context") for t in tasks if t.metric_request is not None}
+    banks.update({a.name: a.bank for a in adopted})
+    if any(a.settings.capture == "extra" for a in adopted):
+        method = "extra"
     with HiddenStates(lm, loaded, reads.values(), method=method, banks=banks) as states:
+        for a in adopted:
+            a.attach({"capture": states.method, **({"fused_disabled_because": states.reason} if states.reason
+                                                   else {})})
         for task in tasks:
             task.read = reads[id(task)]
             task.bank = banks.get(task.config.task)
             task.record_capture({"address": str(task.read[0]), "capture": states.method,
                                  **({"fused_disabled_because": states.reason} if states.reason else {}),
                                  **(task.bank.record() if task.bank is not None else {})})
-        yield states
+        try:
+            yield states
+        finally:
+            for a in adopted:
+                a.detach()
     if states.method == "fused" and states.extra_requests:
         warnings.warn(f"repgeom: {states.extra_requests} requests needed an extra forward pass", RuntimeWarning,
                       stacklevel=3)

@@ -46,7 +46,12 @@ class Settings:
                                          "default: the Hugging Face Hub dataset")
     layer: str = option("final", from_cli=str,
                         help="one layer address: final, resid_post:-1, mlp_in:12, a hidden-state index")
-    pooling: str = option("last", help="last context token, or mean over the context (hardness tasks)")
+    # One name for pooling on every surface (docs/lmeval.md#settings---metadata): a string is the pooling of every
+    # vector the run reads (a hardness task's own geometry and every POOLED registered metric, as `repgeom measure
+    # --pooling`); a mapping {METRIC: pooling} sets single metrics' (as `--metric-param METRIC.pooling`). None: the
+    # defaults (`last` for a hardness task's own geometry, each registered metric's own).
+    pooling: Any = option(None, config=False, help="pooling of every vector read, or {METRIC: pooling}; default: "
+                                                     "last for the task's own geometry, each metric's own")
     correct: str = _hardness_only(option("acc", help="the 0/1 metric that defines a correct query (acc or acc_norm)"))
     capture: str = option("fused", help="fused: read lm-eval's own forward pass; extra: one more pass (fallback)")
     slice_size: int = _hardness_only(option(SlicesConfig.size, help="queries per controlled slice"))
@@ -60,15 +65,15 @@ class Settings:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], kind: str) -> "Settings":
-        """The settings of a task of ``kind`` (``hardness`` or ``perplexity``) from the metadata lm-eval hands it.
+        """The settings of a task of ``kind`` (``hardness``, ``perplexity``, or ``any`` for any other task and for
+        ``repgeom-hf``'s model arguments) from the metadata lm-eval hands it.
         Every check of a setting is here (those of the metric request in
         :meth:`~repgeom_eval.lmeval.registered.MetricRequest.from_settings`)."""
         given = settings_in(metadata)
-        if kind == "perplexity":
-            given["pooling"] = "tokens"  # a rolling-perplexity task reads every scored token
         out = cls(**given)
-        if kind != "perplexity" and out.pooling not in HARDNESS_POOLINGS:
+        if kind == "hardness" and isinstance(out.pooling, str) and out.pooling not in HARDNESS_POOLINGS:
             raise RepgeomError(f"repgeom_pooling must be {' or '.join(HARDNESS_POOLINGS)}, got {out.pooling!r}")
+        out.check_pooling()
         if out.capture not in CAPTURES:
             raise RepgeomError(f"repgeom_capture must be {' or '.join(CAPTURES)}, got {out.capture!r}")
         for name in ("slice_size", "slice_seeds"):
@@ -77,10 +82,46 @@ class Settings:
                 raise RepgeomError(f"{key(name)} must be a positive integer, got {value!r}")
         return out
 
+    def check_pooling(self) -> None:
+        """``repgeom_pooling``: one pooling name, or a mapping of metric names to pooling names."""
+        from repgeom_eval.measurement.pooling import check_pooling
+
+        pooling = self.pooling
+        if pooling is None or isinstance(pooling, str):
+            if pooling is not None:
+                _named(check_pooling, pooling, key("pooling"))
+            return
+        if not isinstance(pooling, Mapping) or not all(isinstance(k, str) for k in pooling):
+            raise RepgeomError(f"repgeom_pooling must be a pooling name (last, mean, first, tokens) or "
+                               f'{{"METRIC": pooling}}, got {pooling!r}')
+        for metric, value in pooling.items():
+            _named(check_pooling, value, f"{key('pooling')}[{metric!r}]")
+
+    def read_pooling(self, kind: str) -> str:
+        """The pooling of a task's own geometry: every scored token for a rolling-perplexity task, else the one
+        ``repgeom_pooling`` names (a mapping sets registered metrics only), ``last`` by default."""
+        if kind == "perplexity":
+            return "tokens"
+        return self.pooling if isinstance(self.pooling, str) else "last"
+
     def record(self, kind: str) -> dict[str, Any]:
-        """What a task of ``kind`` writes under ``metadata.repgeom`` of its config: the recorded settings it reads."""
-        return {f.name: plain(getattr(self, f.name)) for f in fields(self)
-                if f.metadata["config"] and (kind == "hardness" or not f.metadata.get(HARDNESS_ONLY))}
+        """What a task of ``kind`` writes under ``metadata.repgeom`` of its config: the recorded settings it reads
+        (``pooling``: what its own geometry reads)."""
+        out = {}
+        for f in fields(self):
+            if f.name == "pooling":
+                out["pooling"] = self.read_pooling(kind)
+            elif f.metadata["config"] and (kind == "hardness" or not f.metadata.get(HARDNESS_ONLY)):
+                out[f.name] = plain(getattr(self, f.name))
+        return out
+
+
+def _named(check: Any, value: Any, name: str) -> Any:
+    """``check(value)``, its error naming the setting."""
+    try:
+        return check(value)
+    except RepgeomError as exc:
+        raise RepgeomError(f"{name}: {exc}") from None
 
 
 def key(name: str) -> str:

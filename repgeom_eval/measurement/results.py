@@ -88,11 +88,7 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
         warnings.warn(f"{name}: {text} (at {compact(keys)})", stacklevel=4)
     flagged = _energy_diagnostics(run, out.diagnostics, massive_share_warning)
     if flagged:  # one warning for the whole run, not one line per layer
-        warnings.warn(
-            f"one hidden dimension carries at least {massive_share_warning:.0%} of the squared norm of the "
-            f"mean-pooled vectors at {len(flagged)} address(es): {compact(flagged)}; cosine-based metrics there "
-            "mostly measure that dimension. See the massive_activations metric, or try --preprocess standardize",
-            stacklevel=4)
+        warnings.warn(massive_warning(flagged, massive_share_warning), stacklevel=4)
     degenerate = degenerate_warning(model_name, out.results, out.diagnostics,
                                     {str(a): m.compute() for a, m in run.energy.items()})
     if degenerate:  # zero vectors or NaN results: correct numbers that carry no geometry, said once
@@ -111,6 +107,15 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
                                  "truncated": None if n_tok is None else n_tok > run.context,
                                  "scores": per_text_cols.get(i, {})})
     return out
+
+
+def massive_warning(flagged: list[tuple[Address, int, float]], threshold: float, advice: str | None = None) -> str:
+    """The one line that says where one hidden dimension dominates (``flagged``: what the energy diagnostic found
+    over ``threshold``); ``advice``: what the caller can offer besides the massive_activations metric."""
+    advice = ", or try --preprocess standardize" if advice is None else advice
+    return (f"one hidden dimension carries at least {threshold:.0%} of the squared norm of the mean-pooled vectors "
+            f"at {len(flagged)} address(es): {compact(flagged)}; cosine-based metrics there mostly measure that "
+            f"dimension. See the massive_activations metric{advice}")
 
 
 def _energy_diagnostics(run: RunState, diagnostics: dict[str, dict[str, Any]],

@@ -1,0 +1,23 @@
+"""The checks of the ``repgeom_*`` settings that need no model, run before lm-eval loads one.
+
+``repgeom-hf`` runs them on its model arguments before ``from_pretrained``; the start-up hook
+(``_repgeom_lm_eval_hook.patch_config``) runs them on a command line's merged ``--model_args`` and ``--metadata``
+when lm-eval prepares its tasks, which it does before it loads the model. Each error names the key, the metric, the
+parameter or the plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def check_settings(given: Mapping[str, Any]) -> None:
+    """Unknown keys, every value, the metric names (a switched-off or failing plugin included), their parameters and
+    pooling, and the layer addresses' syntax (their range is checked on the model, before its first forward pass)."""
+    from repgeom_eval.lmeval.registered import MetricRequest, check_layers
+    from repgeom_eval.lmeval.settings import Settings
+
+    settings = Settings.from_metadata(given, "any")
+    check_layers([str(settings.layer)], key="repgeom_layer")
+    MetricRequest.from_settings(settings)
