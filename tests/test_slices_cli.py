@@ -49,11 +49,51 @@ def test_vectors_and_calibration(planted, capsys):
     assert (d / "s.png").stat().st_size > 1000
 
 
+def _edit_vectors(change):
+    def apply(d):
+        x = np.load(d / "vectors.npy")
+        change(x)
+        np.save(d / "vectors.npy", x)
+    return apply
+
+
+def _edit_record(line: int, **fields):
+    def apply(d):
+        rows = (d / "queries.jsonl").read_text().splitlines()
+        record = json.loads(rows[line - 1])
+        for k, v in fields.items():
+            if v is ...:
+                record.pop(k)
+            else:
+                record[k] = v
+        rows[line - 1] = json.dumps(record)
+        (d / "queries.jsonl").write_text("\n".join(rows) + "\n")
+    return apply
+
+
+def _raw_ppl(line: int, text: str):
+    def apply(d):
+        rows = (d / "queries.jsonl").read_text().splitlines()
+        record = json.loads(rows[line - 1])
+        rows[line - 1] = json.dumps(record).replace(f'"ppl": {json.dumps(record["ppl"])}', f'"ppl": {text}')
+        (d / "queries.jsonl").write_text("\n".join(rows) + "\n")
+    return apply
+
+
+@pytest.mark.fault("refused")
 @pytest.mark.parametrize("change,match", [
     (lambda d: np.save(d / "vectors.npy", np.zeros((5, 12))), "has 5 vectors but"),
     (lambda d: (d / "queries.jsonl").write_text((d / "queries.jsonl").read_text().replace("true", "2", 1)),
-     "record 1: correct must be"),
+     "queries.jsonl:1: is_right: correct must be"),
     (lambda d: (d / "vectors.npy").unlink(), "does not exist"),
+    (_edit_vectors(lambda x: x.__setitem__((7, 3), np.nan)), "vectors.npy: row 7 (the vector of"),
+    (_edit_vectors(lambda x: x.__setitem__(4, 0.0)), "row 4 (the vector of"),
+    (_raw_ppl(3, "NaN"), "queries.jsonl:3: ppl: a perplexity must be a positive finite number, got nan"),
+    (_edit_record(5, ppl=-2.0), "queries.jsonl:5: ppl: a perplexity must be a positive finite number, got -2.0"),
+    (_edit_record(6, ppl="9.1"), "queries.jsonl:6: ppl: a perplexity must be a positive finite number, got '9.1'"),
+    (_edit_record(8, ppl=0), "queries.jsonl:8: ppl: a perplexity must be a positive finite number, got 0"),
+    (_edit_record(9, ppl=...), "queries.jsonl:9: no ppl, which 599 other record(s) have"),
+    (_edit_record(2, is_right="yes"), "queries.jsonl:2: is_right: correct must be true/false or 0/1, got 'yes'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(planted, capsys, change, match):
     d = planted[0]

@@ -43,16 +43,26 @@ class Queries:
     prompt_ppl: np.ndarray | None = None  # [N] or None: the prompt's own perplexity
 
 
-def _json_lines(path: Path) -> list[dict]:
-    """The records of a samples or queries file; its schema: one JSON object per line."""
+def _json_lines(path: Path) -> list[tuple[int, dict]]:
+    """The records of a samples or queries file with their line numbers; its schema: one JSON object per line."""
     records = []
     for lineno, record in read_jsonl(path):
         if not isinstance(record, dict):
             raise RepgeomError(f"{path}:{lineno}: expected a JSON object per line")
-        records.append(record)
+        records.append((lineno, record))
     if not records:
         raise RepgeomError(f"{path} holds no records")
     return records
+
+
+def _check_vector(vector: np.ndarray, where: str) -> np.ndarray:
+    """A query vector the slices can use: finite, and not all zeros (a zero vector has no direction, so its cosine
+    distance to anything is undefined)."""
+    if not np.isfinite(vector).all():
+        raise RepgeomError(f"{where}: the vector has {int((~np.isfinite(vector)).sum())} NaN or infinite value(s)")
+    if not np.any(vector):
+        raise RepgeomError(f"{where}: the vector is all zeros (no direction, so no cosine distance)")
+    return vector
 
 
 def find_samples_file(folder: Path, task: str | None) -> Path:
@@ -79,27 +89,47 @@ def from_samples(path: str | Path, task: str | None = None) -> Queries:
         raise RepgeomError(f"{str(path)!r} does not exist")
     records = _json_lines(p)
     vectors, correct, ppl, prompt_ppl = [], [], [], []
-    for number, record in enumerate(records, 1):
+    for lineno, record in records:
+        where = f"{p}:{lineno}"
         item = record.get(SAMPLES_FIELD)
         if not isinstance(item, dict) or "vector" not in item:
-            raise RepgeomError(f"{p}: record {number} has no {SAMPLES_FIELD} vector; the file must come from a "
-                               "repgeom_hardness_* task run with --log_samples (and that metric kept)")
-        vectors.append(decode_vector(item["vector"]))
-        correct.append(float(item["correct"]))
-        ppl.append(_number(item.get("ppl")))
-        prompt_ppl.append(_number(item.get("prompt_ppl")))
+            raise RepgeomError(f"{where}: no {SAMPLES_FIELD} vector; the file must come from a repgeom_hardness_* "
+                               "task run with --log_samples (and that metric kept)")
+        try:
+            vector = decode_vector(item["vector"])
+        except (TypeError, ValueError) as exc:
+            raise RepgeomError(f"{where}: {SAMPLES_FIELD}.vector is not a base64 float32 vector ({exc})") from None
+        vectors.append(_check_vector(vector.astype(np.float64), f"{where}: {SAMPLES_FIELD}.vector"))
+        correct.append(_truth(item.get("correct"), f"{where}: {SAMPLES_FIELD}.correct"))
+        ppl.append(_perplexity(item.get("ppl"), f"{where}: {SAMPLES_FIELD}.ppl"))
+        prompt_ppl.append(_perplexity(item.get("prompt_ppl"), f"{where}: {SAMPLES_FIELD}.prompt_ppl"))
     if len({len(v) for v in vectors}) != 1:
         raise RepgeomError(f"{p}: the vectors do not all have the same length")
-    return Queries(np.stack(vectors), np.asarray(correct), _column(ppl), str(p), _column(prompt_ppl))
+    lines = [n for n, _ in records]
+    return Queries(np.stack(vectors), np.asarray(correct), _column(ppl, lines, p, "ppl"), str(p),
+                   _column(prompt_ppl, lines, p, "prompt_ppl"))
 
 
-def _number(value: object) -> float:
-    return math.nan if value is None else float(value)
+def _perplexity(value: object, where: str) -> float:
+    """A perplexity: a positive finite number, or None (not known: NaN here)."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise RepgeomError(f"{where}: a perplexity must be a positive finite number, got {value!r}")
+    return float(value)
 
 
-def _column(values: list[float]) -> np.ndarray | None:
-    """The values, or None when none of them is known (a field the input does not have)."""
-    return np.asarray(values) if any(math.isfinite(x) for x in values) else None
+def _column(values: list[float], lines: list[int], path: Path, field: str) -> np.ndarray | None:
+    """The values, or None when none of them is known (a field the input does not have); known on some records and
+    not on others is refused (a slice mean over a missing value would be NaN)."""
+    known = [math.isfinite(x) for x in values]
+    if not any(known):
+        return None
+    if not all(known):
+        missing = known.index(False)
+        raise RepgeomError(f"{path}:{lines[missing]}: no {field}, which {sum(known)} other record(s) have; give it "
+                           "on every record or on none")
+    return np.asarray(values)
 
 
 def _load_vectors(path: Path) -> np.ndarray:
@@ -125,7 +155,7 @@ def _load_vectors(path: Path) -> np.ndarray:
 
 
 def _truth(value: object, where: str) -> float:
-    if isinstance(value, bool) or value in (0, 1):
+    if isinstance(value, bool) or (isinstance(value, (int, float)) and value in (0, 1)):
         return float(value)
     raise RepgeomError(f"{where}: correct must be true/false or 0/1, got {value!r}")
 
@@ -145,10 +175,14 @@ def from_vector_file(queries: str | Path, vectors: str | Path, correct_field: st
         raise RepgeomError(f"{vp} has {len(array)} vectors but {qp} has {len(records)} records; they must match "
                            "row for row")
     correct, ppl, prompt_ppl = [], [], []
-    for number, record in enumerate(records, 1):
+    for row, (lineno, record) in enumerate(records):
+        where = f"{qp}:{lineno}"
         if correct_field not in record:
-            raise RepgeomError(f"{qp}: record {number} has no {correct_field!r} field (use --correct-field)")
-        correct.append(_truth(record[correct_field], f"{qp}: record {number}"))
-        ppl.append(_number(record.get(ppl_field)))
-        prompt_ppl.append(_number(record.get(prompt_ppl_field)))
-    return Queries(array, np.asarray(correct), _column(ppl), str(qp), _column(prompt_ppl))
+            raise RepgeomError(f"{where}: no {correct_field!r} field (use --correct-field)")
+        correct.append(_truth(record[correct_field], f"{where}: {correct_field}"))
+        ppl.append(_perplexity(record.get(ppl_field), f"{where}: {ppl_field}"))
+        prompt_ppl.append(_perplexity(record.get(prompt_ppl_field), f"{where}: {prompt_ppl_field}"))
+        _check_vector(array[row], f"{vp}: row {row} (the vector of {where})")
+    lines = [n for n, _ in records]
+    return Queries(array, np.asarray(correct), _column(ppl, lines, qp, ppl_field), str(qp),
+                   _column(prompt_ppl, lines, qp, prompt_ppl_field))
