@@ -122,6 +122,8 @@ class MtebExampleTasksCommand(Options):
     source: str = option("pydoc", "--source", choices=["pydoc", "fortunes"])
     size: str = option("medium", "--size", choices=["small", "medium", "large"])
     seed: int = option(0, "--seed", type=int)
+    overwrite: bool = option(False, "--overwrite", action="store_true",
+                             help="replace files in FOLDER whose content differs (an edited tasks file, other tasks)")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -156,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if args.mteb_command == "example-tasks":
         from repgeom_eval.mteb_layers.examples import write_example_tasks
 
-        path = write_example_tasks(cfg.folder, source=cfg.source, size=cfg.size, seed=cfg.seed)
+        path = write_example_tasks(cfg.folder, source=cfg.source, size=cfg.size, seed=cfg.seed,
+                                   overwrite=cfg.overwrite)
         print(f"wrote {path} (use it with: repgeom mteb run -m MODEL --tasks-file {path})")
         return 0
     return _run(cfg)

@@ -307,6 +307,27 @@ def test_best_vs_last_and_markdown():
 
 # -- the tasks file ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.fault("refused")
+def test_example_tasks_never_replace_other_content_without_overwrite(tmp_path, capsys):
+    from entrypoints.cli import main
+
+    folder = tmp_path / "ex"
+    tasks_file = write_example_tasks(folder, size="small")
+    written = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert write_example_tasks(folder, size="small") == tasks_file  # the same files again: nothing to replace
+    edited = tasks_file.read_text() + "# my note\n"
+    tasks_file.write_text(edited)
+    assert main(["mteb", "example-tasks", str(folder), "--size", "small"]) == 2
+    assert "already holds tasks.yaml with other content" in capsys.readouterr().err
+    assert tasks_file.read_text() == edited
+    with pytest.raises(RepgeomError, match=r"already holds .*--overwrite"):  # other tasks: every file differs
+        write_example_tasks(folder, size="small", seed=1)
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "tasks.yaml"} == {
+        k: v for k, v in written.items() if k != "tasks.yaml"}
+    assert main(["mteb", "example-tasks", str(folder), "--size", "small", "--overwrite"]) == 0
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == written
+
+
 def test_tasks_file_round_trip_and_errors(tmp_path):
     tasks_file = write_example_tasks(tmp_path / "ex", size="small")
     tasks = load_tasks_file(tasks_file)
