@@ -73,7 +73,7 @@ def example_plugin_site(tmp_path_factory) -> Path:
     return site
 
 
-# -- the fault-injection count (tests marked @pytest.mark.fault(category); docs/plugins.md#nothing-silent) --------
+# -- the fault-injection count (tests marked @pytest.mark.fault(category); README, "No output replaces an input") -
 
 FAULT_CATEGORIES = ("clean", "refused", "exact")
 
