@@ -123,6 +123,7 @@ class RunGroup(Options):
             self._set("progress", "never")
         elif self.progress is True:
             self._set("progress", "auto")
+        self._set("no_progress", False)  # said by progress from here on: one configuration, however it was given
         super().__post_init__()
 
 

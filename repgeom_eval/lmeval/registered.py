@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -164,18 +163,12 @@ def _pooling_into(params: dict[str, dict[str, Any]], pooling: Any, names: Sequen
 def check_layers(layers: Sequence[str], host: Any = None, key: str = "repgeom_layers") -> None:
     """What can be checked of a layer request without the model: site names, index syntax and selector names
     (the ranges are checked on the model, before its first forward pass)."""
-    from repgeom_eval.modeling.addresses import parse_layers
+    from repgeom_eval.modeling.addresses import check_request_syntax
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
-    names = host.layer_selectors.names()
-
-    def selector(name: str):
-        return (lambda info: ["final"]) if name in names else None  # expanded on the model
-
-    syntax = [re.sub(r":\s*\*", ":0", str(x)) for x in layers]  # `*` expands on the model
     try:
-        parse_layers(syntax, 10 ** 6, selector, None, selector_names=names)
+        check_request_syntax(layers, host.layer_selectors.names())
     except RepgeomError as exc:
         raise RepgeomError(f"{key}: {exc}") from None
 

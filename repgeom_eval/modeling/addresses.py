@@ -220,6 +220,19 @@ def available_addresses(loaded: "LoadedModel") -> list[Address]:
 # names of the same tensor.
 
 
+def check_request_syntax(request: str | Sequence[str], selector_names: Sequence[str]) -> None:
+    """What can be checked of a layer request without a model (site names, index syntax, selector names), so that
+    a surface can refuse a bad request before the model loads; ranges are checked on the model."""
+    names = set(selector_names)
+
+    def selector(name: str):
+        return (lambda info: ["final"]) if name in names else None  # expanded on the model
+
+    items = [request] if isinstance(request, str) else list(request)
+    syntax = [re.sub(r":\s*\*", ":0", str(x)) for x in items]  # `*` expands on the model
+    parse_layers(syntax, 10 ** 6, selector, None, selector_names=sorted(names))
+
+
 def parse_request(request: str | Sequence[str], info: "ModelInfo", host: Any = None) -> list[Address]:
     """Canonical addresses of a layer request, in depth order (selectors such as ``all`` expanded).
 
