@@ -179,6 +179,7 @@ def run_layers(
     tokenizer: Any = None,
     layer_pick: str | None = None,
     layer_pick_params: dict[str, Any] | None = None,
+    host: Any = None,
 ) -> SweepResult:
     """Evaluate ``model`` at every address of ``layers`` on ``tasks`` (instances, or names for
     :func:`resolve_tasks`), with ``repgeom_*`` geometry next to each score, cached in ``output_folder`` (mteb's
@@ -199,7 +200,8 @@ def run_layers(
     ``layers="auto"``: for each task, one forward pass over every text its evaluation embeds scores every hidden
     state with the label-free rule ``layer_pick`` (default ``min_dataset_entropy``; ``layer_pick_params`` its
     parameters), and the chosen layer and ``final`` are evaluated; ``repgeom_layer_pick`` (every score dict, each
-    row, and ``SweepResult.picks``) records the choice, the rule and every layer's score (docs/picks.md)."""
+    row, and ``SweepResult.picks``) records the choice, the rule and every layer's score (docs/picks.md).
+    ``host``: the plugin host that provides the rules and the model's architecture (default: the process's)."""
     t_start = time.perf_counter()
     try:
         strategy = OverwriteStrategy.from_str(overwrite_strategy)
@@ -213,7 +215,7 @@ def run_layers(
     if is_auto(layers):
         from repgeom_eval.layer_pick import make_pick
 
-        rule = make_pick(layer_pick, layer_pick_params)  # an unknown rule or parameter, before the model loads
+        rule = make_pick(layer_pick, layer_pick_params, host)  # an unknown rule or parameter, before the model loads
     elif layer_pick or layer_pick_params:
         raise RepgeomError("a layer-pick rule (--layer-pick, --layer-pick-param) needs --layer auto")
     check_method(preprocess, preprocess_stats)
@@ -221,7 +223,7 @@ def run_layers(
         resolve_tasks([t for t in tasks if isinstance(t, str)]) if any(isinstance(t, str) for t in tasks) else [])
     embedder = model if isinstance(model, LayerEmbedder) else LayerEmbedder(
         model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device,
-        tokenizer=tokenizer)
+        tokenizer=tokenizer, host=host)
     addresses = embedder.addresses("all" if rule is not None else layers)
     file_prep, file_sha = None, None
     if preprocess != "none" and preprocess_stats:
@@ -262,7 +264,7 @@ def run_layers(
                 bar.set_description(f"{task.metadata.name} · layer pick")
                 _reseed(task)
                 texts = task_texts(task, first.mteb_model_meta, embedder, encode_kwargs)
-                picked = pick_layer(embedder, rule, texts, batch_size, progress=progress,
+                picked = pick_layer(embedder, rule, texts, batch_size, progress=progress, host=host,
                                     texts_note="every distinct text the task's evaluation embeds (all evaluated "
                                                "splits)")
                 sweep.forward_passes += 1
