@@ -179,3 +179,12 @@ def test_built_in_rule_is_a_registered_plugin_item():
     with pytest.raises(repgeom_eval.PluginError, match="expected a subclass of repgeom_eval.layer_pick.LayerPick"):
         host = PluginHost(extra_plugins=[])
         host.layer_picks.bound("x", None).add(lambda v: 0.0, name="not_a_class")
+
+
+def test_auto_with_preprocess_and_metrics(tiny_model_dir, specs):
+    result = run_layers(tiny_model_dir("gpt2", 3), fresh_tasks(specs, ["PydocRetrieval"]), "auto", output_folder=None,
+                        progress=False, pooling="mean", preprocess="standardize", metrics=["dispersion"])
+    pick = result.picks["PydocRetrieval"]
+    assert {r["layer"] for r in result.rows} == {pick["chosen"], "final"}
+    for r in result.rows:
+        assert r["repgeom_layer_pick"] == pick and "repgeom.dispersion" in r and r["repgeom_preprocess"]
