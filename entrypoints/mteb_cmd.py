@@ -284,7 +284,8 @@ def _run(cfg: MtebRunCommand) -> int:
     console.print(f"{result.model} @ {result.revision}: {len(result.layers)} layer(s) × {len(tasks)} task(s), "
                   f"{result.forward_passes} forward sweep(s), {result.seconds:.1f}s")
     _print_table(console, result.rows)
-    for task, pick in result.picks.items():
+    picks = {r["task"]: r["repgeom_layer_pick"] for r in result.rows if r.get("repgeom_layer_pick")}  # all ranks'
+    for task, pick in picks.items():
         scores = ", ".join(f"{a} {v:.4f}" for a, v in pick["scores"].items())
         console.print(f"layer pick for {task}: {pick['chosen']} by {pick['rule']} "
                       f"({pick['direction']} of {len(pick['scores'])} layers: {scores})", highlight=False)

@@ -28,33 +28,24 @@ DIRECTIONS = ("min", "max")
 
 
 def _coerce(rule: str, key: str, value: Any, default: Any) -> Any:
-    """``value`` as the type of ``default`` (command-line values arrive as strings or JSON scalars)."""
+    """``value`` as the type of ``default`` (command-line values arrive as strings or JSON scalars); a default of
+    another type (a string, None, a list) takes the value as it is."""
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
         low = str(value).lower()
-        if low in ("true", "yes", "1", "on"):
-            return True
-        if low in ("false", "no", "0", "off"):
-            return False
-    elif isinstance(default, int) and not isinstance(value, bool):
+        if low in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return low in ("true", "yes", "1", "on")
+    elif isinstance(default, (int, float)):
         try:
-            if float(value) == int(float(value)):
-                return int(float(value))
+            number = float(value) if not isinstance(value, bool) else math.nan
         except (TypeError, ValueError):
-            pass
-    elif isinstance(default, float) and not isinstance(value, bool):
-        try:
-            out = float(value)
-            if math.isfinite(out):
-                return out
-        except (TypeError, ValueError):
-            pass
-    elif default is None or isinstance(default, str):
-        return value
+            number = math.nan
+        if math.isfinite(number) and (isinstance(default, float) or number == int(number)):
+            return number if isinstance(default, float) else int(number)
     else:
         return value
-    raise RepgeomError(f"layer pick {rule!r}: parameter {key}={value!r} is not a {type(default).__name__} "
+    raise RepgeomError(f"layer pick {rule!r}: parameter {key}={value!r} should be of type {type(default).__name__} "
                        f"(default {default!r})")
 
 

@@ -128,7 +128,7 @@ def test_unknown_rules_and_parameters_are_one_line_errors(tiny_model_dir, tmp_pa
         make_pick("min_dataset_entropie")
     with pytest.raises(RepgeomError, match="no parameter 'alpah'; did you mean 'alpha'"):
         make_pick(None, {"alpah": 2})
-    with pytest.raises(RepgeomError, match="is not a float"):
+    with pytest.raises(RepgeomError, match="should be of type float"):
         make_pick(None, {"alpha": "two"})
     with pytest.raises(RepgeomError, match="cannot be combined"):
         run_layers("never-loaded", [], ["auto", "final"])
