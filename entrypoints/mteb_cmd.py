@@ -19,6 +19,19 @@ def _words(values: list[str] | tuple[str, ...] | None) -> list[str] | None:
     return [w.strip() for v in values for w in v.split(",") if w.strip()]
 
 
+def _key_value(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` → (key, value parsed as JSON when possible)."""
+    import json
+
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.strip(), raw
+
+
 def _bool(text: str) -> bool:
     low = text.lower()
     if low in ("true", "yes", "1", "on"):
@@ -36,7 +49,16 @@ class MtebRunCommand(ModelGroup):
                                                        "included) or .gguf file")
     layers: tuple[str, ...] = option(("final",), "--layer", "--layers", nargs="+",
                                      help="layer addresses: a hidden-state index (12), resid_post:11, final, embed, "
-                                          "all (every hidden state), blocks, or several of them (default: {default})")
+                                          "all (every hidden state), blocks, or several of them; auto: a layer picked "
+                                          "per task from the label-free geometry of the task's own texts, evaluated "
+                                          "with final (docs/picks.md) (default: {default})")
+    layer_pick: str | None = option(None, "--layer-pick", metavar="RULE",
+                                    help="the label-free rule of --layer auto (default: min_dataset_entropy; "
+                                         "plugins add rules: `repgeom plugins --kind layer_pick`)")
+    layer_pick_params: dict = option(None, "--layer-pick-param", action="append", type=_key_value, cli_default=[],
+                                     metavar="KEY=VALUE", from_cli=dict,
+                                     help="set a parameter of the --layer-pick rule, e.g. include_embed=true "
+                                          "(repeatable)")
     pooling: str = option("auto", "--pooling", choices=list(MTEB_POOLINGS),
                           help="auto (the model's own sentence-transformers pooling if it has one, else mean), st, "
                                "mean, last (last non-pad token) or cls/first")
@@ -227,6 +249,14 @@ def _run(cfg: MtebRunCommand) -> int:
     metric_params = dict(cfg.metric_params or {})
     metrics = check_metrics(_words(cfg.metrics) or (), metric_params)  # before tasks and model are loaded
     check_method(cfg.preprocess, cfg.preprocess_stats)
+    from repgeom_eval.mteb_layers.pick import is_auto
+
+    if is_auto(_words(cfg.layers) or ["final"]):
+        from repgeom_eval.layer_pick import make_pick
+
+        make_pick(cfg.layer_pick, cfg.layer_pick_params)  # an unknown rule or parameter: before tasks and model
+    elif cfg.layer_pick or cfg.layer_pick_params:
+        raise RepgeomError("--layer-pick and --layer-pick-param need --layer auto")
     if cfg.preprocess_stats and not Path(cfg.preprocess_stats).is_file():
         raise RepgeomError(f"preprocess statistics file {cfg.preprocess_stats!r} does not exist")
     out = check_creatable_dir(cfg.output_folder, "--output-folder")
@@ -254,6 +284,11 @@ def _run(cfg: MtebRunCommand) -> int:
     console.print(f"{result.model} @ {result.revision}: {len(result.layers)} layer(s) × {len(tasks)} task(s), "
                   f"{result.forward_passes} forward sweep(s), {result.seconds:.1f}s")
     _print_table(console, result.rows)
+    picks = {r["task"]: r["repgeom_layer_pick"] for r in result.rows if r.get("repgeom_layer_pick")}  # all ranks'
+    for task, pick in picks.items():
+        scores = ", ".join(f"{a} {v:.4f}" for a, v in pick["scores"].items())
+        console.print(f"layer pick for {task}: {pick['chosen']} by {pick['rule']} "
+                      f"({pick['direction']} of {len(pick['scores'])} layers: {scores})", highlight=False)
     console.print(f"results: {out}")
     if cfg.summary:
         written = write_summary(out)
@@ -299,4 +334,5 @@ def _run_layers(cfg, mine, out, dist, metrics, metric_params, progress: bool):
         revision=cfg.record_revision or cfg.revision, co2_tracker=cfg.co2_tracker,
         prediction_folder=cfg.prediction_folder, num_proc=cfg.num_proc, progress=progress,
         metrics=metrics, metric_params=metric_params, seed=cfg.seed, preprocess=cfg.preprocess,
-        preprocess_stats=cfg.preprocess_stats, allow_other_stats=cfg.allow_other_stats)
+        preprocess_stats=cfg.preprocess_stats, allow_other_stats=cfg.allow_other_stats,
+        layer_pick=cfg.layer_pick, layer_pick_params=dict(cfg.layer_pick_params or {}))

@@ -1,8 +1,9 @@
-"""Named layer selections: ``--layers all`` and friends."""
+"""Named layer selections: ``--layers all`` and friends; and the built-in label-free pick of ``--layer auto``."""
 
 from __future__ import annotations
 
 from repgeom_eval import hookimpl
+from repgeom_eval.layer_pick import MinDatasetEntropy
 
 
 def _n_hidden(info) -> int:
@@ -59,3 +60,9 @@ def repgeom_register_layer_selectors(registry):
     registry.add(last, name="last")
     registry.add(early_half, name="early_half")
     registry.add(late_half, name="late_half")
+
+
+@hookimpl
+def repgeom_register_layer_picks(registry):
+    # here rather than in a plugin module of its own: a new built-in entry point needs the package reinstalled
+    registry.add(MinDatasetEntropy)

@@ -143,20 +143,21 @@ class LayerEmbedder:
               progress: bool = False, desc: str = "forward",
               sink: Callable[[Batch, list[str]], None] | None = None,
               transform: Callable[[Address, torch.Tensor], torch.Tensor] | None = None,
-              raw: bool = False) -> dict[Address, np.ndarray]:
+              raw: bool = False, dtype: Any = np.float32) -> dict[Address, np.ndarray]:
         """Embed ``texts`` at every address; one forward pass per batch, stopped after the deepest address.
 
         ``sink(batch, strings)``, if given, also reads every batch's captured token vectors (``batch.hidden``,
         ``batch.mask``) with the prepared strings of its rows: registered metrics are fed from this pass.
         ``transform(address, pooled)`` (preprocessing) maps the pooled float64 vectors before unit normalisation;
-        ``raw=True`` returns the pooled vectors themselves (no transform, no normalisation).
+        ``raw=True`` returns the pooled vectors themselves (no transform, no normalisation); ``dtype`` is the
+        returned arrays' (``np.float64`` keeps the pooled vectors exactly as computed).
         """
         if batch_size < 1:
             raise RepgeomError(f"batch size must be positive, got {batch_size}")
         addresses = list(dict.fromkeys(addresses))
         texts = self.prepare(texts)
         dim = self.loaded.info.hidden_size
-        out = {a: np.zeros((len(texts), dim), dtype=np.float32) for a in addresses}
+        out = {a: np.zeros((len(texts), dim), dtype=dtype) for a in addresses}
         if not texts:
             return out
         tok = self.loaded.tokenizer
@@ -179,7 +180,7 @@ class LayerEmbedder:
                     vecs = pool(hidden.double(), batch.mask.to(hidden.device), self.recipe.pooling)[0]
                     if not raw:
                         vecs = self.finish(addr, vecs, transform)
-                    out[addr][rows] = vecs.float().cpu().numpy()
+                    out[addr][rows] = (vecs.float() if dtype == np.float32 else vecs).cpu().numpy()
                 bar.update(len(rows))
         return out
 

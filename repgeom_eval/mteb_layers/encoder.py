@@ -72,6 +72,7 @@ class LayerSweep:
         self.prep_record: str | None = None
         self._pooled: dict[Address, np.ndarray] = {}
         self._pooled_row: dict[str, int] = {}
+        self.pick_records: dict[str, str] = {}  # --layer auto: task name → the pick record (see .pick)
 
     def _transform(self, address: Address, pooled: "torch.Tensor") -> "torch.Tensor":
         return self.prep(str(address), self.embedder.recipe.pooling, pooled)  # type: ignore[misc]
@@ -222,10 +223,15 @@ class LayerEncoder(AbsEncoder):
         batch_size = int(kwargs.get("batch_size") or getattr(inputs, "batch_size", None) or 32)
         metrics = self.sweep.metrics
         context = metrics.context(task_metadata.name, hf_split, hf_subset) if metrics is not None else None
-        vectors = self.sweep.vectors(texts, self.address, batch_size, context)
+        vectors = self.sweep.vectors(texts, self._address_for(task_metadata, hf_split, hf_subset, texts, batch_size),
+                                     batch_size, context)
         if self._recording:
             self._seen.setdefault((task_metadata.name, hf_split, hf_subset), []).append((texts, vectors))
         return vectors
+
+    def _address_for(self, task_metadata: Any, split: str, subset: str, texts: list[str], batch_size: int) -> Address:
+        """The address that embeds ``texts`` (an ``auto`` encoder picks it per task)."""
+        return self.address
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -253,12 +259,60 @@ class LayerEncoder(AbsEncoder):
         return f"LayerEncoder({self.name!r}, layer={str(self.address)!r}, pooling={self.sweep.embedder.recipe.pooling!r})"
 
 
+class AutoLayerEncoder(LayerEncoder):
+    """``layer_encoder(model, layer="auto")``: the layer is picked per task by a label-free rule, on the texts of
+    the task's FIRST encode call (docs/picks.md#from-python); later encodes of the task use that layer. The
+    identity says ``layer=auto`` and the rule; every score dict says which layer was picked (``repgeom_layer_pick``).
+    """
+
+    def __init__(self, sweep: LayerSweep, rule: Any, **kwargs: Any):
+        self.rule = rule  # before the identity is built from experiment_kwargs
+        self._picked: dict[str, Address] = {}
+        super().__init__(sweep, sweep.addresses[-1], **kwargs)
+
+    @property
+    def experiment_kwargs(self) -> dict[str, Any]:
+        out = {**super().experiment_kwargs, "layer": "auto", "layer_pick": self.rule.name}
+        changed = self.rule.changed_params()
+        if changed:
+            out["layer_pick_params"] = changed
+        return out
+
+    def _address_for(self, task_metadata: Any, split: str, subset: str, texts: list[str], batch_size: int) -> Address:
+        from .pick import pick_layer
+
+        task = task_metadata.name
+        if task not in self._picked:
+            picked = pick_layer(self.sweep.embedder, self.rule, texts, batch_size,
+                                texts_note=f"the {len(texts)} texts of the task's first encode call ({split}, "
+                                           f"{subset})")
+            self._picked[task] = picked.chosen
+            self.sweep.pick_records[task] = picked.record
+            self.sweep.active = [picked.chosen]
+            self.sweep.set_pooled(texts, {picked.chosen: picked.pooled[picked.chosen]})
+        self.address = self._picked[task]
+        return self.address
+
+
 def layer_encoder(model: Any, layer: str | int = "final", *, pooling: str = "auto", normalize: bool | None = None,
                   max_length: int | None = None, dtype: str = "auto", device: str | None = "cpu",
-                  name: str | None = None, revision: str | None = None, tokenizer: Any = None) -> LayerEncoder:
+                  name: str | None = None, revision: str | None = None, tokenizer: Any = None,
+                  layer_pick: str | None = None, layer_pick_params: dict[str, Any] | None = None) -> LayerEncoder:
     """An mteb encoder for one layer of ``model``: a hub id, local folder, sentence-transformers folder or .gguf file,
     or a model in memory (a ``SentenceTransformer``, with its own pooling; a transformers model with its
-    ``tokenizer``; a PEFT model)."""
+    ``tokenizer``; a PEFT model). ``layer="auto"``: a layer picked per task by the rule ``layer_pick`` (default
+    ``min_dataset_entropy``) with ``layer_pick_params``, on the texts of the task's first encode call."""
+    from .pick import is_auto
+
+    if is_auto(layer):
+        from repgeom_eval.layer_pick import make_pick
+
+        rule = make_pick(layer_pick, layer_pick_params)  # an unknown rule fails before the model loads
+        embedder = LayerEmbedder(model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype,
+                                 device=device or "cpu", tokenizer=tokenizer)
+        return AutoLayerEncoder(LayerSweep(embedder, embedder.addresses("all")), rule, name=name, revision=revision)
+    if layer_pick or layer_pick_params:
+        raise RepgeomError("a layer-pick rule needs layer='auto'")
     embedder = LayerEmbedder(model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype,
                              device=device or "cpu", tokenizer=tokenizer)
     addresses = embedder.addresses(layer)
@@ -322,7 +376,7 @@ def model_revision(source: str, loaded: Any) -> str:
 
 GENERIC_NAME = "repgeom/layer-encoder"
 _LOADER_OPTIONS = ("model", "layer", "pooling", "normalize", "max_length", "dtype", "device", "preprocess",
-                   "preprocess_stats")
+                   "preprocess_stats", "layer_pick", "layer_pick_params")
 _UNSAFE = set('<>:"|?*\\/ @,=')
 
 

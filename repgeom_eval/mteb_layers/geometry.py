@@ -33,6 +33,8 @@ from repgeom_eval.measurement.degenerate import degenerate_warning
 from repgeom_eval.metric import LayerBatch
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 
+from .pick import PICK_KEY
+
 #: score key → (metric plugin, field of its result or None for a float result)
 GEOMETRY_KEYS = {
     "repgeom_dataset_entropy": ("dataset_entropy", "normalized"),
@@ -124,6 +126,9 @@ def _evaluate(original: Any, task: Any, model: Any, split: str, subsets_to_run: 
         if metrics is not None:
             subset_scores.update(metrics.scores((name, split, subset), model.address, model.sweep.embedder))
         subset_scores["repgeom_depth"] = model.depth
+        pick = model.sweep.pick_records.get(name)
+        if pick is not None:  # --layer auto: which layer was picked, by which rule, and every layer's score
+            subset_scores[PICK_KEY] = pick
         if model.sweep.prep_record is not None:  # --preprocess: what was done, statistics from where
             subset_scores["repgeom_preprocess"] = model.sweep.prep_record
         # mteb's result file names the main score's value, not the score: keep its name for the summary

@@ -33,6 +33,7 @@ from .embedder import LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep
 from .geometry import GEOMETRY_KEYS, MASSIVE_KEYS, WARNINGS_KEY, ZERO_KEY, attach_geometry, sweep_warning
 from .metrics import SweepMetrics, check_metrics, metric_keys
+from .pick import PICK_KEY, is_auto, pick_layer, role
 from .preprocess import PREPROCESS_KEY, check_method, file_digest, fit_on_texts, load_stats_file, record, task_texts
 from .tasks import load_tasks_file
 
@@ -49,6 +50,7 @@ class SweepResult:
     view_sequences: int = 0  # augmented views run through the model for multi-view metrics (all layers at once)
     seconds: float = 0.0
     output_folder: str | None = None
+    picks: dict[str, dict[str, Any]] = field(default_factory=dict)  # --layer auto: task → its pick record
 
 
 def resolve_tasks(tasks: Sequence[Any] | None = None, *, tasks_file: str | Path | None = None,
@@ -100,8 +102,9 @@ def _reseed(task: Any) -> None:
 
 
 def _status(cache: mteb.ResultCache, task: Any, encoder: LayerEncoder,
-            metrics: SweepMetrics | None) -> tuple[str, Any]:
-    """("done" | "metrics" | "missing", cached result): complete, complete but for requested metrics, or not."""
+            metrics: SweepMetrics | None, pick: str | None = None) -> tuple[str, Any]:
+    """("done" | "metrics" | "pick" | "missing", cached result): complete, complete but for requested metrics or
+    for this ``--layer auto`` pick record, or not."""
     try:
         existing = cache.load_task_result(task.metadata.name, encoder.mteb_model_meta)
     except Exception:  # noqa: BLE001 - an unreadable cached file: evaluate again
@@ -111,6 +114,9 @@ def _status(cache: mteb.ResultCache, task: Any, encoder: LayerEncoder,
     if metrics is not None and not all(metrics.satisfied(scores) for split in task.eval_splits
                                        for scores in existing.scores.get(split, [])):
         return "metrics", existing
+    if pick is not None and not all(scores.get(PICK_KEY) == pick for split in task.eval_splits
+                                    for scores in existing.scores.get(split, [])):
+        return "pick", existing
     return "done", existing
 
 
@@ -134,6 +140,9 @@ def _rows(result: Any, task: Any, encoder: LayerEncoder) -> list[dict[str, Any]]
                    "main_score_name": task.metadata.main_score, "main_score": scores.get("main_score")}
             row.update({k: scores.get(k) for k in (*GEOMETRY_KEYS, "repgeom_n_texts", *MASSIVE_KEYS, ZERO_KEY)})
             row[WARNINGS_KEY] = json.loads(scores.get(WARNINGS_KEY) or "[]")
+            if scores.get(PICK_KEY):
+                row[PICK_KEY] = json.loads(scores[PICK_KEY])
+                row["pick_role"] = role(row[PICK_KEY], row["layer"])
             row["preprocess"] = encoder.sweep.embedder.recipe.preprocess
             if PREPROCESS_KEY in scores:
                 row[PREPROCESS_KEY] = scores[PREPROCESS_KEY]
@@ -168,6 +177,9 @@ def run_layers(
     preprocess_stats: str | Path | None = None,
     allow_other_stats: bool = False,
     tokenizer: Any = None,
+    layer_pick: str | None = None,
+    layer_pick_params: dict[str, Any] | None = None,
+    host: Any = None,
 ) -> SweepResult:
     """Evaluate ``model`` at every address of ``layers`` on ``tasks`` (instances, or names for
     :func:`resolve_tasks`), with ``repgeom_*`` geometry next to each score, cached in ``output_folder`` (mteb's
@@ -183,7 +195,13 @@ def run_layers(
     unit normalisation, with :mod:`repgeom_eval.measurement.preprocess`; its statistics come from
     ``preprocess_stats`` (a ``repgeom measure --save-preprocess-stats`` file) or else from the task's own texts
     (:mod:`repgeom_eval.mteb_layers.preprocess`); a file written on another model is refused unless
-    ``allow_other_stats`` (then recorded in ``repgeom_preprocess``)."""
+    ``allow_other_stats`` (then recorded in ``repgeom_preprocess``).
+
+    ``layers="auto"``: for each task, one forward pass over every text its evaluation embeds scores every hidden
+    state with the label-free rule ``layer_pick`` (default ``min_dataset_entropy``; ``layer_pick_params`` its
+    parameters), and the chosen layer and ``final`` are evaluated; ``repgeom_layer_pick`` (every score dict, each
+    row, and ``SweepResult.picks``) records the choice, the rule and every layer's score (docs/picks.md).
+    ``host``: the plugin host that provides the rules and the model's architecture (default: the process's)."""
     t_start = time.perf_counter()
     try:
         strategy = OverwriteStrategy.from_str(overwrite_strategy)
@@ -193,13 +211,20 @@ def run_layers(
     if batch_size < 1:
         raise RepgeomError(f"batch size must be positive, got {batch_size}")
     metric_names = check_metrics(metrics or (), metric_params)  # unknown names fail before the model loads
+    rule = None
+    if is_auto(layers):
+        from repgeom_eval.layer_pick import make_pick
+
+        rule = make_pick(layer_pick, layer_pick_params, host)  # an unknown rule or parameter, before the model loads
+    elif layer_pick or layer_pick_params:
+        raise RepgeomError("a layer-pick rule (--layer-pick, --layer-pick-param) needs --layer auto")
     check_method(preprocess, preprocess_stats)
     task_list = [t for t in tasks if not isinstance(t, str)] + (
         resolve_tasks([t for t in tasks if isinstance(t, str)]) if any(isinstance(t, str) for t in tasks) else [])
     embedder = model if isinstance(model, LayerEmbedder) else LayerEmbedder(
         model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device,
-        tokenizer=tokenizer)
-    addresses = embedder.addresses(layers)
+        tokenizer=tokenizer, host=host)
+    addresses = embedder.addresses("all" if rule is not None else layers)
     file_prep, file_sha = None, None
     if preprocess != "none" and preprocess_stats:
         file_prep = load_stats_file(preprocess_stats, preprocess, embedder, addresses, allow_other_stats)
@@ -223,31 +248,52 @@ def run_layers(
     out = SweepResult(model=first.name, revision=first.revision, layers=[str(a) for a in addresses],
                       output_folder=str(output_folder) if output_folder is not None else None)
     encode_kwargs = {"batch_size": batch_size, "show_progress_bar": False}
-    bar = tqdm(total=len(task_list) * len(addresses), unit="layer", desc="mteb", disable=not progress)
+    bar = tqdm(total=len(task_list) * (len(addresses) if rule is None else 2), unit="layer", desc="mteb",
+               disable=not progress)
     datasets_bars = not datasets.utils.are_progress_bars_disabled()
     datasets.utils.disable_progress_bars()  # one bar per row of mteb's preprocessing is noise; ours says enough
     try:
         for task in task_list:
             attach_geometry(task)
-            status = {a: _status(cache, task, encoders[a], sweep_metrics) if cache is not None else ("missing", None)
-                      for a in addresses} if strategy != OverwriteStrategy.ALWAYS else {}
+            task_addresses, pick, picked, loaded_here = addresses, None, None, False
+            if rule is not None:  # --layer auto: the pick needs the task's texts, whatever the cache holds
+                loaded_here = not task.data_loaded
+                if loaded_here:
+                    bar.set_description(f"{task.metadata.name} · loading data")
+                    _load(task, num_proc)
+                bar.set_description(f"{task.metadata.name} · layer pick")
+                _reseed(task)
+                texts = task_texts(task, first.mteb_model_meta, embedder, encode_kwargs)
+                picked = pick_layer(embedder, rule, texts, batch_size, progress=progress, host=host,
+                                    texts_note="every distinct text the task's evaluation embeds (all evaluated "
+                                               "splits)")
+                sweep.forward_passes += 1
+                task_addresses = list(dict.fromkeys([picked.chosen, addresses[-1]]))  # the pick, then final
+                pick = sweep.pick_records[task.metadata.name] = picked.record
+                out.picks[task.metadata.name] = json.loads(pick)
+            status = {a: _status(cache, task, encoders[a], sweep_metrics, pick) if cache is not None
+                      else ("missing", None) for a in task_addresses} if strategy != OverwriteStrategy.ALWAYS else {}
             rerun: set = set()  # cached but for requested metrics: evaluated again, other cached metrics kept
             if strategy == OverwriteStrategy.ALWAYS or cache is None:
-                todo = list(addresses)
+                todo = list(task_addresses)
             elif strategy == OverwriteStrategy.ONLY_CACHE:
                 todo = []
             elif strategy == OverwriteStrategy.NEVER:
-                todo = [a for a in addresses if status[a][0] == "missing"]
+                todo = [a for a in task_addresses if status[a][0] == "missing"]
             else:
-                todo = [a for a in addresses if status[a][0] != "done"]
-                rerun = {a for a in todo if status[a][0] == "metrics"}
+                todo = [a for a in task_addresses if status[a][0] != "done"]
+                rerun = {a for a in todo if status[a][0] in ("metrics", "pick")}
             for a in rerun:
-                sweep_metrics.carry(task.metadata.name, a, status[a][1])  # type: ignore[union-attr]
-            loaded_here = bool(todo) and not task.data_loaded and strategy != OverwriteStrategy.ONLY_CACHE
+                if status[a][0] == "metrics":
+                    sweep_metrics.carry(task.metadata.name, a, status[a][1])  # type: ignore[union-attr]
+            loaded_here = loaded_here or (bool(todo) and not task.data_loaded
+                                          and strategy != OverwriteStrategy.ONLY_CACHE)
             if loaded_here:
                 bar.set_description(f"{task.metadata.name} · loading data")
                 _load(task, num_proc)
             sweep.active = list(todo)
+            if picked is not None and preprocess == "none":  # the pick's pass answers the evaluations
+                sweep.set_pooled(texts, {a: picked.pooled[a] for a in task_addresses})
             if preprocess != "none" and file_prep is None:
                 sweep.prep = sweep.prep_record = None
                 if todo:  # statistics from the task's own texts: a dry run lists them, one pass embeds them
@@ -261,7 +307,7 @@ def run_layers(
                                                pooling=embedder.recipe.pooling)
             sweep.said = []
             try:
-                for addr in addresses:
+                for addr in task_addresses:
                     bar.set_description(f"{task.metadata.name} · {addr}" + ("" if addr in todo else " (cached)"))
                     _reseed(task)
                     try:
@@ -291,6 +337,9 @@ def run_layers(
         bar.close()
         if datasets_bars:
             datasets.utils.enable_progress_bars()
+    if rule is not None:
+        evaluated = {r["layer"] for r in out.rows}
+        out.layers = [str(a) for a in addresses if str(a) in evaluated]
     out.forward_passes = sweep.forward_passes
     out.view_sequences = sweep_metrics.view_sequences if sweep_metrics is not None else 0
     out.seconds = time.perf_counter() - t_start

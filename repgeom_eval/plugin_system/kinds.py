@@ -113,6 +113,11 @@ KINDS: tuple[PluginKind, ...] = (
                                "on the hidden states, so register the class, not a loss function "
                                "(docs/plugins.md#auxiliary-losses)")),
     PluginKind("token_set", "token_sets", "repgeom_register_token_sets", "token set", _check_token_set),
+    PluginKind("layer_pick", "layer_picks", "repgeom_register_layer_picks", "layer pick",
+               _check_subclass("repgeom_eval.layer_pick:LayerPick", "repgeom_eval.layer_pick.LayerPick",
+                               "`--layer auto` builds the class with the --layer-pick-param values, so register the "
+                               "class (docs/plugins.md#layer-picks)"),
+               "See `repgeom plugins --kind layer_pick`, or docs/picks.md"),
     PluginKind("command", "commands", "repgeom_register_commands", "command",
                _check_instance("repgeom_eval.plugin_system.kinds:Command", "a repgeom_eval.Command")),
 )
