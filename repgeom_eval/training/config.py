@@ -383,6 +383,8 @@ def config_keys_help() -> str:
             f.default if f.default is not MISSING else f.default_factory())
         if value in (None, (), {}):
             return ""
+        if isinstance(value, tuple):
+            value = "[" + ", ".join(str(v) for v in value) + "]"
         return f" (default: {str(value).lower() if isinstance(value, bool) else value})"
 
     def walk(cls: type, prefix: str, defaults: Any = None) -> None:
