@@ -175,6 +175,30 @@ def test_the_probe_does_not_change_training(tiny_model_dir, texts, tmp_path):
     assert losses(True) == losses(False)
 
 
+def test_a_resumed_run_keeps_the_earlier_records(tiny_model_dir, texts, tmp_path):
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from repgeom_eval.modeling.loading import load_model
+    from repgeom_eval.training import pack_blocks
+
+    def trainer_for(max_steps):
+        loaded = load_model(tiny_model_dir("gpt2"))
+        loaded.model.train().requires_grad_(True)
+        args = TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=max_steps, per_device_train_batch_size=4,
+                                 save_strategy="steps", save_steps=2, report_to="none", use_cpu=True,
+                                 disable_tqdm=True, seed=0)
+        trainer = Trainer(model=loaded.model, args=args, train_dataset=pack_blocks(texts, loaded.tokenizer, 16, 0),
+                          processing_class=loaded.tokenizer, data_collator=default_data_collator)
+        GeometryCallback(texts=texts[:5], domain=DOMAIN, size=20).attach(trainer)
+        return trainer
+
+    trainer_for(2).train()
+    first = json.loads((tmp_path / "o" / FILE_NAME).read_text())["checkpoints"]
+    trainer_for(4).train(resume_from_checkpoint=str(tmp_path / "o" / "checkpoint-2"))
+    after = json.loads((tmp_path / "o" / FILE_NAME).read_text())["checkpoints"]
+    assert [r["step"] for r in after] == [2, 4] and after[0] == first[0]
+
+
 @pytest.mark.parametrize("block, match", [
     ("{texts: 3}", "geometry_probe.texts must be a file of texts"),
     ("{texts: [a, b], pooling: max}", "geometry_probe.pooling must be one of last, mean, first, got 'max'"),

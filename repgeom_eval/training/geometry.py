@@ -205,7 +205,9 @@ class GeometryCallback(TrainerCallback):
 
     # -- the Trainer's events ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        self.records = [r for r in self.records if r["step"] <= state.global_step]  # a resumed run keeps its past
+        if state.global_step > 0 and not self.records:  # resumed from a checkpoint: the file's earlier records stay
+            self.records = _earlier_records(self.output_dir or Path(args.output_dir))
+        self.records = [r for r in self.records if r["step"] <= state.global_step]
         if model is not None:
             self.setup(model, self.tokenizer if self.tokenizer is not None else processing_class)
 
@@ -261,6 +263,17 @@ class GeometryCallback(TrainerCallback):
         path = folder / FILE_NAME
         write_json(path, self.to_dict(state.max_steps))
         return path
+
+
+def _earlier_records(folder: Path) -> list[dict[str, Any]]:
+    """The checkpoint records of an earlier file in ``folder`` (none if it is missing or unreadable)."""
+    import json
+
+    try:
+        records = json.loads((folder / FILE_NAME).read_text(encoding="utf-8")).get("checkpoints", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)]
 
 
 def _output_weight(model: Any) -> torch.Tensor:
