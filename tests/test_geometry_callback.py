@@ -13,6 +13,7 @@ import datasets  # noqa: F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.analyses.gap.vocabulary import Vocabulary
 from repgeom_eval.training.geometry import FILE_NAME, GeometryCallback, pick_checkpoint
 
 DOMAIN = "words:the,of,and,to,in,is,a"
@@ -149,6 +150,20 @@ def test_each_module_keeps_its_mode_and_dropout_is_off_while_probing(tiny_model_
     assert first["dispersion"] == second["dispersion"] and first["G"] == second["G"]
     assert model.training and model.transformer.h[1].training and not frozen.training
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_tokenizer_without_pad_is_left_as_it_is_and_set_up_once(tiny_model_dir, texts, monkeypatch):
+    import repgeom_eval.training.geometry as geometry
+    from repgeom_eval.modeling.loading import load_model
+
+    loaded = load_model(tiny_model_dir("gpt2"))
+    tok = loaded.tokenizer
+    tok.pad_token = None
+    built = []
+    monkeypatch.setattr(geometry, "Vocabulary", lambda *a, **k: built.append(1) or Vocabulary(*a, **k))
+    cb = GeometryCallback(texts=texts[:4], domain=DOMAIN, size=20)
+    first, second = cb.measure(loaded.model, tok), cb.measure(loaded.model, tok)
+    assert tok.pad_token is None and len(built) == 1 and first["dispersion"] == second["dispersion"]
 
 
 def test_the_probe_does_not_change_training(tiny_model_dir, texts, tmp_path):

@@ -117,7 +117,8 @@ class GeometryCallback(TrainerCallback):
         if tokenizer is None:
             raise RepgeomError("GeometryCallback needs the model's tokenizer: pass tokenizer=... or give the Trainer "
                                "a processing_class")
-        if self._ready == (id(model), id(tokenizer)):
+        key = (id(model), id(tokenizer))
+        if self._ready == key:
             return
         from repgeom_eval.modeling.addresses import resolve_request
         from repgeom_eval.modeling.loading import wrap_model
@@ -143,7 +144,7 @@ class GeometryCallback(TrainerCallback):
             raise RepgeomError(f"geometry_probe.reference {p.reference!r} matches no token of the model outside the "
                                "domain set")
         self._resolved = {"loaded": loaded, "plan": plan, "T": T, "Tbar": Tbar, "vocab": vocab}
-        self._ready = (id(model), id(self.tokenizer if self.tokenizer is not None else tokenizer))
+        self._ready = key
 
     def _read_texts(self) -> list[str]:
         p = self.probe
@@ -186,6 +187,9 @@ class GeometryCallback(TrainerCallback):
         from repgeom_eval.measurement.pooling import pool64
 
         loaded, plan = self._resolved["loaded"], self._resolved["plan"]
+        param = next(model.parameters(), None)
+        if param is not None and param.device != loaded.device:  # the Trainer moved it (to the GPU) after setup()
+            loaded.device = param.device
         p = self.probe
         context = context_length(loaded, p.max_length)
         vectors: dict[Any, list[torch.Tensor]] = {a: [] for a in plan.addresses}
