@@ -2,6 +2,8 @@
 on the saved checkpoint folders; geometry_by_checkpoint.json, the label-free pick, logging, mode restored, and the
 geometry_probe block's errors."""
 
+import contextlib
+import io
 import json
 import math
 
@@ -43,7 +45,10 @@ def run(tiny_model_dir, texts, tmp_path_factory):
     write_jsonl(folder / "eval.jsonl", texts[30:])
     write_jsonl(folder / "probe.jsonl", texts[:9])
     (folder / "train.yaml").write_text(CONFIG.format(model=tiny_model_dir("gpt2"), domain=DOMAIN))
-    assert main(["train", "--config", str(folder / "train.yaml"), "--no-progress"]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["train", "--config", str(folder / "train.yaml"), "--no-progress"]) == 0
+    (folder / "printed.txt").write_text(printed.getvalue())
     return folder
 
 
@@ -86,6 +91,8 @@ def test_the_file_holds_eval_loss_config_and_the_pick(run):
     assert out["pick"]["step"] == best["step"] and out["pick"]["first_eligible_step"] == 2
     assert out["pick"] == pick_checkpoint(out["checkpoints"], 4, 0.5)
     assert results["config"]["geometry_probe"]["layers"] == ["final", "1", "resid_mid:0"]
+    printed = " ".join((run / "printed.txt").read_text().split())
+    assert f"geometry at 2 checkpoint(s); label-free pick: step {out['pick']['step']}" in printed
 
 
 def test_pick_follows_the_documented_rule():
@@ -258,3 +265,18 @@ def test_a_callback_built_from_a_bad_mapping_names_the_key():
     with pytest.raises(RepgeomError, match="geometry_probe.layers must be a layer address"):
         GeometryCallback(texts=["a", "b"], layers=[])
     assert math.isclose(GeometryCallback(texts=["a", "b"]).probe.burn_in, 0.5)
+
+
+def test_an_earlier_geometry_file_is_an_earlier_run(tmp_path):
+    from repgeom_eval.training.config import parse_config
+    from repgeom_eval.training.loop import check_train_outputs
+
+    (tmp_path / "t.jsonl").write_text('{"text": "a b"}\n{"text": "c d"}\n')
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / FILE_NAME).write_text("{}")
+    cfg = parse_config({"model": "m", "data": {"domains": {"a": "t.jsonl"}}, "output_dir": "o",
+                        "training": {"max_steps": 1, "save_strategy": "steps"},
+                        "geometry_probe": {"texts": ["a b", "c d"]}}, tmp_path)
+    with pytest.raises(RepgeomError, match=f"already holds a run \\({FILE_NAME}\\)"):
+        check_train_outputs(cfg)
+    check_train_outputs(cfg, overwrite=True)
