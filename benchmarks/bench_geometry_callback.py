@@ -148,7 +148,8 @@ def main() -> None:
     print(f"callback per save / training step:       {cb / step:9.3f} wall  {cb_cpu / step_cpu:9.3f} CPU")
     print(f"amortised over {a.save_steps} steps per save:        {cb / (a.save_steps * step):9.4f} wall  "
           f"{cb_cpu / (a.save_steps * step_cpu):9.4f} CPU")
-    print(f"pick: step {record['pick']['step']} (G cosine {record['pick']['G_cosine']}); rule: {record['pick']['rule']}")
+    pick = record["pick"]
+    print(f"pick: step {pick['step']} (G cosine {pick['G_cosine']}); rule: {pick['rule']}")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def test_standalone_with_a_plain_trainer_logs_and_restores_the_mode(tiny_model_d
             seen.append((model.training, torch.is_grad_enabled()))
             return values
 
-    cb = Spy(texts=texts[:5], layers="final", domain=DOMAIN, size=20, burn_in=0.0).attach(trainer)
+    Spy(texts=texts[:5], layers="final", domain=DOMAIN, size=20, burn_in=0.0).attach(trainer)
     trainer.train()
     assert seen == [(True, True)] * 3  # train mode restored after each probe; grad mode untouched
     rows = [r for r in trainer.state.log_history if "geometry/G_cosine" in r]

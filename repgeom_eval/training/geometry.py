@@ -131,6 +131,9 @@ class GeometryCallback(TrainerCallback):
         if getattr(tokenizer, "pad_token", None) is None:  # a copy: the tokenizer saved with checkpoints stays as is
             tokenizer = copy.deepcopy(tokenizer)
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+            if tokenizer.pad_token is None:
+                raise RepgeomError("GeometryCallback: the tokenizer defines no pad, eos, unk or bos token, so probe "
+                                   "texts of different lengths cannot be batched; set tokenizer.pad_token")
         loaded = wrap_model(model, tokenizer, source="memory", host=host)
         plan = resolve_request(list(p.layers), loaded, host)
         W = _output_weight(model)
