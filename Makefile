@@ -31,6 +31,7 @@ bench: venv
 	$(VENV)/bin/python benchmarks/bench_gap.py
 	$(VENV)/bin/python benchmarks/bench_metrics.py
 	$(VENV)/bin/python benchmarks/bench_aux_losses.py
+	$(VENV)/bin/python benchmarks/bench_geometry_callback.py
 	$(VENV)/bin/python benchmarks/bench_lmeval.py
 	$(VENV)/bin/python benchmarks/bench_mteb_sweep.py
 	$(VENV)/bin/python benchmarks/bench_knnlm.py

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from repgeom_eval.training.config import read_config
+    from repgeom_eval.training.config import GEOMETRY_FILE, read_config
     from repgeom_eval.training.loop import check_train_outputs, train
 
     command = TrainCommand(**options_from_namespace(TrainCommand, args))
@@ -73,4 +73,12 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"last step ({last.get('step')}): " + ", ".join(parts), soft_wrap=True)
     console.print(f"{result.timings['steps']} steps in {result.timings['train_s']:.1f} s; results: "
                   f"{escape(str(cfg.output_dir / 'results.json'))}", soft_wrap=True)
+    geometry_file = cfg.output_dir / GEOMETRY_FILE
+    if cfg.geometry_probe is not None and geometry_file.is_file():
+        geometry = json.loads(geometry_file.read_text(encoding="utf-8"))
+        pick = geometry["pick"]
+        chosen = (f"step {pick['step']} (G cosine {pick['G_cosine']:.4f})" if pick["step"] is not None
+                  else f"none (no checkpoint at or after step {pick['first_eligible_step']})")
+        console.print(f"geometry at {len(geometry['checkpoints'])} checkpoint(s); label-free pick: {chosen}; "
+                      f"{escape(str(geometry_file))}", soft_wrap=True)
     return 0

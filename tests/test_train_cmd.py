@@ -73,7 +73,8 @@ def test_train_from_scratch_two_domains_end_to_end(two_domains, capsys):
         assert row["loss"] == pytest.approx(expected, rel=1e-5)
     cfg = result["config"]
     assert list(cfg) == ["model", "from_scratch", "source", "data", "aux_losses", "plugins", "objective", "training",
-                         "evaluate_at", "dispersion_layer", "seed", "torch_threads", "output_dir", "save_model",
+                         "evaluate_at", "geometry_probe", "dispersion_layer", "seed", "torch_threads", "output_dir",
+                         "save_model",
                          "versions"]
     assert cfg["from_scratch"] == {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 320, "tokenizer": None}
     assert cfg["data"] == {"block_size": 24, "text_field": "text", "eval_fraction": 0.1, "balance": True,

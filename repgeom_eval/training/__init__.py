@@ -6,7 +6,8 @@
 * :mod:`~repgeom_eval.training.model`: the model trained (a checkpoint, or a GPT-2 from scratch);
 * :mod:`~repgeom_eval.training.loop`: the run (``train``); :mod:`~repgeom_eval.training.results`: what it reports;
 * :mod:`~repgeom_eval.training.auxloss`: the ``AuxLoss`` interface; :mod:`~repgeom_eval.training.trainer`: the
-  ``AuxLossTrainer``.
+  ``AuxLossTrainer``; :mod:`~repgeom_eval.training.geometry`: the ``GeometryCallback`` (G and probe dispersion at
+  every saved checkpoint).
 
 The public names are importable from here (``from repgeom_eval.training import train, read_config``); each loads its
 module on first use, so importing the package (as every aux-loss plugin does) costs nothing.
@@ -25,6 +26,7 @@ _HOMES = {
     "train": "loop", "check_train_outputs": "loop", "TrainResult": "results",
     "AuxLoss": "auxloss", "build_aux_loss": "auxloss",
     "AuxLossTrainer": "trainer", "EvaluateAtSteps": "trainer",
+    "GeometryProbe": "config", "GeometryCallback": "geometry", "pick_checkpoint": "geometry",
 }
 
 __all__ = sorted(_HOMES)

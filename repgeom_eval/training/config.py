@@ -17,6 +17,7 @@ block of ``results.json`` (:meth:`TrainConfig.config_block`). A config file look
       - {name: push_away, weight: 0.01, cross_domain: true}
     training: {max_steps: 200, per_device_train_batch_size: 8, learning_rate: 5.0e-4}   # TrainingArguments
     evaluate_at: [100, 200]
+    geometry_probe: {texts: probe.jsonl, layers: [final, 2]}   # G and probe dispersion at every saved checkpoint
     output_dir: runs/push_away
 
 Relative paths are relative to the config file. Every default is written into ``results.json``'s ``config``.
@@ -33,6 +34,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from repgeom_eval.analyses.configs import GapConfig
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.training.settings import (NON_EMPTY_STRING, ConfigError, Must, check, check_types, config_block,
@@ -45,6 +47,8 @@ TRAINING_DEFAULTS: dict[str, Any] = {"logging_steps": 1, "save_strategy": "no", 
 # which keeps float32 master weights; ModelOptions' own "auto" would load bfloat16 weights on a GPU.
 TRAINING_MODEL_OPTIONS = ModelOptions(dtype="float32", device="cpu")  # the Trainer moves the model to its device
 
+GEOMETRY_FILE = "geometry_by_checkpoint.json"  # what GeometryCallback writes into its output folder
+GAP_DEFAULTS = GapConfig()  # G's token sets default as in `repgeom gap` (declared there once)
 FILE_PATH = Must("a file path", lambda v: isinstance(v, str) and bool(v.strip()))
 
 
@@ -143,6 +147,58 @@ def _aux_losses(value: Any) -> Any:
     return value
 
 
+def _probe_texts(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _probe_layers(value: Any) -> Any:
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        return tuple(str(v) if is_integer(v) else v for v in value)
+    return value
+
+
+PROBE_TEXTS = Must("a file of texts (.jsonl, .txt) or a list of at least 2 non-empty texts",
+                   lambda v: FILE_PATH.holds(v) or (isinstance(v, tuple) and len(v) >= 2
+                                                    and all(NON_EMPTY_STRING.holds(t) for t in v)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeometryProbe:
+    """What :class:`~repgeom_eval.training.geometry.GeometryCallback` measures at every saved checkpoint: the
+    dispersion gap G of the output embeddings (token sets as in ``repgeom gap``) and the dispersion of a fixed set
+    of probe texts at some layers (as ``repgeom measure --metrics dispersion``), and the rule of its pick."""
+
+    texts: str | tuple[str, ...] = setting(
+        help="the probe texts: a .jsonl/.txt file (relative to the config file) or a list of texts",
+        normalise=_probe_texts, must=PROBE_TEXTS)
+    text_field: str = setting("text", help="field of each .jsonl record to read", must=NON_EMPTY_STRING)
+    layers: tuple[str, ...] = setting(
+        ("final",), help="layer addresses of the probe dispersion (final, resid_post:1, 2, all ...)",
+        normalise=_probe_layers, must=Must("a layer address or a list of them",
+                                           lambda v: isinstance(v, tuple) and len(v) > 0
+                                           and all(NON_EMPTY_STRING.holds(a) for a in v)))
+    pooling: str = setting("last", help="one vector per probe text: last, mean or first (as repgeom measure)",
+                           must=Must("one of last, mean, first", lambda v: v in ("last", "mean", "first")))
+    max_length: int | None = setting(None, help="tokens per probe text (default: the model's context)",
+                                     must=Must("a positive integer or null",
+                                               lambda v: v is None or (is_integer(v) and v >= 1)))
+    batch_size: int = setting(16, help="probe texts per forward pass", must=integer_at_least(1))
+    domain: str = setting(GAP_DEFAULTS.domain, help="token set T of G (as repgeom gap --domain)",
+                          must=NON_EMPTY_STRING)
+    reference: str = setting(GAP_DEFAULTS.reference, help="token set T̄ of G (as repgeom gap --reference)",
+                             must=NON_EMPTY_STRING)
+    size: int = setting(GAP_DEFAULTS.size, help="sample size of sampled token sets (general)",
+                        must=integer_at_least(1))
+    seed: int = setting(GAP_DEFAULTS.seed, help="seed of sampled token sets")
+    burn_in: float = setting(0.5, help="the pick ignores checkpoints before this fraction of max_steps",
+                             must=Must("a number in [0, 1)", lambda v: is_number(v) and 0 <= v < 1))
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
 def _steps(value: Any) -> Any:
     if value is None:
         return ()
@@ -186,6 +242,9 @@ class TrainConfig:
     evaluate_at: tuple[int, ...] = setting(
         (), help="steps at which each domain's evaluation perplexity is measured (and at the end)", normalise=_steps,
         must=Must("a list of positive step counts", lambda v: isinstance(v, tuple) and all(is_integer(s) and s >= 1 for s in v)))
+    geometry_probe: GeometryProbe | None = setting(
+        None, help="at every saved checkpoint: G of the output embeddings and the dispersion of probe texts, into "
+                   "output_dir/geometry_by_checkpoint.json, e.g. {texts: probe.jsonl, layers: [final, 2]}")
     dispersion_layer: str = setting("final", help="layer address whose batch dispersion is logged every step",
                                     normalise=lambda v: str(v) if is_integer(v) else v, must=NON_EMPTY_STRING)
     seed: int = setting(0, help="seed of the held-out split, the model's initialisation and the Trainer")
@@ -208,6 +267,9 @@ class TrainConfig:
                 raise ConfigError(f"set {key} at the top level of the config, not under training")
         if "max_steps" not in self.training and "num_train_epochs" not in self.training:
             raise ConfigError("needs max_steps (or num_train_epochs)", "training")
+        if self.geometry_probe is not None and self.training.get("save_strategy", "no") == "no":
+            raise ConfigError("measures at every saved checkpoint, and none is saved: set training.save_strategy "
+                              "(steps) and training.save_steps", "geometry_probe", ": ")
 
     def _read_model_mapping(self, mapping: Mapping[str, Any]) -> None:
         """``model: {name: ..., revision: ..., ...}``: the name, and the model options group from the other keys."""
@@ -240,7 +302,10 @@ class TrainConfig:
             scratch = replace(scratch, tokenizer=str(local.resolve()) if local.exists() else scratch.tokenizer)
         domains = {name: Domain(train=file(d.train), eval=file(d.eval) if d.eval is not None else None)
                    for name, d in self.data.domains.items()}
-        return replace(self, model=model_path(self.model),
+        probe = self.geometry_probe
+        if probe is not None and isinstance(probe.texts, str):
+            probe = replace(probe, texts=file(probe.texts))
+        return replace(self, model=model_path(self.model), geometry_probe=probe,
                        model_options=replace(self.model_options, peft=model_path(self.model_options.peft)),
                        from_scratch=scratch, data=replace(self.data, domains=domains),
                        output_dir=Path(file(str(self.output_dir))))
@@ -318,6 +383,8 @@ def config_keys_help() -> str:
             f.default if f.default is not MISSING else f.default_factory())
         if value in (None, (), {}):
             return ""
+        if isinstance(value, tuple):
+            value = "[" + ", ".join(str(v) for v in value) + "]"
         return f" (default: {str(value).lower() if isinstance(value, bool) else value})"
 
     def walk(cls: type, prefix: str, defaults: Any = None) -> None:
@@ -330,7 +397,8 @@ def config_keys_help() -> str:
             if cls is TrainConfig and f.name == "model":
                 lines.append(f"  {'model.name':<26} the model, when model: is a mapping of these keys")
                 walk(ModelOptions, "model.", TRAINING_MODEL_OPTIONS)
-            group = {"from_scratch": ScratchModel, "data": DataOptions, "domains": Domain}.get(f.name)
+            group = {"from_scratch": ScratchModel, "data": DataOptions, "domains": Domain,
+                     "geometry_probe": GeometryProbe}.get(f.name)
             if group is not None:
                 walk(group, f"{key}.NAME." if f.name == "domains" else f"{key}.")
 

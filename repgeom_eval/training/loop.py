@@ -18,7 +18,7 @@ from typing import Any
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.output.files import write_json
 from repgeom_eval.output.progress import mode_of, progress_bar
-from repgeom_eval.training.config import TRAINING_DEFAULTS, TrainConfig
+from repgeom_eval.training.config import GEOMETRY_FILE, TRAINING_DEFAULTS, TrainConfig
 from repgeom_eval.moved import moved_names
 from repgeom_eval.training.results import TrainResult
 
@@ -61,6 +61,12 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None, overwrite: 
     if max_pos and cfg.data.block_size > max_pos:
         raise RepgeomError(f"data.block_size {cfg.data.block_size} exceeds the model's context ({max_pos})")
     blocks = pack_domains(texts, tokenizer, cfg.data, cfg.seed)
+    geometry = None
+    if cfg.geometry_probe is not None:  # its texts, addresses and token sets checked before any training step
+        from repgeom_eval.training.geometry import GeometryCallback
+
+        geometry = GeometryCallback(cfg.geometry_probe, output_dir=cfg.output_dir, tokenizer=tokenizer, host=host)
+        geometry.setup(model, tokenizer)
 
     steps = [s for s in cfg.evaluate_at if args.max_steps <= 0 or s <= args.max_steps]
     # processing_class: the Trainer saves the tokenizer into every checkpoint it writes (training.save_strategy:
@@ -74,6 +80,9 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None, overwrite: 
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     if overwrite:  # the earlier run's checkpoints go: a later checkpoint-N of it would pass for one of this run
         shutil.rmtree(cfg.output_dir / "trainer", ignore_errors=True)
+        (cfg.output_dir / GEOMETRY_FILE).unlink(missing_ok=True)
+    if geometry is not None:
+        geometry.attach(trainer)  # logs G and the probe dispersion through trainer.log
     # The Trainer prints every log dict (PrinterCallback) or writes it under its bar (ProgressCallback); one bar
     # with the running CE / aux / dispersion says the same without flooding the terminal.
     trainer.remove_callback(transformers.PrinterCallback)
@@ -112,7 +121,8 @@ def check_train_outputs(cfg: TrainConfig, overwrite: bool = False, config_file: 
     from repgeom_eval.output.files import check_outputs
 
     out = cfg.output_dir
-    written = [out / "results.json", out / "trainer"] + ([out / "model"] if cfg.save_model else [])
+    written = [out / "results.json", out / "trainer"] + ([out / "model"] if cfg.save_model else []) \
+        + ([out / GEOMETRY_FILE] if cfg.geometry_probe is not None else [])
     inputs: dict[str, Any] = {"--config": config_file}
     folders: dict[str, Any] = {}
     for name, files in cfg.data.domains.items():
@@ -126,7 +136,7 @@ def check_train_outputs(cfg: TrainConfig, overwrite: bool = False, config_file: 
             inputs[label], folders[label] = weight_files, model_dirs
     check_outputs({"output_dir": written}, inputs=inputs, folders=folders)
     trainer = out / "trainer"
-    earlier = [p.name for p in (out / "results.json", out / "model") if p.exists()]
+    earlier = [p.name for p in (out / "results.json", out / "model", out / GEOMETRY_FILE) if p.exists()]
     if trainer.is_dir() and any(trainer.iterdir()):
         earlier.append("trainer/")
     if earlier and not overwrite:
