@@ -224,9 +224,10 @@ def layer_figure(layers: list[tuple[str, float]], intervals: dict | None = None)
     xs = range(len(layers))
     per_layer = (intervals or {}).get("auroc_by_layer")
     if per_layer:
-        lo = [a - per_layer[name]["low"] for name, a in layers]
-        hi = [per_layer[name]["high"] - a for name, a in layers]
-        ax.errorbar(xs, [a for _, a in layers], yerr=[lo, hi], marker="o", ms=3, capsize=2)
+        est = [per_layer[name]["estimate"] for name, _ in layers]  # the AUROC the interval is about
+        lo = [max(0.0, e - per_layer[name]["low"]) for e, (name, _) in zip(est, layers)]
+        hi = [max(0.0, per_layer[name]["high"] - e) for e, (name, _) in zip(est, layers)]
+        ax.errorbar(xs, est, yerr=[lo, hi], marker="o", ms=3, capsize=2)
     else:
         ax.plot(xs, [a for _, a in layers], marker="o", ms=3)
     final = (intervals or {}).get("auroc")
@@ -465,13 +466,14 @@ def summarize(doc: dict) -> dict:
                               "method": "percentile bootstrap over questions, computed by the run"}
     intervals["slice_spearman"] = slice_rho_interval(curve)
     a, r = intervals["auroc"], intervals["slice_spearman"]
+    auc = a["estimate"]  # with per-question values: recomputed from them; otherwise lm_eval's, as the run wrote
     v_auc = gallery.decide(a["low"], a["high"], null=0.5, expect="above")
     v_rho = gallery.decide(r["low"], r["high"], null=0.0, expect="above")
     layer_vals = d["auroc_by_layer"]
     layer_range = f"{min(layer_vals.values()):.3f}–{max(layer_vals.values()):.3f}" if layer_vals else "n/a"
     best_layer = max(layer_vals, key=layer_vals.get) if layer_vals else "-"
     pp = intervals.get("auroc_prompt_perplexity")
-    pp_text = (f"{d['auroc_prompt_perplexity']:.3f} ({ci(pp)})" if pp else
+    pp_text = (f"{pp['estimate']:.3f} ({ci(pp)})" if pp else
                f"{d['auroc_prompt_perplexity']:.3f} (no interval: the per-question values were not kept)")
     said = {gallery.FOLLOWS: "follows it", gallery.OPPOSITE: "the opposite of the paper",
             gallery.CANNOT_TELL: "cannot tell at this size"}
@@ -480,7 +482,7 @@ def summarize(doc: dict) -> dict:
         "3 distractors from the same lexicographer file) through `lm_eval --include_path` with a repgeom hardness "
         "YAML, then `repgeom slices --calibrate` on its samples. Not covered: other prompt formats and quizzes "
         "(one prompt, one quiz), larger models.",
-        f"Accuracy {d['accuracy']:.3f}; AUROC of c_i for correctness {d['auroc']:.3f} ({ci(a)}; percentile "
+        f"Accuracy {d['accuracy']:.3f}; AUROC of c_i for correctness {auc:.3f} ({ci(a)}; percentile "
         f"bootstrap over the {d['questions']} questions); per block output {layer_range} (best resid_post:"
         f"{best_layer}; {'intervals in the table' if per_q else 'no intervals: per-question values not kept'}); "
         f"prompt perplexity {pp_text}; slice curve D {curve['dispersion_mean'][0]:.4f} at 0 % → "
@@ -488,18 +490,18 @@ def summarize(doc: dict) -> dict:
         f"{curve['seeds']} seeds).",
         "Paper A: questions of lower dispersion are harder (AUROC of c_i above 0.5), and slices of lower dispersion "
         f"less accurate (ρ above 0). Decided by the 95 % intervals: question ranking, {said[v_auc]} (AUROC "
-        f"{d['auroc']:.3f}, {ci(a)}); slice curve, {said[v_rho]} (ρ {curve['spearman']:.2f}, {ci(r)}). Side "
+        f"{auc:.3f}, {ci(a)}); slice curve, {said[v_rho]} (ρ {curve['spearman']:.2f}, {ci(r)}). Side "
         f"observation, not counted against paper A (which does not offer dispersion as a calibrated accuracy "
         f"predictor): calibration MAE {cal['mae_mean']:.3f} ± {cal['mae_se']:.3f} (s.e. over "
         f"{cal['seeds']} seeds) against {d['calibration_mae_constant']:.3f} for always predicting 0.5.",
     ]
-    rows = [["AUROC of c_i → correct (final layer)", d["auroc"], ci(a), a["method"], v_auc],
+    rows = [["AUROC of c_i → correct (final layer)", auc, ci(a), a["method"], v_auc],
             ["Spearman ρ(fraction correct, slice dispersion)", curve["spearman"], ci(r), r["method"], v_rho]]
     if pp:
-        rows.append(["AUROC of −(prompt perplexity) → correct", d["auroc_prompt_perplexity"], ci(pp), pp["method"],
+        rows.append(["AUROC of −(prompt perplexity) → correct", pp["estimate"], ci(pp), pp["method"],
                      gallery.decide(pp["low"], pp["high"], null=0.5, expect="above")])
     for k, v in intervals.get("auroc_by_layer", {}).items():
-        rows.append([f"AUROC of c_i at resid_post:{k}", layer_vals[k], ci(v), v["method"],
+        rows.append([f"AUROC of c_i at resid_post:{k}", v["estimate"], ci(v), v["method"],
                      gallery.decide(v["low"], v["high"], null=0.5, expect="above")])
     tables = [{"title": "95 % intervals and verdicts (follows: interval beyond the paper's null on its side; "
                         "cannot tell: interval holds the null)",
