@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import shlex
@@ -269,15 +270,7 @@ class Experiment:
 
     def figure(self, fig: Any, name: str, caption: str) -> Path:
         """Save a matplotlib figure as ``results/NAME.png`` and list it in the results (the first is the gallery's)."""
-        path = self.out / f"{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        import matplotlib.pyplot as plt
-        from PIL import Image
-
-        plt.close(fig)
-        with Image.open(path) as img:  # a palette PNG: a third of the size, for a gallery kept in git
-            small = img.convert("RGB").quantize(colors=96)
-        small.save(path, optimize=True)
+        path = save_figure(fig, self.out / f"{name}.png")
         self.figures.append({"file": path.name, "caption": caption})
         return path
 
@@ -299,6 +292,95 @@ class Experiment:
         (self.out / "result.md").write_text(markdown(doc), encoding="utf-8")
         print(f"[{self.name}] done in {seconds:.0f} s: {self.out / 'result.md'}", flush=True)
         return self.out / "result.json"
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Save a matplotlib figure as a palette PNG (a third of the size, for a gallery kept in git) and close it."""
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    plt.close(fig)
+    with Image.open(path) as img:
+        small = img.convert("RGB").quantize(colors=96)
+    small.save(path, optimize=True)
+    return path
+
+
+# -- intervals and verdicts (issue 25) --------------------------------------------------------------------------------
+
+FOLLOWS, OPPOSITE, CANNOT_TELL = "follows", "opposite", "cannot tell at this size"
+FROM_RAW = "--from-raw"
+
+
+def decide(low: float, high: float, null: float = 0.0, expect: str = "below") -> str:
+    """A verdict decided by the 95 % interval, not by the sign: ``follows`` when the interval lies wholly on the
+    side of ``null`` the paper predicts (``expect`` ``below`` or ``above``), ``opposite`` when wholly on the other
+    side, ``cannot tell at this size`` when it holds ``null`` (or is undefined)."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return CANNOT_TELL
+    below, above = high < null, low > null
+    if not (below or above):
+        return CANNOT_TELL
+    return FOLLOWS if (below if expect == "below" else above) else OPPOSITE
+
+
+def ci_text(low: float, high: float, digits: int = 2, signed: bool = True) -> str:
+    f = f"{{:+.{digits}f}}" if signed else f"{{:.{digits}f}}"
+    return f"95 % CI {f.format(low)} to {f.format(high)}"
+
+
+def interval(stat: Any, *samples: Any, seed: int = 0, vectorized: bool = True) -> dict[str, Any]:
+    """The library's seeded percentile bootstrap (repgeom_eval.functional.bootstrap) as a JSON-ready dict."""
+    from repgeom_eval.functional.bootstrap import bootstrap_ci
+
+    return bootstrap_ci(stat, *samples, seed=seed, vectorized=vectorized).as_dict()
+
+
+def regenerated(doc: dict[str, Any], summary: Sequence[str], tables: Sequence[dict[str, Any]],
+                notes: Sequence[str], intervals: dict[str, Any], figures: Sequence[dict[str, str]] | None = None,
+                drop_tables: Sequence[str] = ()) -> dict[str, Any]:
+    """``doc`` with the summary, the interval tables and notes written from its raw data (``--from-raw``).
+
+    Idempotent: tables and notes an earlier ``--from-raw`` added (listed under ``data.from_raw``) are replaced, the
+    run's own tables and notes are kept (less any whose title is in ``drop_tables``)."""
+    import copy
+
+    out = copy.deepcopy(doc)
+    old = out["data"].get("from_raw", {})
+    added_titles = set(old.get("tables", [])) | set(drop_tables)
+    base_tables = [t for t in out["tables"] if t["title"] not in added_titles]
+    base_notes = [n for n in out["notes"] if n not in old.get("notes", [])]
+    command = f"python experiments/{out['name']}/run.py {FROM_RAW}"
+    note = (f"Summary, intervals, verdicts and figures rewritten by `{command}` from the raw values this file holds "
+            "(the run itself is not repeated; its commands and seconds are those below).")
+    new_notes = [note, *notes]
+    out["summary"] = list(summary)
+    out["tables"] = base_tables + [dict(t) for t in tables]
+    out["notes"] = base_notes + new_notes
+    if figures is not None:
+        out["figures"] = [dict(f) for f in figures]
+    out["data"]["intervals"] = intervals
+    out["data"]["from_raw"] = {"command": command, "tables": [t["title"] for t in tables], "notes": new_notes}
+    return out
+
+
+def from_raw(name: str, summarize: Any, draw: Any = None, argv: Sequence[str] | None = None) -> Path:
+    """``run.py --from-raw [--out DIR]``: rewrite result.json, result.md and the figures of the committed results
+    (or of DIR) from the raw values in its result.json, with no model run."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    args.remove(FROM_RAW)
+    out = Path(args[args.index("--out") + 1]) if "--out" in args else HERE / name / "results"
+    from repgeom_eval.output.files import write_json
+
+    doc = json.loads((out / "result.json").read_text(encoding="utf-8"))
+    new = summarize(doc)
+    if draw is not None:
+        draw(new, out)
+    write_json(out / "result.json", new)
+    (out / "result.md").write_text(markdown(new), encoding="utf-8")
+    print(f"[{name}] rewritten from raw: {out / 'result.md'}", flush=True)
+    return out / "result.json"
 
 
 # -- Markdown --------------------------------------------------------------------------------------------------------

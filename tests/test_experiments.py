@@ -130,3 +130,39 @@ def test_smoke_run(name, tmp_path):
     assert len(doc["summary"]) == 3 and doc["figures"] and doc["tables"]
     for fig in doc["figures"]:
         assert (out / fig["file"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _run_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"gallery_run_{name}", EXPERIMENTS / name / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_committed_results_are_what_the_code_writes_from_their_raw_data(name):
+    """No hand edits: ``run.py --from-raw`` recomputes the summary, intervals, verdicts and tables from the raw
+    values in the committed result.json, and gives back result.json and result.md byte for byte."""
+    from repgeom_eval.output.files import jsonable
+
+    result = EXPERIMENTS / name / "results" / "result.json"
+    if not result.is_file():
+        pytest.skip("no committed results")
+    doc = json.loads(result.read_text(encoding="utf-8"))
+    new = _run_module(name).summarize(doc)
+    assert json.dumps(jsonable(new), indent=2) + "\n" == result.read_text(encoding="utf-8")
+    assert gallery.markdown(new) == (result.parent / "result.md").read_text(encoding="utf-8")
+    assert new["data"]["intervals"] and len(new["summary"]) == 3
+    for fig in new["figures"]:
+        assert (result.parent / fig["file"]).is_file(), fig
+
+
+def test_verdicts_are_decided_by_the_interval_not_the_sign():
+    assert gallery.decide(-0.9, -0.1) == gallery.FOLLOWS
+    assert gallery.decide(-0.9, 0.1) == gallery.CANNOT_TELL  # a negative estimate is not enough
+    assert gallery.decide(0.1, 0.9) == gallery.OPPOSITE
+    assert gallery.decide(0.52, 0.6, null=0.5, expect="above") == gallery.FOLLOWS
+    assert gallery.decide(0.43, 0.53, null=0.5, expect="above") == gallery.CANNOT_TELL
+    assert gallery.decide(float("nan"), 0.3) == gallery.CANNOT_TELL

@@ -41,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from repgeom_eval.analyses.plots import label_points  # noqa: E402
+import gallery  # noqa: E402
 from gallery import Experiment, fortunes, pydoc_paragraphs, stable_key, write_jsonl  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -305,48 +306,6 @@ def main(argv: list[str] | None = None) -> None:
         ["training (repgeom train, for scale)", round(train_s, 1)],
     ])
 
-    # -- figures -----------------------------------------------------------------------------------------------------
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, 1, figsize=(6.0, 6.4), sharex=True)
-    axes[0].plot(steps, G, "o-", color="tab:purple", label="T = python_keywords")
-    axes[0].set_ylabel("dispersion gap G")
-    ax2 = axes[0].twinx()
-    ax2.plot(steps, G2, "s--", color="tab:gray", ms=4, label="T = digits")
-    ax2.set_ylabel("G (T = digits)", color="tab:gray")
-    axes[0].legend(loc="upper left", fontsize=8)
-    ax2.legend(loc="lower right", fontsize=8)
-    axes[1].plot(steps, ppl, "o-", color="tab:red")
-    axes[1].set_yscale("log")
-    axes[1].set_ylabel("held-out perplexity")
-    axes[2].errorbar(steps, acc, yerr=[evals[m]["acc_stderr"] for m in models], fmt="o-", color="tab:green",
-                     capsize=2)
-    axes[2].axhline(0.25, color="gray", lw=0.8, ls=":")
-    axes[2].set_ylabel("cloze accuracy (4-way)")
-    axes[2].set_xlabel("training step")
-    fig.suptitle(f"GPT-2 ({trained['model']['n_layers']} layers, width {trained['model']['hidden_size']}) from "
-                 f"scratch: G (no forward pass) vs held-out quality", fontsize=10)
-    fig.tight_layout()
-    exp.figure(fig, "gap_ppl_vs_step", "G of each checkpoint's output embeddings (top), its held-out perplexity "
-               "(middle) and 4-way cloze accuracy (bottom, ± s.e.; dotted: chance) against the training step")
-
-    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.5))
-    for ax, y, label, key in ((axes[0], ppl, "held-out perplexity", "ppl"),
-                              (axes[1], acc, "cloze accuracy", "cloze_acc")):
-        ax.scatter(G, y, c=steps, cmap="viridis")
-        ax.set_xlabel("dispersion gap G (T = python_keywords)")
-        ax.set_ylabel(label)
-        ax.set_title(f"Spearman ρ = {rho[key]['rho']:+.2f} (n = {rho[key]['n']})", fontsize=9)
-    axes[0].set_yscale("log")
-    fig.tight_layout()
-    for ax, y in ((axes[0], ppl), (axes[1], acc)):  # step labels that do not overlap (a crowded one is left out)
-        label_points(ax, G, y, steps)
-    exp.figure(fig, "gap_vs_ppl", "G against held-out perplexity and cloze accuracy, one point per checkpoint "
-               "(labels: training step)")
-
     # -- summary -----------------------------------------------------------------------------------------------------
     m = trained["model"]
     r_ppl, r_acc = rho["ppl"]["rho"], rho["cloze_acc"]["rho"]
@@ -396,7 +355,130 @@ def main(argv: list[str] | None = None) -> None:
         "model": trained["model"], "training": trained["config"]["training"],
         "from_scratch": trained["config"]["from_scratch"], "data": data_info,
     }, notes=notes)
+    gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
+
+
+# -- intervals, verdicts and figures (issue 25): everything below reads result.json only ------------------------------
+
+PAIRS = {  # name: (x, y, what paper A predicts for the sign: below/above 0, or None for context)
+    "G_ppl": ("G", "ppl", "below"), "G_cloze_acc": ("G", "cloze_acc", "above"),
+    "digits_G_ppl": ("G_digits", "ppl", "below"), "digits_G_acc": ("G_digits", "cloze_acc", "above"),
+    "G_step": ("G", "steps", None), "step_ppl": ("steps", "ppl", None), "step_acc": ("steps", "cloze_acc", None),
+}
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """result.json with the summary, intervals and verdicts recomputed from its per-checkpoint values."""
+    from repgeom_eval.functional.bootstrap import rowwise_spearman
+    from repgeom_eval.functional.stats import spearman
+
+    d = doc["data"]
+    n = len(d["steps"])
+    intervals = {}
+    for name, (x, y, _) in PAIRS.items():
+        iv = gallery.interval(rowwise_spearman, d[x], d[y])
+        iv["estimate"] = spearman(d[x], d[y])  # the library's ρ (equal to the row-wise one; NaN policy its own)
+        intervals[name] = iv
+    verdict = {name: gallery.decide(intervals[name]["low"], intervals[name]["high"], 0.0, expect)
+               for name, (_, _, expect) in PAIRS.items() if expect}
+    said = {gallery.FOLLOWS: "as paper A", gallery.OPPOSITE: "the opposite of paper A",
+            gallery.CANNOT_TELL: "cannot tell at this size"}
+    show = lambda k: f"{intervals[k]['estimate']:+.2f} ({intervals[k]['low']:+.2f} to {intervals[k]['high']:+.2f})"  # noqa: E731
+    m, info = d["model"], d["data"]
+    ppl, acc, steps = d["ppl"], d["cloze_acc"], d["steps"]
+    last_drop = 100 * (1 - ppl[-1] / ppl[-2]) if n >= 2 else math.nan
+    wall = d["wall_s"]
+    summary = [
+        f"A {m['n_layers']}-layer width-{m['hidden_size']} GPT-2 trained from scratch with `repgeom train` on "
+        f"{info['train_chars'] / 1e6:.1f} M characters of English prose (Python docs, fortunes), {n} checkpoints "
+        f"(steps {steps[0]}–{steps[-1]}), screened with `repgeom gap` (cosine G; T = python_keywords, T̄ = general) "
+        f"and evaluated with `lm_eval` (held-out perplexity, {info['cloze']['items']}-item 4-way cloze). Protocol "
+        f"limits: the whole run is early training, burn-in only ({d['training']['max_steps']} steps from scratch, "
+        f"{d['training']['lr_scheduler_type']} schedule; perplexity falls {ppl[0] / ppl[-1]:.1f}-fold over it, and the "
+        f"last {steps[-1] - steps[-2]} steps change it by {last_drop:.1f} % as the learning rate decays), it is trained on prose but screened with Python keywords, "
+        "and only the cosine G is shown (result.json holds no Euclidean G); not covered: paper A's setting of many "
+        "fine-tuned checkpoints of one pretrained model (e.g. 30 SmolLM2 fine-tunes).",
+        f"Spearman ρ over the {n} checkpoints with 95 % intervals (percentile bootstrap over checkpoints, 2000 "
+        f"resamples, seed 0): ρ(G, perplexity) = {show('G_ppl')}, ρ(G, cloze accuracy) = {show('G_cloze_acc')}; "
+        f"T = digits: {show('digits_G_ppl')} and {show('digits_G_acc')}; perplexity {ppl[0]:.1f} → {ppl[-1]:.1f}, "
+        f"cloze {acc[0]:.2f} → {acc[-1]:.2f}; the screen took {wall['gap_screen']:.0f} s for all checkpoints against "
+        f"{wall['evaluation']:.0f} s of evaluation ({wall['evaluation'] / wall['gap_screen']:.0f}×).",
+        "Paper A Fig. 9: higher G marks the better checkpoint (ρ with perplexity below 0, with accuracy above 0). "
+        f"Decided by the intervals: with perplexity, {said[verdict['G_ppl']]}; with cloze accuracy, "
+        f"{said[verdict['G_cloze_acc']]}. Within one run the training step ranks the checkpoints for free "
+        f"(ρ(step, perplexity) = {show('step_ppl')}, ρ(G, step) = {show('G_step')}), so this run tests whether G "
+        "tracks early training, not whether it beats that baseline or screens fine-tunes.",
+    ]
+    rows = [[f"ρ({x}, {y})", intervals[k]["estimate"], f"{intervals[k]['low']:+.3f} to {intervals[k]['high']:+.3f}",
+             n, verdict.get(k, "context (no paper prediction)")] for k, (x, y, _) in PAIRS.items()]
+    tables = [{"title": "Spearman ρ over the checkpoints with 95 % intervals (percentile bootstrap over checkpoints)",
+               "header": ["pair", "ρ", "95 % CI", "n", "verdict"], "rows": rows}]
+    notes = [
+        "Intervals resample the checkpoints (the only unit result.json keeps per value): they are successive "
+        "states of one training run, not independent draws, and n = 10 is small, so the intervals describe how "
+        "stable the ranking is across these checkpoints, not a population of runs. Per-item cloze results and "
+        "the G of resampled token sets are not kept, so neither can be resampled here.",
+        "Protocol limits, stated with the verdict: every checkpoint is early training (burn-in), when G and "
+        "perplexity both move with the step; the model is trained on English prose while T is the Python keywords "
+        "(frequent in the Python documentation's prose); G is the cosine dispersion gap only, a Euclidean G was "
+        "not computed by this run; paper A screens fine-tuned checkpoints of a pretrained model, which this run "
+        "does not (it needs new long runs).",
+    ]
+    figures = [{"file": "gap_ppl_vs_step.png", "caption": "G of each checkpoint's output embeddings (top), its "
+                "held-out perplexity (middle) and 4-way cloze accuracy (bottom, 95 % binomial interval from lm_eval's "
+                "s.e.; dotted: chance) against the training step"},
+               {"file": "gap_vs_ppl.png", "caption": "G against held-out perplexity and cloze accuracy, one point per "
+                "checkpoint (labels: training step); titles: Spearman ρ with its 95 % bootstrap interval"}]
+    return gallery.regenerated(doc, summary, tables, notes, intervals, figures)
+
+
+def draw(doc: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = doc["data"]
+    steps, G, G2, ppl, acc = d["steps"], d["G"], d["G_digits"], d["ppl"], d["cloze_acc"]
+    se = [d["evaluations"][m]["acc_stderr"] for m in d["models"]]
+    fig, axes = plt.subplots(3, 1, figsize=(6.0, 6.4), sharex=True)
+    axes[0].plot(steps, G, "o-", color="tab:purple", label="T = python_keywords")
+    axes[0].set_ylabel("dispersion gap G")
+    ax2 = axes[0].twinx()
+    ax2.plot(steps, G2, "s--", color="tab:gray", ms=4, label="T = digits")
+    ax2.set_ylabel("G (T = digits)", color="tab:gray")
+    axes[0].legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="lower right", fontsize=8)
+    axes[1].plot(steps, ppl, "o-", color="tab:red")
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("held-out perplexity")
+    axes[2].errorbar(steps, acc, yerr=[1.96 * e for e in se], fmt="o-", color="tab:green", capsize=2)
+    axes[2].axhline(0.25, color="gray", lw=0.8, ls=":")
+    axes[2].set_ylabel("cloze accuracy (4-way)")
+    axes[2].set_xlabel("training step")
+    fig.suptitle(f"GPT-2 ({d['model']['n_layers']} layers, width {d['model']['hidden_size']}) from "
+                 f"scratch: G (no forward pass) vs held-out quality", fontsize=10)
+    fig.tight_layout()
+    gallery.save_figure(fig, out / "gap_ppl_vs_step.png")
+
+    iv = d["intervals"]
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.5))
+    for ax, y, label, key in ((axes[0], ppl, "held-out perplexity", "G_ppl"),
+                              (axes[1], acc, "cloze accuracy", "G_cloze_acc")):
+        ax.scatter(G, y, c=steps, cmap="viridis")
+        ax.set_xlabel("dispersion gap G (T = python_keywords)")
+        ax.set_ylabel(label)
+        ax.set_title(f"Spearman ρ = {iv[key]['estimate']:+.2f} (95 % CI {iv[key]['low']:+.2f} to "
+                     f"{iv[key]['high']:+.2f}; n = {len(steps)})", fontsize=9)
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    for ax, y in ((axes[0], ppl), (axes[1], acc)):
+        label_points(ax, G, y, steps)
+    gallery.save_figure(fig, out / "gap_vs_ppl.png")
 
 
 if __name__ == "__main__":
-    main()
+    if gallery.FROM_RAW in sys.argv:
+        gallery.from_raw("checkpoint_screening", summarize, draw)
+    else:
+        main()

@@ -253,7 +253,127 @@ def main(argv: list[str] | None = None) -> None:
                          "from_scratch": first["config"]["from_scratch"], "runs": per_run,
                          "aggregate": {v: {k: list(x) for k, x in a.items()} for v, a in agg.items()},
                          "relative_to_baseline": deltas}, notes)
+    gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
+
+
+# -- intervals and verdicts (issue 25): everything below reads result.json only --------------------------------------
+
+EXPECTED = {"push_away": ("below", "paper A"), "squeeze": ("above", "paper A's ablation"),
+            "angular_spread": ("below", "paper C")}
+
+
+def paired_changes(d: dict) -> dict:
+    """Per objective and domain: the % change of test perplexity against the baseline at the last step, per seed
+    (paired: same initialisation and batches), with the 95 % percentile-bootstrap interval of the mean over seeds."""
+    from repgeom_eval.functional.bootstrap import rowwise_mean
+
+    runs = d["runs"]
+    keys = list(runs[0]["perplexity"])  # the run's own order of domains
+    last = max(int(k.split("@")[1]) for k in keys)
+    domains = [k.split("@")[0] for k in keys if k.endswith(f"@{last}")]
+    base = {r["seed"]: r for r in runs if r["variant"] == "baseline"}
+    out = {}
+    for v in dict.fromkeys(r["variant"] for r in runs):
+        if v == "baseline":
+            continue
+        for dom in domains:
+            k = f"{dom}@{last}"
+            pairs = [(r["seed"], 100 * (r["perplexity"][k] / base[r["seed"]]["perplexity"][k] - 1))
+                     for r in runs if r["variant"] == v and r["seed"] in base]
+            rel = [x for _, x in pairs]
+            out[f"{v}/{dom}"] = {"seeds": [s for s, _ in pairs], "pct": rel, "step": last,
+                                 "ci": gallery.interval(rowwise_mean, rel) if len(rel) > 1 else None}
+    return out
+
+
+def summarize(doc: dict) -> dict:
+    """result.json with the summary, intervals and verdicts recomputed from its per-run perplexities."""
+    d = doc["data"]
+    ch = paired_changes(d)
+    n_seeds = len(d["seeds"])
+    variants = list(dict.fromkeys(k.split("/")[0] for k in ch))
+    domains = list(dict.fromkeys(k.split("/")[1] for k in ch))
+    last = next(iter(ch.values()))["step"] if ch else 0
+
+    def decide(key: str) -> str:
+        c, v = ch[key]["ci"], key.split("/")[0]
+        if c is None or v not in EXPECTED:
+            return gallery.CANNOT_TELL
+        return gallery.decide(c["low"], c["high"], 0.0, EXPECTED[v][0])
+
+    def show(key: str) -> str:
+        c = ch[key]["ci"]
+        mean = statistics.fmean(ch[key]["pct"])
+        return f"{key.split('/')[1]} {mean:+.1f} %" + (f" ({c['low']:+.1f} to {c['high']:+.1f})" if c else "")
+
+    m = d["model"]
+    said = {gallery.FOLLOWS: "follows", gallery.OPPOSITE: "opposite", gallery.CANNOT_TELL: "cannot tell"}
+    verdict_parts = []
+    for v in variants:
+        if v not in EXPECTED:
+            continue
+        words = [f"{dom}: {said[decide(f'{v}/{dom}')]}" for dom in domains]
+        direction = "lower" if EXPECTED[v][0] == "below" else "higher"
+        verdict_parts.append(f"{v} ({EXPECTED[v][1]} predicts {direction} perplexity) — " + ", ".join(words))
+    summary = [
+        f"GPT-2 from scratch ({m['n_layers']} layers, width {m['hidden_size']}, {m['n_parameters']:,} parameters), "
+        f"{d['training'].get('max_steps')} steps on Python-doc/fortune prose and stdlib code, {len(variants) + 1} "
+        f"objectives × {n_seeds} seed(s) with `repgeom train`. Not covered: longer training, larger models, more "
+        "seeds, other loss weights.",
+        f"Test perplexity at step {last} against the baseline, paired by seed, mean % change with 95 % interval "
+        f"(percentile bootstrap over the {n_seeds} seeds, 2000 resamples, seed 0): "
+        + "; ".join(f"{v}: " + ", ".join(show(f"{v}/{dom}") for dom in domains) for v in variants) + ".",
+        "Decided by the intervals (follows: the whole interval on the side the paper predicts; cannot tell: it "
+        "holds 0): " + "; ".join(verdict_parts) + f". With {n_seeds} seeds a percentile bootstrap cannot be wider "
+        "than the seeds' own spread, so \"follows\" here means every seed moved the predicted way, not a "
+        "population-level interval.",
+    ]
+    rows = [[k.split("/")[0], k.split("/")[1], statistics.fmean(x["pct"]),
+             f"{x['ci']['low']:+.2f} to {x['ci']['high']:+.2f}" if x["ci"] else "n/a",
+             ", ".join(f"{p:+.2f}" for p in x["pct"]), decide(k)] for k, x in ch.items()]
+    tables = [{"title": f"Perplexity change against the baseline at step {last}, paired by seed, with 95 % intervals "
+                        "(percentile bootstrap over seeds)",
+               "header": ["variant", "domain", "mean %", "95 % CI", "per seed %", "verdict"], "rows": rows}]
+    notes = [f"Intervals resample the seeds (the unit: each seed is one paired initialisation and data order); with "
+             f"{n_seeds} seeds there are only {math.comb(2 * n_seeds - 1, n_seeds)} distinct resamples, so the "
+             "interval is close to the range of the seeds' changes and understates the uncertainty. The as-run "
+             "verdict rule (every seed the same way and |mean| above the sd) is replaced by the interval."]
+    figures = [*[f for f in doc["figures"] if f["file"] != "perplexity_change.png"],
+               {"file": "perplexity_change.png", "caption": f"Test perplexity change against the baseline at step "
+                f"{last}, paired by seed: mean with 95 % bootstrap interval over the seeds (bars) and each seed "
+                "(dots); below 0 is better"}]
+    return gallery.regenerated(doc, summary, tables, notes, ch, figures)
+
+
+def draw(doc: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ch = doc["data"]["intervals"]
+    domains = list(dict.fromkeys(k.split("/")[1] for k in ch))
+    variants = list(dict.fromkeys(k.split("/")[0] for k in ch))
+    fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.4), squeeze=False)
+    for ax, dom in zip(axes[0], domains):
+        for i, v in enumerate(variants):
+            x = ch[f"{v}/{dom}"]
+            mean = statistics.fmean(x["pct"])
+            if x["ci"]:
+                ax.errorbar([i], [mean], yerr=[[mean - x["ci"]["low"]], [x["ci"]["high"] - mean]], fmt="o",
+                            color=f"C{i}", capsize=5)
+            ax.scatter([i] * len(x["pct"]), x["pct"], color="black", s=10, zorder=3)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(variants)), variants, rotation=20)
+        ax.set_ylabel("perplexity change vs baseline (%)")
+        ax.set_title(f"{dom}: step {next(iter(ch.values()))['step']}", fontsize=10)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    gallery.save_figure(fig, out / "perplexity_change.png")
 
 
 if __name__ == "__main__":
-    main()
+    if gallery.FROM_RAW in sys.argv:
+        gallery.from_raw("dispersion_training", summarize, draw)
+    else:
+        main()

@@ -135,20 +135,13 @@ metadata:
 # -- statistics -----------------------------------------------------------------------------------------------------
 
 def auroc_ci(scores, labels, seed: int = 0, n: int = BOOTSTRAP) -> tuple[float, float]:
-    """95 % percentile bootstrap interval of the AUROC (resampling questions)."""
-    import numpy as np
-
+    """95 % percentile bootstrap interval of the AUROC, resampling questions (repgeom_eval.functional.bootstrap;
+    resamples with one class only are undefined and dropped)."""
+    from repgeom_eval.functional.bootstrap import bootstrap_ci
     from repgeom_eval.functional.stats import auroc
 
-    s, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
-    rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(n):
-        idx = rng.integers(0, len(s), len(s))
-        if 0 < y[idx].sum() < len(idx):
-            values.append(auroc(s[idx], y[idx]))
-    lo, hi = np.percentile(values, [2.5, 97.5])
-    return float(lo), float(hi)
+    ci = bootstrap_ci(lambda s, y: auroc(s, y), scores, labels, n_resamples=n, seed=seed)
+    return ci.low, ci.high
 
 
 def layer_key(name: str) -> tuple[int, str]:
@@ -158,7 +151,7 @@ def layer_key(name: str) -> tuple[int, str]:
 
 # -- figures --------------------------------------------------------------------------------------------------------
 
-def slice_figure(curve: dict, size: int):
+def slice_figure(curve: dict, size: int, rho_ci: dict | None = None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +164,8 @@ def slice_figure(curve: dict, size: int):
                 color="C0")
     ax.set_xlabel("correct questions in the slice (%)")
     ax.set_ylabel("slice dispersion D (final layer)")
-    ax.set_title(f"Spearman ρ = {curve['spearman']:.2f} ({size} per slice, {curve['seeds']} seeds)", fontsize=9)
+    ax.set_title(f"Spearman ρ = {curve['spearman']:.2f}" + (f" (95 % CI {rho_ci['low']:.2f} to {rho_ci['high']:.2f})"
+                 if rho_ci else "") + f"; {size} per slice, {curve['seeds']} seeds", fontsize=9)
     ax.grid(alpha=0.3)
     ax = axes[1]
     if curve.get("perplexity_mean"):
@@ -220,17 +214,30 @@ def calibration_figure(calibration: dict):
     return fig
 
 
-def layer_figure(layers: list[tuple[str, float]]):
+def layer_figure(layers: list[tuple[str, float]], intervals: dict | None = None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    ax.plot(range(len(layers)), [a for _, a in layers], marker="o", ms=3)
+    xs = range(len(layers))
+    per_layer = (intervals or {}).get("auroc_by_layer")
+    if per_layer:
+        est = [per_layer[name]["estimate"] for name, _ in layers]  # the AUROC the interval is about
+        lo = [max(0.0, e - per_layer[name]["low"]) for e, (name, _) in zip(est, layers)]
+        hi = [max(0.0, per_layer[name]["high"] - e) for e, (name, _) in zip(est, layers)]
+        ax.errorbar(xs, est, yerr=[lo, hi], marker="o", ms=3, capsize=2)
+    else:
+        ax.plot(xs, [a for _, a in layers], marker="o", ms=3)
+    final = (intervals or {}).get("auroc")
+    if final:
+        ax.axhspan(final["low"], final["high"], color="C1", alpha=0.15, lw=0,
+                   label=f"final layer {final['estimate']:.3f}, 95 % CI")
+        ax.legend(fontsize=7, loc="lower right")
     ax.axhline(0.5, color="grey", lw=1, ls="--")
-    ax.set_xticks(range(0, len(layers), 5))
-    ax.set_xticklabels([layers[i][0] for i in range(0, len(layers), 5)], fontsize=8)
+    ax.set_xticks(range(0, len(layers), 5 if len(layers) > 10 else 1))
+    ax.set_xticklabels([layers[i][0] for i in range(0, len(layers), 5 if len(layers) > 10 else 1)], fontsize=8)
     ax.set_xlabel("block output (resid_post)")
     ax.set_ylabel("AUROC of c_i for correctness")
     ax.grid(alpha=0.3)
@@ -409,8 +416,130 @@ def main(argv=None) -> None:
         "calibration": {k: v for k, v in cal.items() if k != "test_slices"}, "calibration_mae_constant": mae_constant,
         "lm_eval_seconds": round(lm_seconds, 1), "answer_perplexity_median": float(np.median(answer_ppl)),
         "prompt_perplexity_median": float(np.nanmedian(prompt_ppl)),
+        "per_question": {"correct": correct.tolist(), "c": c.tolist(), "prompt_ppl": prompt_ppl.tolist(),
+                         "c_by_layer": {name.split("@")[1].split(":")[1]: [float(s[name]) for s in samples]
+                                        for name in layer_names}},
     }, notes=notes)
+    gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
+
+
+# -- intervals and verdicts (issue 25): everything below reads result.json only --------------------------------------
+
+def slice_rho_interval(curve: dict, seed: int = 0, n: int = BOOTSTRAP) -> dict:
+    """Interval of Spearman ρ(fraction correct, slice dispersion) over the slice means. result.json keeps each
+    fraction's mean ± s.e. over the seeds, not the seeds' values, so each mean is redrawn from a normal with that
+    s.e. (a parametric bootstrap over seeds) and ρ recomputed; the percentile interval of those ρ."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import percentile_interval, rowwise_spearman
+
+    mean, se = np.asarray(curve["dispersion_mean"], float), np.asarray(curve["dispersion_se"], float)
+    draws = np.random.default_rng(seed).normal(mean, se, size=(n, mean.size))
+    xs = np.broadcast_to(np.asarray(curve["fractions"], float), draws.shape)
+    lo, hi, valid = percentile_interval(rowwise_spearman(xs, draws))
+    return {"estimate": curve["spearman"], "low": lo, "high": hi, "n": int(mean.size), "n_resamples": n,
+            "n_valid": valid, "level": 0.95, "seed": seed,
+            "method": "parametric bootstrap over seeds (normal draws from each slice mean ± s.e.), percentile"}
+
+
+def summarize(doc: dict) -> dict:
+    """result.json with the summary, verdicts and interval table recomputed from its data."""
+    import numpy as np
+
+    from repgeom_eval.functional.stats import auroc
+
+    d = doc["data"]
+    curve, cal = d["slices"], d["calibration"]
+    per_q = d.get("per_question")
+    intervals: dict = {}
+    if per_q:  # runs that keep every question's values: every AUROC gets its interval
+        y = np.asarray(per_q["correct"], float)
+        intervals["auroc"] = gallery.interval(lambda s, t: auroc(s, t), per_q["c"], y, vectorized=False)
+        intervals["auroc_prompt_perplexity"] = gallery.interval(
+            lambda s, t: auroc(-s, t), per_q["prompt_ppl"], y, vectorized=False)
+        intervals["auroc_by_layer"] = {k: gallery.interval(lambda s, t: auroc(s, t), v, y, vectorized=False)
+                                       for k, v in per_q["c_by_layer"].items()}
+    else:  # the interval the run computed over the questions (the per-question values were not kept)
+        lo, hi = d["auroc_ci95"]
+        intervals["auroc"] = {"estimate": d["auroc"], "low": lo, "high": hi, "n": d["questions"],
+                              "n_resamples": BOOTSTRAP, "level": 0.95, "seed": 0,
+                              "method": "percentile bootstrap over questions, computed by the run"}
+    intervals["slice_spearman"] = slice_rho_interval(curve)
+    a, r = intervals["auroc"], intervals["slice_spearman"]
+    auc = a["estimate"]  # with per-question values: recomputed from them; otherwise lm_eval's, as the run wrote
+    v_auc = gallery.decide(a["low"], a["high"], null=0.5, expect="above")
+    v_rho = gallery.decide(r["low"], r["high"], null=0.0, expect="above")
+    layer_vals = d["auroc_by_layer"]
+    layer_range = f"{min(layer_vals.values()):.3f}–{max(layer_vals.values()):.3f}" if layer_vals else "n/a"
+    best_layer = max(layer_vals, key=layer_vals.get) if layer_vals else "-"
+    pp = intervals.get("auroc_prompt_perplexity")
+    pp_text = (f"{pp['estimate']:.3f} ({ci(pp)})" if pp else
+               f"{d['auroc_prompt_perplexity']:.3f} (no interval: the per-question values were not kept)")
+    said = {gallery.FOLLOWS: "follows it", gallery.OPPOSITE: "the opposite of the paper",
+            gallery.CANNOT_TELL: "cannot tell at this size"}
+    summary = [
+        f"SmolLM2-135M-Instruct (GGUF) answered {d['questions']} cloze-style WordNet questions (definition → word, "
+        "3 distractors from the same lexicographer file) through `lm_eval --include_path` with a repgeom hardness "
+        "YAML, then `repgeom slices --calibrate` on its samples. Not covered: other prompt formats and quizzes "
+        "(one prompt, one quiz), larger models.",
+        f"Accuracy {d['accuracy']:.3f}; AUROC of c_i for correctness {auc:.3f} ({ci(a)}; percentile "
+        f"bootstrap over the {d['questions']} questions); per block output {layer_range} (best resid_post:"
+        f"{best_layer}; {'intervals in the table' if per_q else 'no intervals: per-question values not kept'}); "
+        f"prompt perplexity {pp_text}; slice curve D {curve['dispersion_mean'][0]:.4f} at 0 % → "
+        f"{curve['dispersion_mean'][-1]:.4f} at 100 % correct, Spearman ρ {curve['spearman']:.2f} ({ci(r)}; "
+        f"{curve['seeds']} seeds).",
+        "Paper A: questions of lower dispersion are harder (AUROC of c_i above 0.5), and slices of lower dispersion "
+        f"less accurate (ρ above 0). Decided by the 95 % intervals: question ranking, {said[v_auc]} (AUROC "
+        f"{auc:.3f}, {ci(a)}); slice curve, {said[v_rho]} (ρ {curve['spearman']:.2f}, {ci(r)}). Side "
+        f"observation, not counted against paper A (which does not offer dispersion as a calibrated accuracy "
+        f"predictor): calibration MAE {cal['mae_mean']:.3f} ± {cal['mae_se']:.3f} (s.e. over "
+        f"{cal['seeds']} seeds) against {d['calibration_mae_constant']:.3f} for always predicting 0.5.",
+    ]
+    rows = [["AUROC of c_i → correct (final layer)", auc, ci(a), a["method"], v_auc],
+            ["Spearman ρ(fraction correct, slice dispersion)", curve["spearman"], ci(r), r["method"], v_rho]]
+    if pp:
+        rows.append(["AUROC of −(prompt perplexity) → correct", pp["estimate"], ci(pp), pp["method"],
+                     gallery.decide(pp["low"], pp["high"], null=0.5, expect="above")])
+    for k, v in intervals.get("auroc_by_layer", {}).items():
+        rows.append([f"AUROC of c_i at resid_post:{k}", v["estimate"], ci(v), v["method"],
+                     gallery.decide(v["low"], v["high"], null=0.5, expect="above")])
+    tables = [{"title": "95 % intervals and verdicts (follows: interval beyond the paper's null on its side; "
+                        "cannot tell: interval holds the null)",
+               "header": ["statistic", "value", "95 % interval", "how", "verdict"], "rows": rows}]
+    notes = ["Intervals: the AUROC's is a percentile bootstrap over the questions (2000 resamples, seed 0). "
+             + ("" if per_q else "This run's result.json keeps no per-question values, so the per-layer AUROCs, "
+                "the prompt-perplexity AUROC and the correct/incorrect dispersion difference get no interval here; "
+                "runs of the current run.py keep them (data.per_question). ")
+             + "The slice curve's ρ interval redraws each slice mean from its mean ± s.e. over the seeds (the "
+             "seeds' own values are not kept), a parametric stand-in for resampling the seeds; it treats the 11 "
+             "means as independent, though their slices are drawn from the same questions, so it is likely too "
+             "narrow.",
+             "The calibration MAE is reported as a side observation and does not enter the verdict: paper A does not "
+             "present dispersion as a calibrated accuracy predictor. The calibration figure is the run's own (its "
+             "test slices are not kept in result.json) and is not redrawn."]
+    figures = [f if f["file"] != "auroc_by_layer.png" else
+               {"file": f["file"], "caption": "AUROC of c_i for correctness at each block output; band: 95 % interval "
+                "of the final layer's AUROC (bootstrap over questions); dashed: chance"
+                + ("; bars: 95 % intervals per layer" if per_q else "; per-layer intervals need per-question values, "
+                   "not kept by this run")} for f in doc["figures"]]
+    return gallery.regenerated(doc, summary, tables, notes, intervals, figures)
+
+
+def ci(interval: dict) -> str:
+    return (f"95 % CI {interval['low']:.3f} to {interval['high']:.3f}" if math.isfinite(interval["low"])
+            else "no interval")
+
+
+def draw(doc: dict, out: Path) -> None:
+    d = doc["data"]
+    gallery.save_figure(slice_figure(d["slices"], d["slices"]["size"], d["intervals"]["slice_spearman"]),
+                        out / "slices.png")
+    layers = sorted(d["auroc_by_layer"].items(), key=lambda kv: int(kv[0]))
+    gallery.save_figure(layer_figure(layers, d["intervals"]), out / "auroc_by_layer.png")
 
 
 if __name__ == "__main__":
-    main()
+    if gallery.FROM_RAW in sys.argv:
+        gallery.from_raw("hardness_without_labels", summarize, draw)
+    else:
+        main()

@@ -196,6 +196,119 @@ def main(argv: list[str] | None = None) -> None:
         "groups": {p: pops[p]["groups"] for p in pops},
     }
     exp.finish(summary, data, notes)
+    gallery.from_raw(NAME, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
+
+
+# -- intervals (issue 25): everything below reads result.json only -----------------------------------------------------
+
+def group_intervals(data: dict[str, Any]) -> dict[str, Any]:
+    """Percentile-bootstrap 95 % intervals of Pearson r and Spearman ρ(group perplexity, group dispersion) at every
+    layer and population, resampling the groups (the per-chunk values are not in result.json)."""
+    from repgeom_eval.functional.bootstrap import rowwise_pearson, rowwise_spearman
+
+    out: dict[str, Any] = {}
+    for pop, groups in data["groups"].items():
+        ppl = [g["mean_ppl"] for g in groups]
+        out[pop] = {}
+        for layer in data["layers"]:
+            disp = [finite(g["dispersion"].get(layer)) for g in groups]
+            out[pop][layer] = {kind: gallery.interval(stat, ppl, disp) if len(groups) >= 3 else None
+                               for kind, stat in (("pearson", rowwise_pearson), ("spearman", rowwise_spearman))}
+    return out
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """result.json with the summary, verdicts and interval tables recomputed from its raw data (the groups)."""
+    data = doc["data"]
+    cfg, layers, final = data["config"], data["layers"], data["final"]
+    sources = [s for s in SOURCES if s in data["correlation"]]
+    ci = group_intervals(data)
+
+    def corr(pop: str, layer: str, kind: str) -> float:
+        return finite(data["correlation"][pop][layer][kind])
+
+    def bounds(pop: str, layer: str, kind: str = "pearson") -> tuple[float, float]:
+        c = ci[pop][layer][kind]
+        return (c["low"], c["high"]) if c else (math.nan, math.nan)
+
+    def verdict(pop: str, layer: str, kind: str = "pearson") -> str:
+        return gallery.decide(*bounds(pop, layer, kind), null=0.0, expect="below")
+
+    n_groups = {p: len(data["groups"][p]) for p in [*sources, "pooled"]}
+    fmt = lambda p, layer, kind: (f"{p} {corr(p, layer, kind):+.2f} ({bounds(p, layer, kind)[0]:+.2f} to "  # noqa: E731
+                                  f"{bounds(p, layer, kind)[1]:+.2f})")
+    by_verdict = {v: [s for s in sources if verdict(s, final) == v]
+                  for v in (gallery.FOLLOWS, gallery.CANNOT_TELL, gallery.OPPOSITE)}
+    spearman_follow = [s for s in sources if verdict(s, final, "spearman") == gallery.FOLLOWS]
+    all_follow = [a for a in layers if all(verdict(s, a) == gallery.FOLLOWS for s in sources)]
+    all_opposite = [a for a in layers if all(verdict(s, a) == gallery.OPPOSITE for s in sources)]
+    any_follow = [a for a in layers if any(verdict(s, a) == gallery.FOLLOWS for s in sources)]
+    show = lambda xs: ", ".join(xs[:6]) + (" …" if len(xs) > 6 else "") or "none"  # noqa: E731
+    fired = bool(data["confound"].get("flagged"))
+    pooled = bounds("pooled", final)
+    summary = [
+        f"`repgeom ppl-bins --per-source {cfg['per_source']} --layers all` on SmolLM2-135M-Instruct (GGUF): "
+        f"{cfg['per_source']} chunks of {cfg['chunk_len']} tokens from each of {len(sources)} single-domain sources "
+        f"({', '.join(sources)}), groups of {cfg['group_size']} ({cfg['group_size_rule']}), {len(layers)} hidden "
+        f"states. Not covered: paper A's group size of 20 (result.json keeps the groups of {cfg['group_size']}, not "
+        "the per-chunk values, so regrouping needs the model run again), larger models, more chunks.",
+        f"Pearson r(group perplexity, token dispersion) at the final layer with 95 % intervals (percentile bootstrap "
+        f"over the {min(n_groups[s] for s in sources)} groups of each source, 2000 resamples, seed 0): "
+        + ", ".join(fmt(s, final, "pearson") for s in sources)
+        + f"; pooled {fmt('pooled', final, 'pearson').split(' ', 1)[1]}. Spearman: "
+        + ", ".join(fmt(s, final, "spearman") for s in sources) + ".",
+        "Paper A finds the correlation negative within each domain (lower-perplexity groups more dispersed); a "
+        "source follows it when the whole interval is below 0. At the final layer SmolLM2-135M follows it in "
+        f"{len(by_verdict[gallery.FOLLOWS])} of {len(sources)} sources ({show(by_verdict[gallery.FOLLOWS])})"
+        + (f"; cannot tell at this size in {show(by_verdict[gallery.CANNOT_TELL])}" if by_verdict[gallery.CANNOT_TELL]
+           else "")
+        + (f"; the opposite in {show(by_verdict[gallery.OPPOSITE])}" if by_verdict[gallery.OPPOSITE] else "")
+        + f" (Spearman: {len(spearman_follow)} of {len(sources)}). Pooled over the domains r = "
+        f"{corr('pooled', final, 'pearson'):+.2f} ({pooled[0]:+.2f} to {pooled[1]:+.2f})"
+        + (", which mostly compares domains (domain-confound warning), not the paper's within-domain law" if fired
+           else "")
+        + f". By depth every source's interval is below 0 at {len(all_follow)} of {len(layers)} hidden states "
+        f"({show(all_follow)}), at least one source's at {len(any_follow)}, and every source's is above 0 (the "
+        f"opposite sign) at {len(all_opposite)} ({show(all_opposite)}).",
+    ]
+    rows = [[p, n_groups[p], corr(p, final, "pearson"), f"{bounds(p, final)[0]:+.3f} to {bounds(p, final)[1]:+.3f}",
+             verdict(p, final), corr(p, final, "spearman"),
+             f"{bounds(p, final, 'spearman')[0]:+.3f} to {bounds(p, final, 'spearman')[1]:+.3f}",
+             verdict(p, final, "spearman")] for p in [*sources, "pooled"]]
+    depth_rows = [[a, *[sum(verdict(s, a) == v for s in sources)
+                        for v in (gallery.FOLLOWS, gallery.CANNOT_TELL, gallery.OPPOSITE)]] for a in layers]
+    tables = [
+        {"title": f"95 % intervals at the final layer ({final}): percentile bootstrap over the groups", "header": [
+            "population", "groups", "Pearson r", "95 % CI", "verdict (r)", "Spearman ρ", "95 % CI", "verdict (ρ)"],
+         "rows": rows},
+        {"title": "Verdict by depth (Pearson r; follows: interval below 0, opposite: above 0), number of sources",
+         "header": ["address", "follows", "cannot tell", "opposite"], "rows": depth_rows},
+    ]
+    notes = [
+        "Intervals: percentile bootstrap (repgeom_eval.functional.bootstrap, 2000 resamples, seed 0) over the groups "
+        "of a population, the finest unit result.json keeps. The groups are consecutive in perplexity order (paper "
+        "A's Algorithm 1), so they are not independent draws; resampling chunks would need the per-chunk values, "
+        "which the run wrote to its work folder only. A verdict is decided by the interval (below 0: follows; "
+        "above 0: the opposite; holding 0: cannot tell at this size), never by the sign alone.",
+        f"Paper A's group size (20) cannot be formed from these results: a group's token dispersion is a mean over "
+        f"pairs of token vectors across its chunks, which the {cfg['group_size']}-chunk groups' dispersions do not "
+        "determine; it needs `repgeom ppl-bins --group-size 20` and therefore the model again. The scatter figure "
+        "(per-chunk points) is the run's own and is not redrawn.",
+    ]
+    figures = [f if f["file"] != "correlation_by_depth.png" else
+               {"file": f["file"], "caption": f"corr(group perplexity, group token dispersion) at every hidden state "
+                f"of SmolLM2-135M, per source and pooled, with 95 % bootstrap bands (over groups); "
+                f"{cfg['per_source']} chunks of {cfg['chunk_len']} tokens a source, groups of {cfg['group_size']}"}
+               for f in doc["figures"]]
+    return gallery.regenerated(doc, summary, tables, notes, ci, figures)
+
+
+def draw(doc: dict[str, Any], out: Path) -> None:
+    data = doc["data"]
+    sources = [s for s in SOURCES if s in data["correlation"]]
+    corr = lambda p, a, k: finite(data["correlation"][p][a][k])  # noqa: E731
+    gallery.save_figure(figure_by_depth(data["layers"], sources, corr, data["config"], data["intervals"]),
+                        out / "correlation_by_depth.png")
 
 
 def median(xs: list[float]) -> float:
@@ -236,7 +349,8 @@ def depth_sentence(layers: list[str], sources: list[str], corr: Any) -> str:
     return text + "."
 
 
-def figure_by_depth(layers: list[str], sources: list[str], corr: Any, cfg: dict[str, Any]) -> Any:
+def figure_by_depth(layers: list[str], sources: list[str], corr: Any, cfg: dict[str, Any],
+                    intervals: dict[str, Any] | None = None) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,6 +361,9 @@ def figure_by_depth(layers: list[str], sources: list[str], corr: Any, cfg: dict[
     for ax, kind, title in ((axes[0], "pearson", "Pearson r"), (axes[1], "spearman", "Spearman ρ")):
         for k, s in enumerate(sources):
             ax.plot(xs, [corr(s, a, kind) for a in layers], color=f"C{k}", lw=1.2, label=s)
+            if intervals and all(intervals[s][a][kind] for a in layers):
+                ax.fill_between(xs, [intervals[s][a][kind]["low"] for a in layers],
+                                [intervals[s][a][kind]["high"] for a in layers], color=f"C{k}", alpha=0.12, lw=0)
         ax.plot(xs, [corr("pooled", a, kind) for a in layers], color="black", lw=1.6, ls="--", label="pooled")
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_ylim(-1.05, 1.05)
@@ -290,4 +407,7 @@ def figure_scatter(chunks: list[dict[str, Any]], pops: dict[str, Any], sources: 
 
 
 if __name__ == "__main__":
-    main()
+    if gallery.FROM_RAW in sys.argv:
+        gallery.from_raw(NAME, summarize, draw)
+    else:
+        main()

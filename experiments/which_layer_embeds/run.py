@@ -273,6 +273,146 @@ def main() -> None:
                                           "best_rel_depth": v["best"]["rel_depth"]} for v in verdicts],
             "seconds": {f"{m}/{p}": s for (m, p), s in seconds.items()}, "size": size, "sources": sources}
     exp.finish([line1, line2, line3], data=data, notes=notes)
+    gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
+
+
+# -- intervals and verdicts (issue 25): everything below reads result.json only --------------------------------------
+
+MODELS = ("SmolLM2-135M", "all-MiniLM-L6-v2")
+
+
+def layer_differences(rows: list[dict]) -> dict:
+    """Per model and preprocessing: every layer's main score minus the last layer's, per task, with the 95 %
+    percentile-bootstrap interval of the mean over the tasks (the tasks are the unit: per-item scores are not kept)."""
+    from repgeom_eval.functional.bootstrap import rowwise_mean
+
+    out: dict = {}
+    for model in MODELS:
+        for prep in PREPS:
+            tasks = sorted({(r["source"], r["type"]) for r in rows if r["model"] == model and r["preprocess"] == prep})
+            if not tasks:
+                continue
+            per_task = [by(rows, model=model, source=src, type=kind, preprocess=prep) for src, kind in tasks]
+            layers = [r["layer"] for r in per_task[0]]
+            layers = [a for a in layers if all(any(r["layer"] == a for r in t) for t in per_task)]
+            entry = {"tasks": [f"{SOURCES[src]}{kind}" for src, kind in tasks], "layers": {}}
+            for a in layers:
+                diffs = [next(r for r in t if r["layer"] == a)["score"] - t[-1]["score"] for t in per_task]
+                depth = next(r for r in per_task[0] if r["layer"] == a)["rel_depth"]
+                iv = gallery.interval(rowwise_mean, diffs) if len(diffs) > 1 else None
+                entry["layers"][a] = {"rel_depth": depth, "differences": diffs, "mean": statistics.mean(diffs),
+                                      "ci": iv}
+            mids = [a for a in layers if 0 < entry["layers"][a]["rel_depth"] < 1]
+            entry["middle"] = min(mids, key=lambda a: abs(entry["layers"][a]["rel_depth"] - 0.5)) if mids else None
+            out[f"{model}/{prep}"] = entry
+    return out
+
+
+def summarize(doc: dict) -> dict:
+    """result.json with the summary, intervals and verdicts recomputed from its per-layer rows."""
+    d = doc["data"]
+    rows, verdicts, sources = d["rows"], d["verdicts"], d["sources"]
+    diffs = layer_differences(rows)
+
+    def count(model: str, prep: str) -> tuple[int, int, float]:
+        vs = [v for v in verdicts if v["model"] == model and v["preprocess"] == prep]
+        return sum(v["gain"] > 0 for v in vs), len(vs), statistics.mean(v["gain"] for v in vs)
+
+    def mean_score(model: str, prep: str, which: str) -> float:
+        return statistics.mean(v[f"{which}_score"] for v in verdicts if v["model"] == model and v["preprocess"] == prep)
+
+    def middle(key: str) -> tuple[str, dict, str]:
+        e = diffs[key]
+        a = e["middle"]
+        iv = e["layers"][a]["ci"]
+        return a, iv, gallery.decide(iv["low"], iv["high"], 0.0, expect="above")
+
+    def beyond(key: str) -> list[str]:
+        return [a for a, v in diffs[key]["layers"].items() if v["ci"] and 0 < v["rel_depth"] < 1
+                and gallery.decide(v["ci"]["low"], v["ci"]["high"], 0.0, "above") == gallery.FOLLOWS]
+
+    n_tasks = len(sources) * len(TYPES)
+    raw_smol = [r for r in rows if r["model"] == "SmolLM2-135M" and r["preprocess"] == "none"]
+    peak = max((r for r in raw_smol if r["top1_share"] is not None), key=lambda r: r["top1_share"])
+    n_states = len(by(rows, model="SmolLM2-135M", source=sources[0], type="STS", preprocess="none"))
+    s_raw, s_std = count("SmolLM2-135M", "none"), count("SmolLM2-135M", "standardize")
+    m_raw, m_std = count("all-MiniLM-L6-v2", "none"), count("all-MiniLM-L6-v2", "standardize")
+    said = {gallery.FOLLOWS: "above the last layer (follows)", gallery.OPPOSITE: "below the last layer (the opposite)",
+            gallery.CANNOT_TELL: "cannot tell at this size"}
+    parts = []
+    for model, short in (("SmolLM2-135M", "SmolLM2"), ("all-MiniLM-L6-v2", "MiniLM")):
+        for prep, label in (("none", "raw"), ("standardize", "standardized")):
+            a, iv, v = middle(f"{model}/{prep}")
+            parts.append(f"{short} {label}: {a} {iv['estimate']:+.3f} ({iv['low']:+.3f} to {iv['high']:+.3f}), "
+                         f"{said[v]}; {len(beyond(f'{model}/{prep}'))} of "
+                         f"{sum(0 < x['rel_depth'] < 1 for x in diffs[f'{model}/{prep}']['layers'].values())} "
+                         "intermediate layers above the last beyond the task-to-task spread")
+    line1 = (f"`repgeom mteb run --layer all` on {n_tasks} local tasks (topic classification, topic clustering, "
+             f"graded STS; example tasks of size {d['size']} from {' and '.join(sources)}) for SmolLM2-135M-Instruct "
+             f"(GGUF, mean pooling, {n_states} hidden states) and all-MiniLM-L6-v2 (its own recipe), raw and with "
+             "`--preprocess standardize`, with dataset entropy and the massive-activation share. Not covered: MTEB "
+             "itself, and per-item scores (not kept), so intervals are over the tasks only.")
+    line2 = (f"Best layer minus last layer per task (selected after the fact, so never below 0): an earlier layer "
+             f"is higher on {s_raw[0]}/{s_raw[1]} tasks for SmolLM2 raw (mean gain {s_raw[2]:+.3f}) and "
+             f"{s_std[0]}/{s_std[1]} standardized ({s_std[2]:+.3f}); for MiniLM {m_raw[0]}/{m_raw[1]} raw "
+             f"({m_raw[2]:+.3f}) and {m_std[0]}/{m_std[1]} standardized ({m_std[2]:+.3f}). Standardizing moves "
+             f"SmolLM2's mean best-layer score from {mean_score('SmolLM2-135M', 'none', 'best'):.3f} to "
+             f"{mean_score('SmolLM2-135M', 'standardize', 'best'):.3f} and its mean last-layer score from "
+             f"{mean_score('SmolLM2-135M', 'none', 'last'):.3f} to "
+             f"{mean_score('SmolLM2-135M', 'standardize', 'last'):.3f}; its largest raw dimension holds up to "
+             f"{peak['top1_share']:.0%} of the squared norm ({peak['layer']}).")
+    line3 = ("Paper B (language models on MTEB): intermediate layers often beat the last one. Tested without "
+             "picking the layer after the fact: the middle layer's score minus the last layer's, mean over the "
+             f"{n_tasks} tasks with a 95 % interval (percentile bootstrap over tasks): " + "; ".join(parts)
+             + ". A per-task \"beats the last layer\" cannot be decided from these results (no per-item scores).")
+    table_rows = []
+    for key, e in diffs.items():
+        model, prep = key.split("/")
+        for a, v in e["layers"].items():
+            if v["ci"]:
+                table_rows.append([model, prep, a, round(v["rel_depth"], 2), v["mean"],
+                                   f"{v['ci']['low']:+.3f} to {v['ci']['high']:+.3f}",
+                                   gallery.decide(v["ci"]["low"], v["ci"]["high"], 0.0, "above")
+                                   + (" (middle layer)" if a == e["middle"] else "")])
+    tables = [{"title": "Layer minus last layer, mean over the tasks, with 95 % intervals (percentile bootstrap over "
+                        "the tasks; follows: above 0, opposite: below 0)",
+               "header": ["model", "preprocess", "layer", "rel. depth", "mean difference", "95 % CI", "verdict"],
+               "rows": table_rows}]
+    notes = ["Intervals: the MTEB runs keep one main score per task and layer, not the per-item scores, so no "
+             "interval over a task's items can be formed from result.json; the bootstrap resamples the "
+             f"{n_tasks} tasks (2000 resamples, seed 0), which gives the spread across tasks of a layer's difference "
+             "from the last layer. With 6 tasks these intervals are coarse. The verdict uses the middle layer "
+             "(relative depth nearest 0.5), fixed before looking; counts of layers beyond noise are descriptive "
+             "(many layers, no correction for multiplicity). The best-vs-last gains are kept as the run wrote them "
+             "but decide nothing: a maximum over layers is never below the last layer."]
+    figures = [*[f for f in doc["figures"] if f["file"] != "gain_by_depth.png"],
+               {"file": "gain_by_depth.png", "caption": "Each layer's main score minus the last layer's, mean over "
+                "the tasks, with 95 % bootstrap bands over the tasks; solid raw, dashed standardized"}]
+    return gallery.regenerated(doc, [line1, line2, line3], tables, notes, diffs, figures)
+
+
+def draw(doc: dict, out: Path) -> None:
+    from repgeom_eval.output.plotting import pyplot
+
+    plt = pyplot()
+    colours = {"SmolLM2-135M": "tab:blue", "all-MiniLM-L6-v2": "tab:orange"}
+    styles = {"none": "-", "standardize": "--"}
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    for key, e in doc["data"]["intervals"].items():
+        model, prep = key.split("/")
+        pts = [v for v in e["layers"].values() if v["ci"]]
+        xs = [v["rel_depth"] for v in pts]
+        ax.plot(xs, [v["mean"] for v in pts], styles[prep], color=colours[model], marker="o", ms=2.5, lw=1.2,
+                label=f"{model}, {'raw' if prep == 'none' else prep}")
+        ax.fill_between(xs, [v["ci"]["low"] for v in pts], [v["ci"]["high"] for v in pts], color=colours[model],
+                        alpha=0.10 if prep == "none" else 0.06, lw=0)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("relative depth (0 = embeddings, 1 = last layer)", fontsize=8)
+    ax.set_ylabel("score − last-layer score (mean over tasks)", fontsize=8)
+    ax.grid(alpha=0.3)
+    outside_legend(ax, fontsize=7)
+    fig.tight_layout()
+    gallery.save_figure(fig, out / "gain_by_depth.png")
 
 
 def _mean_by(rows: list[dict], key: str, depth: str = "depth") -> dict[float, float]:
@@ -286,4 +426,7 @@ def _mean_by(rows: list[dict], key: str, depth: str = "depth") -> dict[float, fl
 
 
 if __name__ == "__main__":
-    main()
+    if gallery.FROM_RAW in sys.argv:
+        gallery.from_raw("which_layer_embeds", summarize, draw)
+    else:
+        main()
