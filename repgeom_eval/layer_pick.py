@@ -15,10 +15,10 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # numpy and torch load when a rule scores, not when plugins load (repgeom --help stays light)
+    import numpy as np
 
 from repgeom_eval.errors import RepgeomError
 
@@ -107,13 +107,16 @@ class MinDatasetEntropy(LayerPick):
     """The layer whose task texts have the lowest dataset entropy (paper B's compression; docs/picks.md)."""
 
     name = "min_dataset_entropy"
-    quantity = ("dataset entropy (paper B, SPEC default): von Neumann entropy (alpha) of the Gram of the pooled "
+    quantity = ("dataset entropy (paper B, the default of docs/metrics.md): von Neumann entropy (alpha) of the Gram of the pooled "
                 "vectors centred over all texts and unit-normalised, divided by log min(N, D)")
     direction = "min"
     defaults = {"alpha": 1.0}
 
     def score(self, vectors: np.ndarray) -> float:
         from repgeom_eval.functional.entropy import dataset_entropy
+
+        import numpy as np
+        import torch
 
         return float(dataset_entropy(torch.from_numpy(np.asarray(vectors, dtype=np.float64)),
                                      alpha=self.params["alpha"])["normalized"])
