@@ -409,10 +409,12 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"(ρ(step, perplexity) = {show('step_ppl')}, ρ(G, step) = {show('G_step')}), so this run tests whether G "
         "tracks early training, not whether it beats that baseline or screens fine-tunes.",
     ]
+    pick = checkpoint_pick(d)
+    summary[2] += " " + pick_sentence(pick)
     rows = [[f"ρ({x}, {y})", intervals[k]["estimate"], f"{intervals[k]['low']:+.3f} to {intervals[k]['high']:+.3f}",
              n, verdict.get(k, "context (no paper prediction)")] for k, (x, y, _) in PAIRS.items()]
     tables = [{"title": "Spearman ρ over the checkpoints with 95 % intervals (percentile bootstrap over checkpoints)",
-               "header": ["pair", "ρ", "95 % CI", "n", "verdict"], "rows": rows}]
+               "header": ["pair", "ρ", "95 % CI", "n", "verdict"], "rows": rows}, pick_table(pick)]
     notes = [
         "Intervals resample the checkpoints (the only unit result.json keeps per value): they are successive "
         "states of one training run, not independent draws, and n = 10 is small, so the intervals describe how "
@@ -429,7 +431,93 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                 "s.e.; dotted: chance) against the training step"},
                {"file": "gap_vs_ppl.png", "caption": "G against held-out perplexity and cloze accuracy, one point per "
                 "checkpoint (labels: training step); titles: Spearman ρ with its 95 % bootstrap interval"}]
-    return gallery.regenerated(doc, summary, tables, notes, intervals, figures)
+    notes.append(PICK_NOTE.format(burn_in=pick["burn_in"], first=pick["first_eligible_step"],
+                                  max_steps=pick["max_steps"], n=n, reference=d["token_sets"]["reference"],
+                                  size=d["token_sets"]["size"], **pick["callback_defaults"]))
+    out = gallery.regenerated(doc, summary, tables, notes, intervals, figures)
+    out["data"]["checkpoint_pick"] = pick
+    return out
+
+
+# -- the training callback's label-free pick against the held-out choice (issue 26) ----------------------------------
+
+PICK_SETS = {"G": "domain", "G_digits": "second_domain"}  # G's column → its token set's key in data.token_sets
+PICK_NOTE = (
+    "Checkpoint pick: `repgeom_eval.training.geometry.pick_checkpoint`, the rule GeometryCallback applies (largest cosine G "
+    "at or after burn_in × max_steps, ties to the later step; default burn_in {burn_in} of max_steps {max_steps}, "
+    "so steps ≥ {first}), run on the G that `repgeom gap` measured on the saved checkpoints (T̄ = {reference}, "
+    "{size} sampled entries; the callback's defaults: T = {cb_domain}, T̄ = {cb_reference}, {cb_size}) for both "
+    "token sets T this run computed; the callback itself was "
+    "not run here, it computes G with the same token sets and distance code but was not checked against these "
+    "values. The held-out choice is the lowest held-out perplexity over all {n} checkpoints (it reads labels; "
+    "the pick does not). This is one training run, so there is no interval over runs; a bootstrap over the "
+    "checkpoints is not given, because the checkpoints are the whole candidate set of the pick, not a sample of "
+    "it, and resampling them would only measure which duplicates a resample happens to hold.")
+
+
+def checkpoint_pick(d: dict[str, Any]) -> dict[str, Any]:
+    """The callback's label-free pick (pick_checkpoint, its default burn-in) over the run's checkpoints for each
+    token set, against the checkpoint of lowest held-out perplexity."""
+    import dataclasses
+
+    from repgeom_eval.training.config import GeometryProbe
+    from repgeom_eval.training.geometry import pick_checkpoint
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GeometryProbe)}
+    burn_in = defaults["burn_in"]
+    steps, ppl, acc = d["steps"], d["ppl"], d["cloze_acc"]
+    max_steps = d["training"]["max_steps"]
+    best = min(range(len(steps)), key=lambda i: (ppl[i], steps[i]))
+    order = sorted(range(len(steps)), key=lambda i: ppl[i])
+    out: dict[str, Any] = {"burn_in": burn_in, "max_steps": max_steps, "n_checkpoints": len(steps),
+                           "held_out_step": steps[best],
+                           "held_out_ppl": ppl[best], "held_out_cloze_acc": acc[best], "by_token_set": {},
+                           "callback_defaults": {"cb_domain": defaults["domain"], "cb_reference": defaults["reference"],
+                                                 "cb_size": defaults["size"]}}
+    for key, which in PICK_SETS.items():
+        name = d["token_sets"][which]
+        label = name + (" (this run's T)" if which == "domain" else "") + (
+            " (GeometryCallback's default T)" if name == defaults["domain"] else "")
+        records = [{"step": s, "G": {"cosine": g}, "checkpoint": m} for s, g, m in zip(steps, d[key], d["models"])]
+        picked = pick_checkpoint(records, max_steps, burn_in)
+        i = steps.index(picked["step"])
+        eligible = [j for j in order if steps[j] >= picked["first_eligible_step"]]
+        out["first_eligible_step"] = picked["first_eligible_step"]
+        out["by_token_set"][key] = {
+            "token_set": label, "step": picked["step"], "G_cosine": picked["G_cosine"],
+            "n_eligible": picked["n_eligible"], "ppl": ppl[i], "cloze_acc": acc[i],
+            "ppl_minus_best": ppl[i] - ppl[best], "ppl_ratio": ppl[i] / ppl[best],
+            "rank_by_ppl": order.index(i) + 1, "rank_by_ppl_among_eligible": eligible.index(i) + 1,
+            "is_held_out_choice": i == best, "rule": picked["rule"]}
+    return out
+
+
+def pick_sentence(pick: dict[str, Any]) -> str:
+    parts = []
+    for key, p in pick["by_token_set"].items():
+        parts.append(f"T = {p['token_set'].split(' ')[0]}: step {p['step']}, perplexity {p['ppl']:.1f}, "
+                     f"{p['ppl_minus_best']:+.1f} ({p['ppl_ratio'] - 1:+.1%}) over the held-out choice, rank "
+                     f"{p['rank_by_ppl']} of {pick['n_checkpoints']} by perplexity "
+                     f"({p['rank_by_ppl_among_eligible']} of {p['n_eligible']} eligible)")
+    hits = [p["is_held_out_choice"] for p in pick["by_token_set"].values()]
+    verdict = ("it picks the held-out choice with both token sets" if all(hits) else
+               "it does not pick the held-out choice with either token set" if not any(hits) else
+               "it picks the held-out choice with one token set only")
+    return (f"The training callback's label-free pick (largest G at or after step {pick['first_eligible_step']}) "
+            f"against the held-out choice (lowest perplexity, step {pick['held_out_step']}, "
+            f"{pick['held_out_ppl']:.1f}): " + "; ".join(parts) + f"; {verdict} (one run, so no interval).")
+
+
+def pick_table(pick: dict[str, Any]) -> dict[str, Any]:
+    rows = [[p["token_set"], p["step"], p["G_cosine"], p["ppl"], pick["held_out_step"], pick["held_out_ppl"],
+             p["ppl_minus_best"], f"{p['rank_by_ppl']}/{pick['n_checkpoints']}",
+             f"{p['rank_by_ppl_among_eligible']}/{p['n_eligible']}", p["cloze_acc"], pick["held_out_cloze_acc"]]
+            for p in pick["by_token_set"].values()]
+    return {"title": "Label-free checkpoint pick (GeometryCallback's pick_checkpoint) against the held-out choice "
+                     "(lowest perplexity); one run, no interval",
+            "header": ["T", "picked step", "G (cosine)", "pick ppl", "held-out step", "held-out ppl", "ppl − best",
+                       "rank by ppl", "rank among eligible", "pick cloze acc", "held-out cloze acc"],
+            "rows": rows}
 
 
 def draw(doc: dict[str, Any], out: Path) -> None:

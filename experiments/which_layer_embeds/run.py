@@ -308,11 +308,106 @@ def layer_differences(rows: list[dict]) -> dict:
     return out
 
 
+PICK_TEXTS_NOTE = (
+    "Label-free pick: the built-in `--layer auto` rule (`min_dataset_entropy`, default parameters: alpha 1, `embed` "
+    "left out) applied through its own code (`MinDatasetEntropy().candidates` and `.choose`, ties to the shallower "
+    "layer) to the per-layer `entropy_raw` of the raw runs, which is `repgeom.dataset_entropy.normalized` of "
+    "`--metrics dataset_entropy`: the same function (dataset_entropy, global centring, unit rows, von Neumann "
+    "entropy / log min(N, D)) on the same raw pooled vectors (the recipe's pooling, before preprocessing and unit "
+    "normalisation) that the rule scores, rounded to 6 digits by mteb. The texts are not exactly the rule's: the "
+    "metric reads the texts of the evaluated split, the rule every text the evaluation embeds. For STS and "
+    "clustering these are the same texts (one evaluated split); for the classification tasks the metric read the "
+    "test texts only while `--layer auto` would also score the training texts, so the classification picks here "
+    "are the rule on the test texts, not necessarily what the command picks. `--preprocess` does not change the "
+    "pick (it scores the raw vectors), so the standardized rows use the raw runs' pick, scored standardized. "
+    "Smallest entropy margin between the pick and the runner-up: {margin:.4f} (far above the 1e-6 rounding).")
+
+
+def label_free_picks(rows: list[dict]) -> dict:
+    """Per model, preprocessing and task: the layer the built-in rule picks from the raw runs' dataset entropy,
+    its score against ``final`` and against the best layer in hindsight; per model and preprocessing, over the
+    tasks: how often the pick beats ``final`` and the mean pick − final, each with a 95 % percentile-bootstrap
+    interval over the tasks (and the exact binomial interval of the hit rate, which a bootstrap of 0/n or n/n
+    cannot give)."""
+    from scipy.stats import binomtest
+
+    from repgeom_eval.functional.bootstrap import rowwise_mean
+    from repgeom_eval.layer_pick import MinDatasetEntropy
+
+    rule = MinDatasetEntropy()
+    per_task, groups, margins = [], {}, []
+    for model in MODELS:
+        tasks = sorted({(r["source"], r["type"]) for r in rows if r["model"] == model and r["preprocess"] == "none"})
+        for src, kind in tasks:
+            raw = by(rows, model=model, source=src, type=kind, preprocess="none")
+            candidates = rule.candidates([r["layer"] for r in raw])
+            scores = {r["layer"]: r["entropy_raw"] for r in raw if r["layer"] in candidates}
+            chosen = rule.choose(scores)
+            finite = sorted(v for v in scores.values() if v is not None and math.isfinite(v))
+            margins.append(finite[1] - finite[0])
+            for prep in PREPS:
+                sel = by(rows, model=model, source=src, type=kind, preprocess=prep)
+                if not sel:
+                    continue
+                score = {r["layer"]: r["score"] for r in sel}
+                final = sel[-1]
+                best = max(sel, key=lambda r: (r["score"], -r["depth"]))  # ties: the shallower layer
+                per_task.append({
+                    "model": model, "preprocess": prep, "task": raw[0]["task"], "pick": chosen,
+                    "pick_rel_depth": next(r["rel_depth"] for r in sel if r["layer"] == chosen),
+                    "pick_entropy": scores[chosen], "pick_score": score[chosen], "final_score": final["score"],
+                    "pick_minus_final": score[chosen] - final["score"], "best": best["layer"],
+                    "best_score": best["score"], "best_minus_pick": best["score"] - score[chosen]})
+    for model in MODELS:
+        for prep in PREPS:
+            sel = [t for t in per_task if t["model"] == model and t["preprocess"] == prep]
+            if not sel:
+                continue
+            diffs = [t["pick_minus_final"] for t in sel]
+            hits = [1.0 if d > 0 else 0.0 for d in diffs]
+            k, n = int(sum(hits)), len(sel)
+            exact = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+            groups[f"{model}/{prep}"] = {
+                "n_tasks": n, "beats_final": k, "ties_final": sum(d == 0 for d in diffs),
+                "hit_rate": gallery.interval(rowwise_mean, hits) if n > 1 else None,
+                "hit_rate_exact": {"low": float(exact.low), "high": float(exact.high), "method": "Clopper-Pearson"},
+                "pick_minus_final": gallery.interval(rowwise_mean, diffs) if n > 1 else None,
+                "pick_is_best": sum(t["pick"] == t["best"] for t in sel),
+                "mean_best_minus_pick": statistics.mean(t["best_minus_pick"] for t in sel),
+                "picks": sorted({t["pick"] for t in sel})}
+    return {"rule": rule.name, "params": dict(rule.params), "per_task": per_task, "groups": groups,
+            "min_entropy_margin": min(margins)}
+
+
+def pick_quotes(picks: dict) -> list[str]:
+    """One sentence per model and preprocessing: the measured hit rate (docs/picks.md quotes these verbatim)."""
+    out = []
+    for key, g in picks["groups"].items():
+        model, prep = key.split("/")
+        hr, diff, ex = g["hit_rate"], g["pick_minus_final"], g["hit_rate_exact"]
+        out.append(f"{model}, {'raw' if prep == 'none' else prep}: the pick beats final on {g['beats_final']}/"
+                   f"{g['n_tasks']} tasks (ties {g['ties_final']}; hit rate {hr['estimate']:.2f}, bootstrap "
+                   f"{ci_plain(hr, 2, False)}, exact binomial {ex['low']:.2f} to {ex['high']:.2f}); mean pick − final "
+                   f"{diff['estimate']:+.3f} ({ci_plain(diff, 3, True)}), "
+                   f"{PICK_SAID[gallery.decide(diff['low'], diff['high'], 0.0, 'above')]}; pick = best layer on "
+                   f"{g['pick_is_best']}/{g['n_tasks']}, mean gap to the best {g['mean_best_minus_pick']:.3f}")
+    return out
+
+
+PICK_SAID = {gallery.FOLLOWS: "better than final", gallery.OPPOSITE: "worse than final",
+             gallery.CANNOT_TELL: "cannot tell from final at this size"}
+
+
+def ci_plain(iv: dict, digits: int, signed: bool) -> str:
+    return gallery.ci_text(iv["low"], iv["high"], digits, signed)
+
+
 def summarize(doc: dict) -> dict:
     """result.json with the summary, intervals and verdicts recomputed from its per-layer rows."""
     d = doc["data"]
     rows, verdicts, sources = d["rows"], d["verdicts"], d["sources"]
     diffs = layer_differences(rows)
+    picks = label_free_picks(rows)
 
     def count(model: str, prep: str) -> tuple[int, int, float]:
         vs = [v for v in verdicts if v["model"] == model and v["preprocess"] == prep]
@@ -360,7 +455,7 @@ def summarize(doc: dict) -> dict:
              f"{mean_score('SmolLM2-135M', 'standardize', 'best'):.3f} and its mean last-layer score from "
              f"{mean_score('SmolLM2-135M', 'none', 'last'):.3f} to "
              f"{mean_score('SmolLM2-135M', 'standardize', 'last'):.3f}; its largest raw dimension holds up to "
-             f"{peak['top1_share']:.0%} of the squared norm ({peak['layer']}).")
+             f"{peak['top1_share']:.0%} of the squared norm ({peak['layer']})." + " " + pick_line(picks))
     line3 = ("Paper B (language models on MTEB): intermediate layers often beat the last one. Tested without "
              "picking the layer after the fact: the middle layer's score minus the last layer's, mean over the "
              f"{n_tasks} tasks with a 95 % interval (percentile bootstrap over tasks): " + "; ".join(parts)
@@ -377,18 +472,79 @@ def summarize(doc: dict) -> dict:
     tables = [{"title": "Layer minus last layer, mean over the tasks, with 95 % intervals (percentile bootstrap over "
                         "the tasks; follows: above 0, opposite: below 0)",
                "header": ["model", "preprocess", "layer", "rel. depth", "mean difference", "95 % CI", "verdict"],
-               "rows": table_rows}]
+               "rows": table_rows}] + pick_tables(picks)
     notes = ["Intervals: the MTEB runs keep one main score per task and layer, not the per-item scores, so no "
              "interval over a task's items can be formed from result.json; the bootstrap resamples the "
              f"{n_tasks} tasks (2000 resamples, seed 0), which gives the spread across tasks of a layer's difference "
              "from the last layer. With 6 tasks these intervals are coarse. The verdict uses the middle layer "
              "(relative depth nearest 0.5), fixed before looking; counts of layers beyond noise are descriptive "
              "(many layers, no correction for multiplicity). The best-vs-last gains are kept as the run wrote them "
-             "but decide nothing: a maximum over layers is never below the last layer."]
+             "but decide nothing: a maximum over layers is never below the last layer.",
+             PICK_TEXTS_NOTE.format(margin=picks["min_entropy_margin"]),
+             "Pick intervals: the hit rate (pick strictly above final; a tie is no hit) and the mean pick − final are "
+             f"bootstrapped over the {n_tasks} tasks (2000 resamples, seed 0). A bootstrap of 0/n or n/n hits is a "
+             "single point and says nothing about uncertainty, so the exact (Clopper-Pearson) binomial interval of "
+             "the hit rate is given beside it. The best layer is chosen after the fact (an upper bound, not a rule)."]
     figures = [*[f for f in doc["figures"] if f["file"] != "gain_by_depth.png"],
                {"file": "gain_by_depth.png", "caption": "Each layer's main score minus the last layer's, mean over "
                 "the tasks, with 95 % bootstrap bands over the tasks; solid raw, dashed standardized"}]
-    return gallery.regenerated(doc, [line1, line2, line3], tables, notes, diffs, figures)
+    out = gallery.regenerated(doc, [line1, line2, line3], tables, notes, diffs, figures)
+    out["data"]["label_free_pick"] = {**picks, "quotes": pick_quotes(picks)}
+    return out
+
+
+SHORT = {"SmolLM2-135M": "SmolLM2", "all-MiniLM-L6-v2": "MiniLM"}
+
+
+def pick_line(picks: dict) -> str:
+    """The summary's sentence on the label-free pick, every number from ``picks``."""
+    parts, not_better = [], []
+    for key, g in picks["groups"].items():
+        model, prep = key.split("/")
+        label = f"{SHORT[model]} {'raw' if prep == 'none' else 'standardized'}"
+        hr, diff = g["hit_rate"], g["pick_minus_final"]
+        ex = g["hit_rate_exact"]
+        parts.append(f"{label} {g['beats_final']}/{g['n_tasks']} (hit rate {hr['estimate']:.2f}, "
+                     f"{ci_plain(hr, 2, False)}, exact binomial {ex['low']:.2f} to {ex['high']:.2f}; mean pick − final {diff['estimate']:+.3f}, {ci_plain(diff, 3, True)})")
+        if gallery.decide(diff["low"], diff["high"], 0.0, "above") != gallery.FOLLOWS:
+            not_better.append(label)
+    chosen = "; ".join(f"{SHORT[m]} {', '.join(sorted({t['pick'] for t in picks['per_task'] if t['model'] == m}))}"
+                       for m in MODELS)
+    verdict = ("The pick is no better than final in any of these settings (no mean difference's interval lies above "
+               "0)" if len(not_better) == len(picks["groups"]) else
+               f"The pick is no better than final for {', '.join(not_better)}" if not_better else
+               "The pick is better than final in every setting")
+    return (f"Label-free pick (`--layer auto`'s {picks['rule']} applied to the stored raw dataset entropies; picked "
+            f"{chosen}) against final, tasks where it scores higher: " + "; ".join(parts) + f". {verdict}.")
+
+
+PICK_TABLE = ("Label-free layer pick (min_dataset_entropy) against final, over the tasks, with 95 % intervals "
+              "(bootstrap over the tasks)")
+
+
+def pick_tables(picks: dict) -> list[dict]:
+    rows = [[t["model"], t["preprocess"], t["task"], t["pick"], round(t["pick_rel_depth"], 2), t["pick_score"],
+             t["final_score"], t["pick_minus_final"], t["best"], t["best_score"], t["best_minus_pick"]]
+            for t in picks["per_task"]]
+    summary = []
+    for key, g in picks["groups"].items():
+        model, prep = key.split("/")
+        hr, diff, ex = g["hit_rate"], g["pick_minus_final"], g["hit_rate_exact"]
+        summary.append([model, prep, ", ".join(g["picks"]), f"{g['beats_final']}/{g['n_tasks']}", g["ties_final"],
+                        f"{hr['low']:.2f} to {hr['high']:.2f}", f"{ex['low']:.2f} to {ex['high']:.2f}",
+                        diff["estimate"], f"{diff['low']:+.3f} to {diff['high']:+.3f}",
+                        PICK_SAID[gallery.decide(diff["low"], diff["high"], 0.0, "above")],
+                        f"{g['pick_is_best']}/{g['n_tasks']}", g["mean_best_minus_pick"]])
+    return [
+        {"title": PICK_TABLE,
+         "header": ["model", "preprocess", "picked layers", "pick beats final", "ties", "hit rate 95 % CI (bootstrap)",
+                    "hit rate 95 % CI (exact binomial)", "mean pick − final", "95 % CI", "verdict", "pick = best layer",
+                    "mean best − pick"], "rows": summary},
+        {"title": "Label-free pick per task: the picked layer's main score against final and against the best layer "
+                  "in hindsight",
+         "header": ["model", "preprocess", "task", "pick", "rel. depth", "pick score", "final score", "pick − final",
+                    "best layer", "best score", "best − pick"], "rows": rows},
+    ]
 
 
 def draw(doc: dict, out: Path) -> None:
