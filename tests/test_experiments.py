@@ -166,3 +166,20 @@ def test_verdicts_are_decided_by_the_interval_not_the_sign():
     assert gallery.decide(0.52, 0.6, null=0.5, expect="above") == gallery.FOLLOWS
     assert gallery.decide(0.43, 0.53, null=0.5, expect="above") == gallery.CANNOT_TELL
     assert gallery.decide(float("nan"), 0.3) == gallery.CANNOT_TELL
+
+
+def test_docs_picks_quotes_the_gallery_hit_rates_as_result_json_holds_them():
+    """docs/picks.md copies the measured hit rates of the built-in layer pick from the gallery; they must be the
+    lines which_layer_embeds' --from-raw wrote into result.json, and the sections it points to must exist."""
+    import re
+
+    text = (ROOT / "docs" / "picks.md").read_text(encoding="utf-8")
+    doc = json.loads((EXPERIMENTS / "which_layer_embeds" / "results" / "result.json").read_text(encoding="utf-8"))
+    block = re.search(r"<!-- hit-rates:start[^>]*-->\n(.*?)<!-- hit-rates:end -->", text, re.S)
+    assert block, "docs/picks.md lost its hit-rates block"
+    quoted = [line[2:] for line in block.group(1).splitlines() if line.startswith("- ")]
+    assert quoted == doc["data"]["label_free_pick"]["quotes"]
+    flat = " ".join(text.split())
+    for table in doc["tables"]:
+        if table["title"].startswith("Label-free"):
+            assert f'"{table["title"]}"' in flat, table["title"]
