@@ -443,8 +443,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
 
 PICK_SETS = {"G": "domain", "G_digits": "second_domain"}  # G's column → its token set's key in data.token_sets
 PICK_NOTE = (
-    "Checkpoint pick: `repgeom_eval.training.geometry.pick_checkpoint`, the rule GeometryCallback applies (largest cosine G "
-    "at or after burn_in × max_steps, ties to the later step; default burn_in {burn_in} of max_steps {max_steps}, "
+    "Checkpoint pick: `repgeom_eval.training.geometry.pick_checkpoint`, the rule GeometryCallback applies "
+    "(largest cosine G at or after burn_in × max_steps, ties to the later step; default burn_in {burn_in} of max_steps {max_steps}, "
     "so steps ≥ {first}), run on the G that `repgeom gap` measured on the saved checkpoints (T̄ = {reference}, "
     "{size} sampled entries; the callback's defaults: T = {cb_domain}, T̄ = {cb_reference}, {cb_size}) for both "
     "token sets T this run computed; the callback itself was "

@@ -505,7 +505,8 @@ def pick_line(picks: dict) -> str:
         hr, diff = g["hit_rate"], g["pick_minus_final"]
         ex = g["hit_rate_exact"]
         parts.append(f"{label} {g['beats_final']}/{g['n_tasks']} (hit rate {hr['estimate']:.2f}, "
-                     f"{ci_plain(hr, 2, False)}, exact binomial {ex['low']:.2f} to {ex['high']:.2f}; mean pick − final {diff['estimate']:+.3f}, {ci_plain(diff, 3, True)})")
+                     f"{ci_plain(hr, 2, False)}, exact binomial {ex['low']:.2f} to {ex['high']:.2f}; mean pick − final "
+                     f"{diff['estimate']:+.3f}, {ci_plain(diff, 3, True)})")
         if gallery.decide(diff["low"], diff["high"], 0.0, "above") != gallery.FOLLOWS:
             not_better.append(label)
     chosen = "; ".join(f"{SHORT[m]} {', '.join(sorted({t['pick'] for t in picks['per_task'] if t['model'] == m}))}"
