@@ -36,12 +36,15 @@ PER_MODEL = {"--output": "output", "--per-text": "per_text_path", "--save-prepro
 
 
 def model_slug(model: str) -> str:
-    """How ``{model}`` in an output path names a model: its folder or file name (``org__name`` for a hub id)."""
+    """How ``{model}`` in an output path names a model: its folder or file name (``parent__model`` where the folder
+    is a generic ``model/``; ``org__name`` for a hub id)."""
     import os
     import re
 
+    from repgeom_eval.output.results_table import folder_name
+
     text = str(model).rstrip("/\\")
-    name = os.path.basename(text) if os.path.exists(text) or text.startswith((".", "/", "~")) else text
+    name = folder_name(text) if os.path.exists(text) or text.startswith((".", "/", "~")) else text
     return re.sub(r"[^\w.+-]+", "__", name) or "model"
 
 

