@@ -72,14 +72,14 @@ def run(args: argparse.Namespace) -> int:
     for path in (cfg.output, cfg.plot):
         if path:
             check_writable(path)
-    if cfg.vectors:
-        queries = from_vector_file(cfg.source, cfg.vectors, cfg.correct_field, cfg.ppl_field,
-                                   cfg.prompt_ppl_field)
-    else:
-        queries = from_samples(cfg.source, cfg.task)
     notes: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:  # what the inputs and the slices say, kept as notes
         warnings.simplefilter("always")
+        if cfg.vectors:
+            queries = from_vector_file(cfg.source, cfg.vectors, cfg.correct_field, cfg.ppl_field,
+                                       cfg.prompt_ppl_field)
+        else:
+            queries = from_samples(cfg.source, cfg.task)
         curve = controlled_slices(queries.vectors, queries.correct, queries.ppl, size=cfg.size, seeds=cfg.seeds,
                                   seed=cfg.seed, prompt_ppl=queries.prompt_ppl)
         calibration = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,15 +121,15 @@ def _perplexity(value: object, where: str) -> float:
 
 
 def _column(values: list[float], lines: list[int], path: Path, field: str) -> np.ndarray | None:
-    """The values, or None when none of them is known (a field the input does not have); known on some records and
-    not on others is refused (a slice mean over a missing value would be NaN)."""
+    """The values, or None when none of them is known (a field the input does not have). Known on some records only
+    (a one-token prompt has no perplexity of its own) is said once: slice means use the records that have it."""
     known = [math.isfinite(x) for x in values]
     if not any(known):
         return None
     if not all(known):
         missing = known.index(False)
-        raise RepgeomError(f"{path}:{lines[missing]}: no {field}, which {sum(known)} other record(s) have; give it "
-                           "on every record or on none")
+        warnings.warn(f"{path}: {len(known) - sum(known)} of {len(known)} records have no {field} (the first at line "
+                      f"{lines[missing]}); slice means of {field} use the records that have it", stacklevel=3)
     return np.asarray(values)
 
 

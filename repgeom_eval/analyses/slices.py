@@ -133,6 +133,11 @@ class SliceCurve:
         return asdict(self)
 
 
+def _known_mean(values: np.ndarray) -> float:
+    known = values[np.isfinite(values)]
+    return float(known.mean()) if known.size else math.nan
+
+
 def _mean_se(rows: np.ndarray) -> tuple[list[float], list[float]]:
     mean = rows.mean(1)
     se = rows.std(1, ddof=1) / math.sqrt(rows.shape[1]) if rows.shape[1] > 1 else np.full(len(rows), np.nan)
@@ -191,10 +196,11 @@ def controlled_slices(vectors: np.ndarray, correct: Sequence[float], ppl: Sequen
             for i, f in enumerate(fractions):
                 idx = _draw(rng, pos, neg, used, f)
                 disp[i, s] = dispersion_of_units(u[idx])
+                # perplexities a query lacks (NaN: a one-token prompt has none) are left out of its slice's mean
                 if perp is not None:
-                    perp[i, s] = float(np.mean(p[idx]))
+                    perp[i, s] = _known_mean(p[idx])
                 if prompt is not None:
-                    prompt[i, s] = float(np.mean(pp[idx]))
+                    prompt[i, s] = _known_mean(pp[idx])
     curve = SliceCurve(fractions=fractions, size=used, requested_size=size, seeds=seeds, n_queries=len(y),
                        n_correct=int(y.sum()), dispersion=disp.tolist(),
                        perplexity=None if perp is None else perp.tolist())
