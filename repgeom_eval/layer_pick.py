@@ -12,6 +12,7 @@ This module imports no mteb and no model code, so a plugin can subclass :class:`
 
 from __future__ import annotations
 
+import abc
 import difflib
 import math
 from collections.abc import Mapping, Sequence
@@ -49,7 +50,7 @@ def _coerce(rule: str, key: str, value: Any, default: Any) -> Any:
                        f"(default {default!r})")
 
 
-class LayerPick:
+class LayerPick(abc.ABC):
     """A label-free layer-pick rule (subclass it; docs/picks.md and docs/plugins.md#layer-picks).
 
     Set ``name``, ``quantity`` (one line: what :meth:`score` measures), ``direction`` (``"min"``: the lowest score
@@ -80,9 +81,10 @@ class LayerPick:
         """The layers the rule chooses among, from every hidden state (``embed``, ``resid_post:0`` ... ``final``)."""
         return [a for a in addresses if self.params["include_embed"] or a != "embed"]
 
+    @abc.abstractmethod
     def score(self, vectors: np.ndarray) -> float:
-        """The label-free score of one layer: ``vectors`` is N×D float64, one pooled hidden state per text."""
-        raise NotImplementedError
+        """The label-free score of one layer: ``vectors`` is N×D float64, one pooled hidden state per text (every
+        rule defines it: a subclass without it cannot be built)."""
 
     def choose(self, scores: Mapping[str, float]) -> str:
         """The chosen address among ``scores`` (shallowest first): the lowest (``direction="min"``) or highest

@@ -76,7 +76,7 @@ class Recorder:
             try:
                 call.inp = Recorded(input_tensor(args, kwargs))
             except (TypeError, StopIteration):
-                pass
+                pass  # no tensor input (a module called with none): nothing of it can be a site
             self.calls.append(call)
             self._open.setdefault(id(module), []).append(call)
 
@@ -93,7 +93,7 @@ class Recorder:
             try:
                 call.out = Recorded(output_tensor(output))
             except (TypeError, IndexError):
-                pass
+                pass  # no tensor output: nothing of it can be a site
             lhs = getattr(output, "last_hidden_state", None)
             if isinstance(lhs, torch.Tensor):
                 call.last_hidden_state = lhs
