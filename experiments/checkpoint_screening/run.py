@@ -1,7 +1,7 @@
 """Checkpoint screening with the dispersion gap (paper A Fig. 9): does G of a checkpoint's output embeddings,
 computed with no forward pass, rank checkpoints and variants of one model family the way held-out quality does?
 
-    .venv/bin/python experiments/checkpoint_screening/run.py            # full size, ~40 min on 2 cores
+    .venv/bin/python experiments/checkpoint_screening/run.py            # full size, ~32 min on 2 shared cores
     .venv/bin/python experiments/checkpoint_screening/run.py --smoke    # a few minutes, results under the work folder
     .venv/bin/python experiments/checkpoint_screening/run.py --from-raw # summary, intervals, figures from result.json
 
@@ -432,6 +432,12 @@ PAPER = ("Paper A Fig. 9: within a family, higher G marks the better checkpoint 
          "ρ(G, accuracy) above 0).")
 
 
+def span(values: list[float]) -> float:
+    """(max − min) / |mean| in percent: how much G moves over a family."""
+    mean = sum(values) / len(values)
+    return 100 * (max(values) - min(values)) / abs(mean) if mean else math.nan
+
+
 def series(f: dict[str, Any], key: str) -> list[float]:
     if key in f:
         return f[key]
@@ -463,6 +469,14 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     verdict = {fam: {k: gallery.decide(intervals[fam][k]["low"], intervals[fam][k]["high"], 0.0, expect)
                      for k, (_, _, expect) in PAIRS.items() if expect} for fam in fams}
 
+    def same_as_step(fam: str) -> str:
+        same = [name for name, k in (("cosine", "Gcos_step"), ("Euclidean", "Geuc_step"))
+                if abs(intervals[fam][k]["estimate"]) >= 0.995]
+        if not same:
+            return ""
+        return (f" ({' and '.join(same)} G {'orders' if len(same) == 1 else 'order'} the variants by the step or its "
+                "reverse, |ρ| = 1.00 to two decimals, so there the screen only repeats the step's ranking)")
+
     def show(fam: str, k: str) -> str:
         iv = intervals[fam][k]
         if not math.isfinite(iv["estimate"]):
@@ -481,7 +495,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"under-adapted) and {len(ft['steps']) - 1} checkpoints (steps {ft['steps'][1]}–{ft['steps'][-1]}); (2) a "
         f"{arch(sc)} {LABELS['scratch']} ({tr(sc)['max_steps']} steps of {tr(sc)['per_device_train_batch_size']}×"
         f"{sc['block_size']} tokens, {tr(sc)['lr_scheduler_type']} at {tr(sc)['learning_rate']:g}), the first "
-        f"{sc['first_screened_step']} steps dropped as burn-in ({d['burn_in']:.0%}, as paper A drops 120k of 700k), "
+        f"{sc['first_screened_step']} steps dropped as burn-in ({d['burn_in']:.0%} of the run; paper A drops 120k of "
+        f"700k), "
         f"{len(sc['steps'])} checkpoints (steps {sc['steps'][0]}–{sc['steps'][-1]}). Each screened with `repgeom "
         f"gap` (T = python_keywords, T̄ = the {d['token_sets']['reference_words']} most frequent whole lower-case "
         f"English words of fortunes and the KJV Bible, cosine and Euclidean G) and evaluated with `lm_eval` (held-out "
@@ -496,7 +511,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             f"{fam} (n = {len(f['steps'])}): ρ(G cos, ppl) = {show(fam, 'Gcos_ppl')}, ρ(G cos, completion) = "
             f"{show(fam, 'Gcos_acc')}, ρ(G euc, ppl) = {show(fam, 'Geuc_ppl')}, ρ(G euc, completion) = "
             f"{show(fam, 'Geuc_acc')}; perplexity {f['ppl'][0]:.2f} → {f['ppl'][-1]:.2f} (min {min(f['ppl']):.2f}), "
-            f"completion {f['completion_acc'][0]:.2f} → {f['completion_acc'][-1]:.2f}; screen {w['screen']:.0f} s "
+            f"completion {f['completion_acc'][0]:.2f} → {f['completion_acc'][-1]:.2f}; over the family G cos spans "
+            f"{span(f['G_cosine']):.2g} % of its value, G euc {span(f['G_euclidean']):.2g} %; screen {w['screen']:.0f} s "
             f"against {w['evaluation']:.0f} s of evaluation ({w['evaluation'] / w['screen']:.0f}×)")
     line2 = ("Spearman ρ within each family with 95 % intervals (percentile bootstrap over the checkpoints, 2000 "
              "resamples, seed 0): " + "; ".join(parts) + ".")
@@ -505,7 +521,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         v = verdict[fam]
         vparts.append(f"{fam}: cosine G with perplexity {SAID[v['Gcos_ppl']]}, with completion "
                       f"{SAID[v['Gcos_acc']]}; Euclidean G with perplexity {SAID[v['Geuc_ppl']]}, with completion "
-                      f"{SAID[v['Geuc_acc']]}; step baseline ρ(step, ppl) = {show(fam, 'step_ppl')}")
+                      f"{SAID[v['Geuc_acc']]}; step baseline ρ(step, ppl) = {show(fam, 'step_ppl')}, and ρ(G cos, step) = "
+                      f"{show(fam, 'Gcos_step')}, ρ(G euc, step) = {show(fam, 'Geuc_step')}" + same_as_step(fam))
     picks = {fam: checkpoint_pick(f) for fam, f in fams.items()}
     line3 = (PAPER + " Decided by the intervals — " + "; ".join(vparts) + ". Within a run the training step "
              "ranks the checkpoints for free, so agreement with the step is not evidence that G beats it. "
@@ -571,7 +588,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"widened when too few); answer and distractors are single tokens of SmolLM2's vocabulary; at most "
         f"{comp['items_per_file']} items a file, {comp['items']} items from {comp['source_files']} held-out files. "
         f"lm_eval multiple_choice (acc: the continuation's log-likelihood). With {comp['items']} items one "
-        "checkpoint's accuracy has a binomial s.e. of about 0.04, so small steps between checkpoints are noise.",
+        "variant's accuracy has a binomial s.e. (lm_eval's) of "
+        + ", ".join(f"{sum(f['acc_stderr']) / len(f['acc_stderr']):.3f} on average in {fam}" for fam, f in fams.items())
+        + "; the completion accuracies of a family differ by less than that in many pairs, and the bootstrap over "
+        "checkpoints does not include this item noise, so the intervals with completion are too narrow.",
         "Timing: the screen is one `repgeom gap --distance cosine` process over all variants of a family; the "
         "evaluation is one `lm_eval` process per variant (process start and model load included; its own evaluation "
         "time is given separately). Both ran on a 2-core machine shared with other jobs, so the walls are noisy.",
