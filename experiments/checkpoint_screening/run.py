@@ -584,8 +584,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         "their perplexities are not comparable with each other.",
         f"Completion: a name (identifier or keyword) that ends a held-out line of code (found with Python's "
         f"tokenize, so never in a string or comment), after the previous {comp['context_lines']} lines and the line up "
-        f"to it; three distractors are names of the training code of about the same training frequency (factor 2, "
-        f"widened when too few); answer and distractors are single tokens of SmolLM2's vocabulary; at most "
+        f"to it; three distractors of about the same training frequency, so frequency alone does not pick the answer: the "
+        f"names of the same file's code closest in training frequency (within a factor 2; so names plausible there) "
+        f"for {comp.get('distractors_from_file', '?')} items, otherwise three names drawn from the training code "
+        f"within a factor 2 (widened when too few); answer and distractors are single tokens of SmolLM2's vocabulary; at most "
         f"{comp['items_per_file']} items a file, {comp['items']} items from {comp['source_files']} held-out files. "
         f"lm_eval multiple_choice (acc: the continuation's log-likelihood). With {comp['items']} items one "
         "variant's accuracy has a binomial s.e. (lm_eval's) of "
