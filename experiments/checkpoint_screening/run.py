@@ -1,39 +1,52 @@
 """Checkpoint screening with the dispersion gap (paper A Fig. 9): does G of a checkpoint's output embeddings,
-computed with no forward pass, rank the checkpoints of one training run the way held-out quality does?
+computed with no forward pass, rank checkpoints and variants of one model family the way held-out quality does?
 
-    .venv/bin/python experiments/checkpoint_screening/run.py            # full size, ~25 min on 2 cores
-    .venv/bin/python experiments/checkpoint_screening/run.py --smoke    # ~3 min, results under the work folder
+    .venv/bin/python experiments/checkpoint_screening/run.py            # full size, ~32 min on 2 shared cores
+    .venv/bin/python experiments/checkpoint_screening/run.py --smoke    # a few minutes, results under the work folder
+    .venv/bin/python experiments/checkpoint_screening/run.py --from-raw # summary, intervals, figures from result.json
+
+Paper A screens models within a family after training has settled (its trajectory study drops the first 120k of
+700k steps as burn-in) and compares adapted with under-adapted variants (CodeLlama against Llama 2). Scaled to a
+2-core CPU, two families, each analysed on its own (Spearman within a family, never pooled):
+
+* ``finetune``: SmolLM2-135M-Instruct (GGUF, de-quantized to float32) continued-trained on Python source code with
+  ``repgeom train --config config_finetune.yaml``, a checkpoint every ``save_steps``; the base model is the step-0
+  variant (under-adapted, paper A's Llama 2 against CodeLlama);
+* ``scratch``: a small GPT-2 trained from scratch on the same Python code with ``repgeom train --config
+  config.yaml`` at a learning rate that does not decay, screened only after its burn-in (the first third of the
+  steps dropped, as paper A drops 120k of 700k).
 
 Steps, each a command as a user types it (logged under WORKDIR/logs):
 
-1. data: English prose read at run time, the paragraphs of the Python documentation (``pydoc_data.topics``) and
-   the Debian ``fortunes`` cookies, split by a hash of each document (``stable_key``): 5 % held out for
-   perplexity, 5 % held out as the source of the cloze items, the rest for training;
-2. ``repgeom train --config config.yaml``: a small GPT-2 from scratch that saves a checkpoint every
-   ``save_steps`` (``trainer/checkpoint-N``, each a model folder with its tokenizer);
-3. the screen, ``repgeom gap --models CKPT ...`` (T = ``python_keywords``, T̄ = ``general``): reads one tensor per
-   checkpoint, no forward pass, timed;
+1. data: the ``.py`` files of the Python standard library (``gallery.stdlib_sources``), split by a hash of each
+   file (``stable_key``): 5 % held out for perplexity, 10 % held out as the source of the completion items, the rest
+   for training; T̄, the frequent whole words of general English that is not code (Debian ``fortunes`` and
+   ``bible-kjv``), written to a file, one word a line;
+2. ``repgeom train`` for each family;
+3. the screen, ``repgeom gap --models CKPT ... --distance cosine`` (T = ``python_keywords``, T̄ = the word file):
+   reads one tensor per checkpoint, no forward pass, timed;
 4. the evaluation, one ``lm_eval --model hf`` per checkpoint with two local tasks written here: held-out rolling
-   perplexity (``loglikelihood_rolling``) and a 4-way cloze (``multiple_choice``: the last word of a held-out
-   sentence against three training-text words of about the same frequency, scored by log-likelihood), timed;
-5. ``repgeom gap ... --scores`` with the cloze accuracies and with the perplexities: Spearman ρ per pair.
+   perplexity (``loglikelihood_rolling``) and a 4-way code completion (``multiple_choice``: the identifier or keyword
+   that ends a held-out line of code, after the previous two lines, against three identifiers of about the same
+   training frequency), timed;
+5. ``repgeom gap ... --scores`` with the perplexities and with the completion accuracies, for ``--distance cosine``
+   and ``--distance euclidean``: G, its components and Spearman ρ per family.
 
-Why T = python_keywords: the byte-level BPE is trained on this text, and a good part of it is the Python
-documentation, which uses the keywords in running prose (``for``, ``in``, ``if``, ``class``, ``return`` ...); most
-keywords are whole entries of the trained vocabulary (those that are not are reported as missing, never dropped
-silently), and they are frequent, so their output rows train from the first steps; they are the domain words of
-this text in the sense of paper A's T. ``digits`` (paper A's math set) is computed too, as a second token set, and
-reported next to it, not chosen after the fact.
+Everything the summary says is computed by ``summarize`` from the raw values in result.json (``--from-raw``).
 """
 
 from __future__ import annotations
 
+import bisect
+import io
+import keyword
 import json
 import math
 import random
 import re
 import shutil
 import sys
+import tokenize
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -42,64 +55,126 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from repgeom_eval.analyses.plots import label_points  # noqa: E402
 import gallery  # noqa: E402
-from gallery import Experiment, fortunes, pydoc_paragraphs, stable_key, write_jsonl  # noqa: E402
+from gallery import Experiment, stable_key, write_jsonl  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DOMAIN, REFERENCE, SECOND_DOMAIN = "python_keywords", "general", "digits"
-PPL_FRACTION, CLOZE_FRACTION = 0.05, 0.10  # stable_key < 0.05: perplexity; [0.05, 0.10): cloze; the rest: training
+DOMAIN = "python_keywords"
+DISTANCES = ("cosine", "euclidean")
+PPL_FRACTION, CLOZE_FRACTION = 0.05, 0.15  # stable_key < 0.05: perplexity; [0.05, 0.15): completion; rest: training
+BURN_IN = 1 / 3  # scratch family: checkpoints before ceil(BURN_IN * max_steps) are not screened (paper A: 120k/700k)
+ITEMS_PER_FILE = 3  # completion items taken from one held-out file at most
+CONTEXT_LINES = 2  # lines of code before the completed line
+FAMILIES = ("finetune", "scratch")
 SIZES = {
-    False: {"train_chars": None, "ppl_chars": 100_000, "cloze_items": 500, "gap_size": 1000, "sets": []},
-    True: {"train_chars": 300_000, "ppl_chars": 12_000, "cloze_items": 60, "gap_size": 300,
-           "sets": ["from_scratch.n_layer=2", "from_scratch.n_embd=64", "from_scratch.n_head=2",
-                    "from_scratch.vocab_size=1024", "data.block_size=64", "training.per_device_train_batch_size=8",
-                    "training.max_steps=30", "training.save_steps=10", "training.warmup_steps=3"]},
+    False: {"train_finetune_chars": 600_000, "train_scratch_chars": 4_000_000, "ppl_files": 4, "ppl_chunk_chars": 1000,
+            "cloze_items": 120, "tbar_size": 1000, "sets": {"finetune": [], "scratch": []}},
+    True: {"train_finetune_chars": 60_000, "train_scratch_chars": 300_000, "ppl_files": 2, "ppl_chunk_chars": 400,
+           "cloze_items": 16, "tbar_size": 300,
+           "sets": {"finetune": ["data.block_size=32", "training.per_device_train_batch_size=2",
+                                 "training.max_steps=2", "training.save_steps=1"],
+                    "scratch": ["from_scratch.n_layer=2", "from_scratch.n_embd=64", "from_scratch.n_head=2",
+                                "from_scratch.vocab_size=1024", "data.block_size=64",
+                                "training.per_device_train_batch_size=8", "training.max_steps=60",
+                                "training.save_steps=10", "training.warmup_steps=5"]}},
 }
-WORD = re.compile(r"\b[a-z]{3,}\b")  # whole lower-case words only (not "hese" of "These")
+ENGLISH_WORD = re.compile(r"(?<![\w'])[a-z]{2,}(?![\w'])")  # a whole lower-case word (not "ll" of "it'll")
+IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+LABELS = {"finetune": "SmolLM2-135M fine-tuned on Python code", "scratch": "GPT-2 from scratch on Python code"}
 
 
 # -- data -------------------------------------------------------------------------------------------------------------
 
-def documents() -> list[str]:
-    docs = pydoc_paragraphs() + [c for cookies in fortunes().values() for c in cookies]
-    return sorted(set(docs), key=stable_key)
-
-
-def split(docs: list[str], size: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
-    train, ppl, cloze, n_train, n_ppl = [], [], [], 0, 0
-    for doc in docs:  # in hash order, so a character cap keeps a fixed subset
+def split(docs: list[str], size: dict[str, Any]) -> dict[str, list[str]]:
+    """Training files (the fine-tune's and the from-scratch run's, each a character-capped prefix in hash order),
+    perplexity files and completion files, by each file's hash."""
+    out: dict[str, list[str]] = {"train_finetune": [], "train_scratch": [], "ppl": [], "cloze": []}
+    n = {"train_finetune": 0, "train_scratch": 0}
+    for doc in sorted(docs, key=stable_key):
         key = stable_key(doc)
         if key < PPL_FRACTION:
-            if n_ppl < size["ppl_chars"]:
-                ppl.append(doc)
-                n_ppl += len(doc)
+            out["ppl"].append(doc)
         elif key < CLOZE_FRACTION:
-            cloze.append(doc)
-        elif size["train_chars"] is None or n_train < size["train_chars"]:
-            train.append(doc)
-            n_train += len(doc)
-    return train, ppl, cloze
+            out["cloze"].append(doc)
+        else:
+            for name in n:
+                if n[name] < size[f"{name}_chars"]:
+                    out[name].append(doc)
+                    n[name] += len(doc)
+    return out
 
 
-def cloze_items(docs: list[str], train: list[str], n_items: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One item per held-out document at most: the last word of its first sentence of 8+ words whose last word is
-    a lower-case word of 3+ letters seen 3+ times in the training text; the context is the document up to that
-    word (its last 60 words); the distractors are three other training words of about the same training
-    frequency (within a factor 2, widened to 4 when too few), so word frequency alone does not pick the answer."""
-    freq = Counter(w for doc in train for w in WORD.findall(doc))
-    vocab = sorted(w for w, c in freq.items() if c >= 3)
+def ppl_chunks(docs: list[str], n_files: int, chunk_chars: int) -> list[str]:
+    """From each of the first ``n_files`` held-out files, whole lines from its middle, up to ``chunk_chars``."""
+    out = []
+    for doc in docs[:n_files]:
+        lines = doc.splitlines()
+        i, text = len(lines) // 2, ""
+        while i < len(lines) and len(text) + len(lines[i]) + 1 <= chunk_chars:
+            text += lines[i] + "\n"
+            i += 1
+        if text.strip():
+            out.append(text)
+    return out
+
+
+def tbar_words(n: int, exclude: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """The ``n`` most frequent whole lower-case words of general English that is not code (Debian fortunes and the
+    King James Bible), T's words excluded; ties by the word."""
+    fort = [c for cookies in gallery.fortunes().values() for c in cookies]
+    bible = list(gallery.bible_books().values())
+    freq = Counter(w for text in fort + bible for w in ENGLISH_WORD.findall(text))
+    ranked = sorted((w for w in freq if w not in exclude), key=lambda w: (-freq[w], w))
+    words = ranked[:n]
+    return words, {"sources": ["Debian fortunes (gallery.fortunes)", "Debian bible-kjv (gallery.bible_books)"],
+                   "rule": "most frequent whole lower-case words of 2+ letters, T's words excluded",
+                   "n_words": len(words), "distinct_words_in_sources": len(freq),
+                   "least_frequent_kept": words[-1] if words else None,
+                   "its_count": freq[words[-1]] if words else 0}
+
+
+def line_end_names(source: str) -> tuple[list[tuple[int, int, str]], set[str]]:
+    """(line index, column, name) of every name (identifier or keyword) that ends a logical line of code, after a
+    space and something else on its line (so never inside a string, a docstring or a comment); and every name the
+    file's code uses (its NAME tokens)."""
+    out: list[tuple[int, int, str]] = []
+    try:
+        toks = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return out, set()
+    for prev, tok, nxt in zip(toks, toks[1:], toks[2:]):
+        if tok.type == tokenize.NAME and nxt.type == tokenize.NEWLINE and prev.end[0] == tok.start[0]:
+            row, col = tok.start
+            line = tok.line.split("\n")[0] if "\n" in tok.line else tok.line
+            if line[col:].rstrip() == tok.string and col > 0 and line[col - 1] == " " and line[:col].strip():
+                out.append((row - 1, col, tok.string))
+    return out, {t.string for t in toks if t.type == tokenize.NAME}
+
+
+def cloze_items(docs: list[str], train: list[str], n_items: int, one_token: Any) -> tuple[list[dict], dict]:
+    """Code completion items: a name (identifier or keyword) that ends a held-out line of code, after the previous
+    CONTEXT_LINES lines and the line up to it. The three distractors are names of about the same training frequency
+    (within a factor 2), so frequency alone does not pick the answer: the three of the same file's code closest in
+    training frequency (names the file uses, so plausible there), or, when the file has fewer than three such names, three
+    drawn from all training names within a factor 2 (widened to 4 or 8 when too few). Answer and distractors are each one token of the fine-tuned model's vocabulary (with the space
+    before them), so lm_eval scores the four choices with one forward pass. At most ITEMS_PER_FILE a file."""
+    freq = Counter(w for doc in train for w in IDENTIFIER.findall(doc))
+    vocab = sorted(w for w, c in freq.items() if c >= 3 and one_token(w))
     by_count = sorted(vocab, key=lambda w: (freq[w], w))
     counts = [freq[w] for w in by_count]
-    import bisect
-
+    ok = set(vocab)
     items = []
     for doc in docs:
-        sentences = re.split(r"(?<=[.!?])\s+", " ".join(doc.split()))
-        before: list[str] = []
-        for sentence in sentences:
-            words = sentence.split()
-            target = words[-1].rstrip(".!?\"')") if words else ""
-            if len(words) >= 8 and WORD.fullmatch(target) and freq[target] >= 3:
-                rng = random.Random(int(stable_key(doc) * 1e12))
+        lines = doc.splitlines()
+        ends, names = line_end_names(doc)
+        found = [(i, c, w) for i, c, w in ends if w in ok and i >= CONTEXT_LINES]
+        rng = random.Random(int(stable_key(doc) * 1e12))
+        in_file = sorted(names & ok)
+        for i, col, target in sorted(rng.sample(found, min(ITEMS_PER_FILE, len(found)))):
+            near = sorted((w for w in in_file if w != target and freq[target] / 2 <= freq[w] <= freq[target] * 2),
+                          key=lambda w: (abs(math.log(freq[w] / freq[target])), w))
+            if len(near) >= 3:
+                distractors, source = near[:3], "file"
+            else:
                 for factor in (2, 4, 8):
                     lo = bisect.bisect_left(counts, freq[target] / factor)
                     hi = bisect.bisect_right(counts, freq[target] * factor)
@@ -108,19 +183,23 @@ def cloze_items(docs: list[str], train: list[str], n_items: int) -> tuple[list[d
                         break
                 if len(pool) < 3:
                     continue
-                choices = [target] + rng.sample(pool, 3)
-                rng.shuffle(choices)
-                context = " ".join((before + words[:-1])[-60:])
-                items.append({"context": context, "choices": choices, "label": choices.index(target),
-                              "target": target, "target_train_count": freq[target]})
+                distractors, source = rng.sample(pool, 3), "training"
+            choices = [target] + distractors
+            rng.shuffle(choices)
+            context = "\n".join(lines[i - CONTEXT_LINES:i] + [lines[i][:col].rstrip(" ")])
+            items.append({"context": context, "choices": choices, "label": choices.index(target), "target": target,
+                          "target_train_count": freq[target], "distractors_from": source,
+                          "file_key": round(stable_key(doc), 6)})
+            if len(items) >= n_items:
                 break
-            before += words
         if len(items) >= n_items:
             break
-    return items, {"vocabulary_words": len(vocab), "items": len(items), "source_documents": len(docs)}
+    return items, {"candidate_names": len(vocab), "items": len(items), "source_files": len(docs),
+                   "distractors_from_file": sum(it["distractors_from"] == "file" for it in items),
+                   "context_lines": CONTEXT_LINES, "items_per_file": ITEMS_PER_FILE}
 
 
-TASK_CLOZE = """task: screening_cloze
+TASK_CLOZE = """task: screening_completion
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -130,6 +209,7 @@ output_type: multiple_choice
 doc_to_text: "{{{{context}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{label}}}}"
+target_delimiter: " "
 metric_list:
   - metric: acc
   - metric: acc_norm
@@ -154,8 +234,7 @@ metric_list:
 
 def lm_eval_numbers(folder: Path, tokenizer: Any) -> dict[str, float]:
     """acc, acc_norm, bits per byte and token perplexity of one checkpoint's lm_eval output folder. Token perplexity
-    is exp(−Σ log-likelihood / Σ tokens) over the held-out documents (the rolling log-likelihoods in the samples;
-    every token of a document is predicted, the first from the end-of-text token)."""
+    is exp(−Σ log-likelihood / Σ tokens) over the held-out chunks (the rolling log-likelihoods in the samples)."""
     results = json.loads(max(folder.rglob("results_*.json")).read_text(encoding="utf-8"))
     r = results["results"]
     ll, n_tokens = 0.0, 0
@@ -164,32 +243,26 @@ def lm_eval_numbers(folder: Path, tokenizer: Any) -> dict[str, float]:
         value = sample["filtered_resps"][0]
         ll += float(value[0] if isinstance(value, list) else value)
         n_tokens += len(tokenizer(sample["doc"]["text"], add_special_tokens=False)["input_ids"])
-    return {"acc": r["screening_cloze"]["acc,none"], "acc_stderr": r["screening_cloze"]["acc_stderr,none"],
-            "acc_norm": r["screening_cloze"]["acc_norm,none"], "bits_per_byte": r["screening_ppl"]["bits_per_byte,none"],
-            "word_perplexity": r["screening_ppl"]["word_perplexity,none"], "ppl": math.exp(-ll / n_tokens),
+    c = r["screening_completion"]
+    return {"acc": c["acc,none"], "acc_stderr": c["acc_stderr,none"], "acc_norm": c["acc_norm,none"],
+            "bits_per_byte": r["screening_ppl"]["bits_per_byte,none"], "ppl": math.exp(-ll / n_tokens),
             "ppl_tokens": n_tokens, "eval_s": float(results.get("total_evaluation_time_seconds", "nan"))}
 
 
-def comparison(r_ppl: float, r_acc: float, context: dict[str, float]) -> str:
-    """The third summary line: which of the two correlations has the sign of paper A's finding (higher G, better
-    checkpoint: negative with perplexity, positive with accuracy), and the free baseline of one run's step."""
-    if math.isnan(r_ppl) or math.isnan(r_acc):
-        return ("A Spearman ρ is undefined (a constant series over the checkpoints), so this run says nothing about "
-                "paper A Fig. 9's ranking.")
-    ok_ppl, ok_acc = r_ppl < 0, r_acc > 0
-    if ok_ppl and ok_acc:
-        head = ("As in paper A Fig. 9, higher G goes with the better checkpoints (lower perplexity, higher cloze "
-                "accuracy) at a fraction of the cost of evaluating them")
-    elif not ok_ppl and not ok_acc:
-        head = ("Unlike paper A Fig. 9, where higher G marks the better checkpoint, here higher G goes with higher "
-                "perplexity and lower cloze accuracy, so the screen would pick the worse checkpoints")
-    else:
-        good, bad = ("perplexity", "cloze accuracy") if ok_ppl else ("cloze accuracy", "perplexity")
-        head = (f"Only partly like paper A Fig. 9: higher G goes with better {good} but not with better {bad}, so "
-                "the two held-out measures and the screen disagree")
-    return (f"{head}; within one run the training step is a free ranking too (ρ(step, perplexity) = "
-            f"{context['step_ppl']:+.2f}, ρ(G, step) = {context['G_step']:+.2f}), so this small run tests whether G "
-            "tracks training, not whether it beats that baseline.")
+def checkpoints(run: Path) -> list[tuple[int, Path]]:
+    return sorted(((int(p.name.split("-")[1]), p) for p in (run / "trainer").glob("checkpoint-*")), key=lambda t: t[0])
+
+
+def base_model_folder(gguf: str) -> Path:
+    """The float32 de-quantized SmolLM2 that `repgeom train` started from (its GGUF cache: a plain model folder)."""
+    import torch
+
+    from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
+
+    cache = gguf_cache_dir(Path(gguf), torch.float32)
+    if cache is None or not (cache / "model.safetensors").is_file():
+        raise SystemExit(f"the de-quantized base model is not cached ({cache}); run with REPGEOM_GGUF_CACHE on")
+    return cache
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -198,326 +271,384 @@ def main(argv: list[str] | None = None) -> None:
     size = SIZES[exp.smoke]
     work = exp.workdir
     data = work / "data"
+    gguf = gallery.smollm2()
 
     with exp.step("data"):
-        train, ppl_docs, cloze_docs = split(documents(), size)
-        items, cloze_info = cloze_items(cloze_docs, train, size["cloze_items"])
-        write_jsonl(data / "train.jsonl", [{"text": t} for t in train])
-        write_jsonl(data / "heldout_ppl.jsonl", [{"text": t} for t in ppl_docs])
-        write_jsonl(data / "cloze.jsonl", items)
+        from repgeom_eval.modeling.checkpoint_tensors import load_tokenizer
+
+        parts = split(gallery.stdlib_sources(), size)
+        chunks = ppl_chunks(parts["ppl"], size["ppl_files"], size["ppl_chunk_chars"])
+        smol_tok = load_tokenizer(gguf)
+        one_token = lambda w: len(smol_tok(" " + w, add_special_tokens=False)["input_ids"]) == 1  # noqa: E731
+        items, cloze_info = cloze_items(parts["cloze"], parts["train_scratch"], size["cloze_items"], one_token)
+        t_words = {w.lower() for w in keyword.kwlist}  # T's words (the python_keywords set), kept out of T̄
+        words, tbar_info = tbar_words(size["tbar_size"], t_words)
+        (data).mkdir(parents=True, exist_ok=True)
+        tbar_file = data / "tbar_words.txt"
+        tbar_file.write_text("\n".join(words) + "\n", encoding="utf-8")
+        for name in ("train_finetune", "train_scratch"):
+            write_jsonl(data / f"{name}.jsonl", [{"text": t} for t in parts[name]])
+        write_jsonl(data / "heldout_ppl.jsonl", [{"text": t} for t in chunks])
+        write_jsonl(data / "completion.jsonl", items)
         tasks = work / "tasks"
         tasks.mkdir(exist_ok=True)
-        (tasks / "screening_cloze.yaml").write_text(TASK_CLOZE.format(path=data / "cloze.jsonl"), encoding="utf-8")
+        (tasks / "screening_completion.yaml").write_text(TASK_CLOZE.format(path=data / "completion.jsonl"),
+                                                         encoding="utf-8")
         (tasks / "screening_ppl.yaml").write_text(TASK_PPL.format(path=data / "heldout_ppl.jsonl"), encoding="utf-8")
         shutil.copy(HERE / "config.yaml", work / "config.yaml")
-    data_info = {"train_docs": len(train), "train_chars": sum(map(len, train)), "ppl_docs": len(ppl_docs),
-                 "ppl_chars": sum(map(len, ppl_docs)), "cloze": cloze_info,
-                 "sources": ["pydoc_data.topics paragraphs", "Debian fortunes (gallery.fortunes)"]}
+        shutil.copy(HERE / "config_finetune.yaml", work / "config_finetune.yaml")
+    data_info = {"source": "Python standard library .py files (gallery.stdlib_sources)",
+                 "train_finetune_files": len(parts["train_finetune"]),
+                 "train_finetune_chars": sum(map(len, parts["train_finetune"])),
+                 "train_scratch_files": len(parts["train_scratch"]),
+                 "train_scratch_chars": sum(map(len, parts["train_scratch"])),
+                 "ppl_chunks": len(chunks), "ppl_chars": sum(map(len, chunks)), "completion": cloze_info,
+                 "tbar": tbar_info}
 
-    with exp.step("train (repgeom train)"):
-        sets = [a for s in size["sets"] for a in ("--set", s)]
-        train_s = exp.run("repgeom", "train", "--config", "config.yaml", *sets, "--overwrite", "--no-progress",
-                          log="train")
-    trained = json.loads((work / "run" / "results.json").read_text(encoding="utf-8"))
-    ckpts = sorted((work / "run" / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    steps = [int(p.name.split("-")[1]) for p in ckpts]
-    models = [str(p) for p in ckpts]
-    print(f"[{exp.name}] {len(ckpts)} checkpoints: steps {steps}", flush=True)
+    families: dict[str, dict[str, Any]] = {}
+    for fam in FAMILIES:
+        config = "config_finetune.yaml" if fam == "finetune" else "config.yaml"
+        model_set = ["--set", f"model={gguf}"] if fam == "finetune" else []
+        sets = [a for s in size["sets"][fam] for a in ("--set", s)]
+        with exp.step(f"{fam}: train (repgeom train)"):
+            train_s = exp.run("repgeom", "train", "--config", config, *model_set, *sets, "--overwrite",
+                              "--no-progress", log=f"train_{fam}")
+        run = work / ("run_finetune" if fam == "finetune" else "run_scratch")
+        trained = json.loads((run / "results.json").read_text(encoding="utf-8"))
+        saved = checkpoints(run)
+        max_steps = trained["config"]["training"]["max_steps"]
+        if fam == "finetune":
+            first = 0
+            pairs = [(0, base_model_folder(gguf))] + saved
+        else:
+            from repgeom_eval.training.geometry import pick_checkpoint
 
-    gap_args = ["--reference", REFERENCE, "--size", size["gap_size"]]
-    with exp.step("screen (repgeom gap, every checkpoint)"):
-        gap_s = exp.run("repgeom", "gap", "--models", *models, "--domain", DOMAIN, *gap_args,
-                        "--output", work / "gap.json", log="gap_screen")
-    gap_doc = json.loads((work / "gap.json").read_text(encoding="utf-8"))
-    gap = {r["model"]: r for r in gap_doc["results"]}
-    n_words = gap_doc["config"]["token_sets"]["domain"].get("n_words", "?")
+            first = pick_checkpoint([], max_steps, BURN_IN)["first_eligible_step"]
+            pairs = [(s, p) for s, p in saved if s >= first]
+        steps = [s for s, _ in pairs]
+        models = [str(p) for _, p in pairs]
+        print(f"[{exp.name}] {fam}: {len(models)} variants screened, steps {steps} (saved: "
+              f"{[s for s, _ in saved]})", flush=True)
+        families[fam] = evaluate_family(exp, fam, steps, models, tbar_file, tasks, trained, train_s, first,
+                                        [s for s, _ in saved])
+        if not exp.smoke and fam == "finetune":  # 540 MB a checkpoint: free the disk once measured
+            for _, p in saved:
+                shutil.rmtree(p, ignore_errors=True)
+
+    exp.finish(["(written by summarize)"] * 3, data={
+        "families": families, "data": data_info, "burn_in": BURN_IN,
+        "token_sets": {"domain": DOMAIN, "reference": "data/tbar_words.txt (frequent whole English words)",
+                       "reference_words": len(words), "distances": list(DISTANCES)},
+    })
+    gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
+
+
+def evaluate_family(exp: Experiment, fam: str, steps: list[int], models: list[str], tbar_file: Path, tasks: Path,
+                    trained: dict[str, Any], train_s: float, first: int, saved_steps: list[int]) -> dict[str, Any]:
+    """The screen (timed), lm_eval on every variant (timed), and G with both distances against both scores."""
+    work = exp.workdir
+    gap_args = ["--domain", DOMAIN, "--reference", tbar_file]
+    with exp.step(f"{fam}: screen (repgeom gap, every variant)"):
+        screen_s = exp.run("repgeom", "gap", "--models", *models, *gap_args, "--distance", "cosine",
+                           "--output", work / f"gap_{fam}_screen.json", log=f"gap_{fam}_screen")
+    screen_doc = json.loads((work / f"gap_{fam}_screen.json").read_text(encoding="utf-8"))
 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(models[-1])
-    evals: dict[str, dict[str, float]] = {}
-    eval_walls: dict[str, float] = {}
-    with exp.step("evaluate (lm_eval per checkpoint: perplexity + cloze)"):
+    evals, walls = [], []
+    with exp.step(f"{fam}: evaluate (lm_eval per variant: perplexity + completion)"):
         for step, model in zip(steps, models):
-            out = work / "lm_eval" / f"step{step}"
+            out = work / "lm_eval" / f"{fam}_step{step}"
             shutil.rmtree(out, ignore_errors=True)
-            eval_walls[model] = exp.run(
+            walls.append(exp.run(
                 "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32", "--device", "cpu",
-                "--batch_size", 32, "--include_path", tasks, "--tasks", "screening_ppl,screening_cloze",
-                "--log_samples", "--output_path", out, log=f"lm_eval_step{step}")
-            evals[model] = lm_eval_numbers(out, tokenizer)
-            print(f"[{exp.name}] step {step}: G {gap[model]['G']:.4f}, ppl {evals[model]['ppl']:.2f}, "
-                  f"cloze acc {evals[model]['acc']:.3f}", flush=True)
+                "--batch_size", 16, "--include_path", tasks, "--tasks", "screening_ppl,screening_completion",
+                "--log_samples", "--output_path", out, log=f"lm_eval_{fam}_step{step}"))
+            evals.append(lm_eval_numbers(out, tokenizer))
+            print(f"[{exp.name}] {fam} step {step}: ppl {evals[-1]['ppl']:.3f}, completion acc "
+                  f"{evals[-1]['acc']:.3f} ({walls[-1]:.0f} s)", flush=True)
 
-    scores = {"cloze_acc": {m: evals[m]["acc"] for m in models}, "ppl": {m: evals[m]["ppl"] for m in models}}
-    rho: dict[str, Any] = {}
-    with exp.step("Spearman (repgeom gap --scores)"):
-        for name, values in scores.items():
-            path = work / f"scores_{name}.json"
-            path.write_text(json.dumps(values, indent=1), encoding="utf-8")
-            exp.run("repgeom", "gap", "--models", *models, "--domain", DOMAIN, *gap_args, "--scores", path,
-                    "--output", work / f"gap_vs_{name}.json", log=f"gap_scores_{name}")
-            rho[name] = json.loads((work / f"gap_vs_{name}.json").read_text(encoding="utf-8"))["spearman"]
-            if rho[name]["rho"] is None:  # undefined: a constant series (e.g. equal accuracies at smoke size)
-                rho[name]["rho"] = math.nan
-        exp.run("repgeom", "gap", "--models", *models, "--domain", SECOND_DOMAIN, *gap_args,
-                "--output", work / "gap_digits.json", log="gap_digits")
-    gap2 = {r["model"]: r for r in json.loads((work / "gap_digits.json").read_text(encoding="utf-8"))["results"]}
-
-    from repgeom_eval.functional.stats import spearman
-
-    G = [gap[m]["G"] for m in models]
-    ppl = [evals[m]["ppl"] for m in models]
-    acc = [evals[m]["acc"] for m in models]
-    G2 = [gap2[m]["G"] for m in models]
-    context_rho = {"step_ppl": spearman(steps, ppl), "step_acc": spearman(steps, acc), "G_step": spearman(G, steps),
-                   "ppl_acc": spearman(ppl, acc), "digits_G_ppl": spearman(G2, ppl),
-                   "digits_G_acc": spearman(G2, acc), "within_T_ppl": spearman([gap[m]["within_T"] for m in models], ppl),
-                   "between_ppl": spearman([gap[m]["between"] for m in models], ppl)}
-    eval_wall = sum(eval_walls.values())
-    eval_core = sum(evals[m]["eval_s"] for m in models)
-    gap_core = sum(gap[m]["timings"]["total_s"] for m in models)
-
-    # -- tables ------------------------------------------------------------------------------------------------------
-    rows = [[s, gap[m]["G"], gap[m]["within_T"], gap[m]["between"], gap[m]["within_Tbar"], gap2[m]["G"], evals[m]["ppl"],
-             evals[m]["bits_per_byte"], evals[m]["acc"], evals[m]["acc_norm"], round(eval_walls[m], 1)]
-            for s, m in zip(steps, models)]
-    exp.table("Per checkpoint (G: T = python_keywords, T̄ = general; ppl: held-out token perplexity; cloze: 4-way)",
-              ["step", "G", "within(T)", "between(T,T̄)", "within(T̄)", "G (T = digits)", "ppl", "bits/byte", "cloze acc",
-               "cloze acc_norm", "lm_eval wall s"], rows)
-    exp.table("Spearman correlations over the checkpoints", ["pair", "ρ", "n"], [
-        ["G, held-out perplexity (repgeom gap --scores)", rho["ppl"]["rho"], rho["ppl"]["n"]],
-        ["G, cloze accuracy (repgeom gap --scores)", rho["cloze_acc"]["rho"], rho["cloze_acc"]["n"]],
-        ["G with T = digits, perplexity", context_rho["digits_G_ppl"], len(models)],
-        ["G with T = digits, cloze accuracy", context_rho["digits_G_acc"], len(models)],
-        ["within(T) alone, perplexity", context_rho["within_T_ppl"], len(models)],
-        ["between(T, T̄) alone, perplexity", context_rho["between_ppl"], len(models)],
-        ["G, training step", context_rho["G_step"], len(models)],
-        ["training step, perplexity (the no-cost baseline)", context_rho["step_ppl"], len(models)],
-        ["training step, cloze accuracy", context_rho["step_acc"], len(models)],
-        ["perplexity, cloze accuracy", context_rho["ppl_acc"], len(models)],
-    ])
-    exp.table("Wall time: the screen against evaluating every checkpoint", ["what", "seconds"], [
-        [f"repgeom gap over {len(models)} checkpoints (one process, wall)", round(gap_s, 1)],
-        ["  of which reading W rows + computing G (sum of per-checkpoint timings)", round(gap_core, 2)],
-        [f"lm_eval perplexity + cloze, {len(models)} processes (wall)", round(eval_wall, 1)],
-        ["  of which lm_eval's own evaluation time (sum)", round(eval_core, 1)],
-        ["evaluation wall / screen wall", round(eval_wall / gap_s, 1)],
-        ["training (repgeom train, for scale)", round(train_s, 1)],
-    ])
-
-    # -- summary -----------------------------------------------------------------------------------------------------
-    m = trained["model"]
-    r_ppl, r_acc = rho["ppl"]["rho"], rho["cloze_acc"]["rho"]
-    summary = [
-        f"A {m['n_layers']}-layer width-{m['hidden_size']} GPT-2 trained from scratch with `repgeom train` on "
-        f"{data_info['train_chars'] / 1e6:.1f} M characters of English prose (Python docs, fortunes), "
-        f"{len(models)} checkpoints (steps {steps[0]}–{steps[-1]}), screened with `repgeom gap` (T = python_keywords, "
-        f"T̄ = general) and evaluated with `lm_eval` (held-out perplexity, {cloze_info['items']}-item 4-way cloze).",
-        f"Spearman ρ(G, perplexity) = {r_ppl:+.2f}, ρ(G, cloze accuracy) = {r_acc:+.2f} (n = {len(models)}); "
-        f"perplexity {ppl[0]:.1f} → {ppl[-1]:.1f}, cloze {acc[0]:.2f} → {acc[-1]:.2f}; the screen took "
-        f"{gap_s:.0f} s for all checkpoints against {eval_wall:.0f} s of evaluation ({eval_wall / gap_s:.0f}×).",
-        comparison(r_ppl, r_acc, context_rho),
-    ]
-    notes = [
-        "Perplexity is token-level, exp(−Σ log p / Σ tokens) over the held-out documents, from lm_eval's rolling "
-        "log-likelihoods (--log_samples; disjoint windows of the model's context). lm_eval's word perplexity and "
-        "bits per byte are in result.json; all checkpoints share one tokenizer, so all three rank them identically.",
-        "Cloze: the last word of the first 8+-word sentence of a held-out document whose last word is a lower-case "
-        "word seen 3+ times in training, against three training words of about the same training frequency; "
-        "lm_eval multiple_choice (acc: sum of the continuation's token log-likelihoods; acc_norm: per byte).",
-        f"Why T = python_keywords: the BPE is trained on this text and the Python documentation uses the keywords "
-        f"in its prose, so they are frequent entries whose output rows train from the start (T holds "
-        f"{gap[models[0]]['n_T']} ids: {n_words - len(gap[models[0]]['missing_T'])} of the {n_words} keywords, with and without "
-        f"a leading space; not whole entries of this {trained['model'].get('vocab_size', 'trained')}-entry "
-        f"vocabulary: {', '.join(gap[models[0]]['missing_T']) or 'none'}). T̄ = general: "
-        f"{gap[models[0]]['n_Tbar']} alphabetic entries of 3+ letters outside T. T = digits (paper A's math set) "
-        f"is reported beside it, chosen before the run, not after it.",
-        "Timing: the screen is one `repgeom gap` process over all checkpoints; the evaluation is one `lm_eval` "
-        "process per checkpoint (process start and lm_eval's task indexing included; its own evaluation time is "
-        "given separately). Both ran niced on a shared 2-core machine.",
-        f"repgeom train's own check at the last step (packed blocks of the same held-out file): perplexity "
-        f"{trained['evaluations'][-1]['perplexity']['prose']:.2f}." if trained.get("evaluations") else
-        "repgeom train made no evaluation.",
-    ]
-    exp.finish(summary, data={
-        "steps": steps, "models": [Path(x).name for x in models], "G": G, "G_digits": G2, "ppl": ppl, "cloze_acc": acc,
-        "gap": {Path(k).name: {x: v[x] for x in ("G", "within_T", "within_Tbar", "between", "n_T", "n_Tbar")}
-                for k, v in gap.items()},
-        "evaluations": {Path(k).name: v for k, v in evals.items()},
-        "spearman": {"G_ppl": rho["ppl"], "G_cloze_acc": rho["cloze_acc"], **context_rho},
-        "wall_s": {"gap_screen": gap_s, "gap_core_sum": gap_core, "evaluation": eval_wall,
-                   "evaluation_core_sum": eval_core, "per_checkpoint_eval": {Path(k).name: v for k, v in eval_walls.items()},
-                   "train": train_s},
-        "token_sets": {"domain": DOMAIN, "reference": REFERENCE, "size": size["gap_size"], "second_domain": SECOND_DOMAIN,
-                       "n_T": gap[models[0]]["n_T"], "n_Tbar": gap[models[0]]["n_Tbar"],
-                       "missing_T": gap[models[0]]["missing_T"]},
-        "model": trained["model"], "training": trained["config"]["training"],
-        "from_scratch": trained["config"]["from_scratch"], "data": data_info,
-    }, notes=notes)
-    gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
+    scores = {"ppl": [e["ppl"] for e in evals], "completion_acc": [e["acc"] for e in evals]}
+    G: dict[str, dict[str, list[float]]] = {}
+    rho: dict[str, dict[str, Any]] = {}
+    gap_rows: dict[str, Any] = {}
+    with exp.step(f"{fam}: G cosine and Euclidean against the scores (repgeom gap --scores)"):
+        for distance in DISTANCES:
+            rho[distance] = {}
+            for name, values in scores.items():
+                path = work / f"scores_{fam}_{name}.json"
+                path.write_text(json.dumps(dict(zip(models, values)), indent=1), encoding="utf-8")
+                outp = work / f"gap_{fam}_{distance}_vs_{name}.json"
+                exp.run("repgeom", "gap", "--models", *models, *gap_args, "--distance", distance, "--scores", path,
+                        "--output", outp, log=f"gap_{fam}_{distance}_{name}")
+                doc = json.loads(outp.read_text(encoding="utf-8"))
+                sp = doc["spearman"]
+                rho[distance][name] = {"rho": sp.get("rho"), "n": sp.get("n")}
+                gap_rows[distance] = {r["model"]: r for r in doc["results"]}
+            by = gap_rows[distance]
+            G[distance] = {k: [float(by[m][k]) for m in models] for k in ("G", "within_T", "between", "within_Tbar")}
+    first_row = gap_rows["cosine"][models[0]]
+    screen = {r["model"]: r for r in screen_doc["results"]}
+    return {
+        "label": LABELS[fam], "steps": steps, "models": [Path(m).name if fam == "scratch" or i else "base (step 0)"
+                                                         for i, m in enumerate(models)],
+        "saved_steps": saved_steps, "first_screened_step": first,
+        "G_cosine": G["cosine"]["G"], "G_euclidean": G["euclidean"]["G"],
+        "components": {d: {k: v for k, v in G[d].items() if k != "G"} for d in DISTANCES},
+        "G_cosine_screen": [float(screen[m]["G"]) for m in models],
+        "ppl": scores["ppl"], "completion_acc": scores["completion_acc"],
+        "acc_stderr": [e["acc_stderr"] for e in evals], "acc_norm": [e["acc_norm"] for e in evals],
+        "bits_per_byte": [e["bits_per_byte"] for e in evals], "ppl_tokens": evals[0]["ppl_tokens"],
+        "repgeom_spearman": rho,
+        "wall_s": {"screen": screen_s, "screen_core_sum": sum(r["timings"]["total_s"] for r in screen.values()),
+                   "evaluation": sum(walls), "evaluation_core_sum": sum(e["eval_s"] for e in evals),
+                   "per_variant_evaluation": walls, "train": train_s},
+        "token_sets": {"n_T": first_row["n_T"], "n_Tbar": first_row["n_Tbar"], "missing_T": first_row["missing_T"],
+                       "n_missing_Tbar": len(first_row["missing_Tbar"]),
+                       "missing_Tbar_examples": first_row["missing_Tbar"][:20]},
+        "model": trained["model"], "training": {k: trained["config"]["training"].get(k) for k in (
+            "max_steps", "per_device_train_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps",
+            "save_steps")},
+        "block_size": trained["config"]["data"]["block_size"],
+        "from_scratch": trained["config"].get("from_scratch"),
+        "train_check": trained.get("evaluations", [])[-1:] ,
+    }
 
 
-# -- intervals, verdicts and figures (issue 25): everything below reads result.json only ------------------------------
+# -- intervals, verdicts, tables and figures (issue 25): everything below reads result.json only ----------------------
 
 PAIRS = {  # name: (x, y, what paper A predicts for the sign: below/above 0, or None for context)
-    "G_ppl": ("G", "ppl", "below"), "G_cloze_acc": ("G", "cloze_acc", "above"),
-    "digits_G_ppl": ("G_digits", "ppl", "below"), "digits_G_acc": ("G_digits", "cloze_acc", "above"),
-    "G_step": ("G", "steps", None), "step_ppl": ("steps", "ppl", None), "step_acc": ("steps", "cloze_acc", None),
+    "Gcos_ppl": ("G_cosine", "ppl", "below"), "Gcos_acc": ("G_cosine", "completion_acc", "above"),
+    "Geuc_ppl": ("G_euclidean", "ppl", "below"), "Geuc_acc": ("G_euclidean", "completion_acc", "above"),
+    "step_ppl": ("steps", "ppl", None), "step_acc": ("steps", "completion_acc", None),
+    "Gcos_step": ("G_cosine", "steps", None), "Geuc_step": ("G_euclidean", "steps", None),
+    "ppl_acc": ("ppl", "completion_acc", None),
 }
+COMPONENTS = ("within_T", "between", "within_Tbar")
+SAID = {gallery.FOLLOWS: "follows paper A", gallery.OPPOSITE: "the opposite of paper A",
+        gallery.CANNOT_TELL: "cannot tell at this size"}
+PAPER = ("Paper A Fig. 9: within a family, higher G marks the better checkpoint (ρ(G, perplexity) below 0, "
+         "ρ(G, accuracy) above 0).")
 
 
-def summarize(doc: dict[str, Any]) -> dict[str, Any]:
-    """result.json with the summary, intervals and verdicts recomputed from its per-checkpoint values."""
+def span(values: list[float]) -> float:
+    """(max − min) / |mean| in percent: how much G moves over a family."""
+    mean = sum(values) / len(values)
+    return 100 * (max(values) - min(values)) / abs(mean) if mean else math.nan
+
+
+def series(f: dict[str, Any], key: str) -> list[float]:
+    if key in f:
+        return f[key]
+    distance, comp = key.split(":")  # "cosine:within_T"
+    return f["components"][distance][comp]
+
+
+def family_intervals(f: dict[str, Any]) -> dict[str, Any]:
     from repgeom_eval.functional.bootstrap import rowwise_spearman
     from repgeom_eval.functional.stats import spearman
 
+    out = {}
+    pairs = dict(PAIRS)
+    for d in DISTANCES:
+        for c in COMPONENTS:
+            pairs[f"{d[:3]}_{c}_ppl"] = (f"{d}:{c}", "ppl", None)
+    for name, (x, y, _) in pairs.items():
+        iv = gallery.interval(rowwise_spearman, series(f, x), series(f, y))
+        iv["estimate"] = spearman(series(f, x), series(f, y))
+        out[name] = iv
+    return out
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """result.json with the summary, tables, notes, intervals and verdicts recomputed from its per-variant values."""
     d = doc["data"]
-    n = len(d["steps"])
-    intervals = {}
-    for name, (x, y, _) in PAIRS.items():
-        iv = gallery.interval(rowwise_spearman, d[x], d[y])
-        iv["estimate"] = spearman(d[x], d[y])  # the library's ρ (equal to the row-wise one; NaN policy its own)
-        intervals[name] = iv
-    verdict = {name: gallery.decide(intervals[name]["low"], intervals[name]["high"], 0.0, expect)
-               for name, (_, _, expect) in PAIRS.items() if expect}
-    said = {gallery.FOLLOWS: "as paper A", gallery.OPPOSITE: "the opposite of paper A",
-            gallery.CANNOT_TELL: "cannot tell at this size"}
-    show = lambda k: f"{intervals[k]['estimate']:+.2f} ({intervals[k]['low']:+.2f} to {intervals[k]['high']:+.2f})"  # noqa: E731
-    m, info = d["model"], d["data"]
-    ppl, acc, steps = d["ppl"], d["cloze_acc"], d["steps"]
-    last_drop = 100 * (1 - ppl[-1] / ppl[-2]) if n >= 2 else math.nan
-    wall = d["wall_s"]
-    summary = [
-        f"A {m['n_layers']}-layer width-{m['hidden_size']} GPT-2 trained from scratch with `repgeom train` on "
-        f"{info['train_chars'] / 1e6:.1f} M characters of English prose (Python docs, fortunes), {n} checkpoints "
-        f"(steps {steps[0]}–{steps[-1]}), screened with `repgeom gap` (cosine G; T = python_keywords, T̄ = general) "
-        f"and evaluated with `lm_eval` (held-out perplexity, {info['cloze']['items']}-item 4-way cloze). Protocol "
-        f"limits: the whole run is early training, burn-in only ({d['training']['max_steps']} steps from scratch, "
-        f"{d['training']['lr_scheduler_type']} schedule; perplexity falls {ppl[0] / ppl[-1]:.1f}-fold over it, and the "
-        f"last {steps[-1] - steps[-2]} steps change it by {last_drop:.1f} % as the learning rate decays), it is trained on prose but screened with Python keywords, "
-        "and only the cosine G is shown (result.json holds no Euclidean G); not covered: paper A's setting of many "
-        "fine-tuned checkpoints of one pretrained model (e.g. 30 SmolLM2 fine-tunes).",
-        f"Spearman ρ over the {n} checkpoints with 95 % intervals (percentile bootstrap over checkpoints, 2000 "
-        f"resamples, seed 0): ρ(G, perplexity) = {show('G_ppl')}, ρ(G, cloze accuracy) = {show('G_cloze_acc')}; "
-        f"T = digits: {show('digits_G_ppl')} and {show('digits_G_acc')}; perplexity {ppl[0]:.1f} → {ppl[-1]:.1f}, "
-        f"cloze {acc[0]:.2f} → {acc[-1]:.2f}; the screen took {wall['gap_screen']:.0f} s for all checkpoints against "
-        f"{wall['evaluation']:.0f} s of evaluation ({wall['evaluation'] / wall['gap_screen']:.0f}×).",
-        "Paper A Fig. 9: higher G marks the better checkpoint (ρ with perplexity below 0, with accuracy above 0). "
-        f"Decided by the intervals: with perplexity, {said[verdict['G_ppl']]}; with cloze accuracy, "
-        f"{said[verdict['G_cloze_acc']]}. Within one run the training step ranks the checkpoints for free "
-        f"(ρ(step, perplexity) = {show('step_ppl')}, ρ(G, step) = {show('G_step')}), so this run tests whether G "
-        "tracks early training, not whether it beats that baseline or screens fine-tunes.",
-    ]
-    pick = checkpoint_pick(d)
-    summary[2] += " " + pick_sentence(pick)
-    rows = [[f"ρ({x}, {y})", intervals[k]["estimate"], f"{intervals[k]['low']:+.3f} to {intervals[k]['high']:+.3f}",
-             n, verdict.get(k, "context (no paper prediction)")] for k, (x, y, _) in PAIRS.items()]
-    tables = [{"title": "Spearman ρ over the checkpoints with 95 % intervals (percentile bootstrap over checkpoints)",
-               "header": ["pair", "ρ", "95 % CI", "n", "verdict"], "rows": rows}, pick_table(pick)]
+    fams = d["families"]
+    intervals = {fam: family_intervals(f) for fam, f in fams.items()}
+    verdict = {fam: {k: gallery.decide(intervals[fam][k]["low"], intervals[fam][k]["high"], 0.0, expect)
+                     for k, (_, _, expect) in PAIRS.items() if expect} for fam in fams}
+
+    def same_as_step(fam: str) -> str:
+        same = [name for name, k in (("cosine", "Gcos_step"), ("Euclidean", "Geuc_step"))
+                if abs(intervals[fam][k]["estimate"]) >= 0.995]
+        if not same:
+            return ""
+        return (f" ({' and '.join(same)} G {'orders' if len(same) == 1 else 'order'} the variants by the step or its "
+                "reverse, |ρ| = 1.00 to two decimals, so there the screen only repeats the step's ranking)")
+
+    def show(fam: str, k: str) -> str:
+        iv = intervals[fam][k]
+        if not math.isfinite(iv["estimate"]):
+            return "undefined (a constant series)"
+        return f"{iv['estimate']:+.2f} ({iv['low']:+.2f} to {iv['high']:+.2f})"
+
+    ft, sc = fams["finetune"], fams["scratch"]
+    info, comp = d["data"], d["data"]["completion"]
+    n_total = len(ft["steps"]) + len(sc["steps"])
+    arch = lambda f: f"{f['model']['n_layers']}-layer width-{f['model']['hidden_size']}"  # noqa: E731
+    tr = lambda f: f["training"]  # noqa: E731
+    line1 = (
+        f"Two families screened on their own, {n_total} variants in all: (1) {LABELS['finetune']} with `repgeom "
+        f"train` ({tr(ft)['max_steps']} steps of {tr(ft)['per_device_train_batch_size']}×{ft['block_size']} tokens, "
+        f"learning rate {tr(ft)['learning_rate']:g} {tr(ft)['lr_scheduler_type']}), the base model (step 0, "
+        f"under-adapted) and {len(ft['steps']) - 1} checkpoints (steps {ft['steps'][1]}–{ft['steps'][-1]}); (2) a "
+        f"{arch(sc)} {LABELS['scratch']} ({tr(sc)['max_steps']} steps of {tr(sc)['per_device_train_batch_size']}×"
+        f"{sc['block_size']} tokens, {tr(sc)['lr_scheduler_type']} at {tr(sc)['learning_rate']:g}), the first "
+        f"{sc['first_screened_step']} steps dropped as burn-in ({d['burn_in']:.0%} of the run; paper A drops 120k of "
+        f"700k), "
+        f"{len(sc['steps'])} checkpoints (steps {sc['steps'][0]}–{sc['steps'][-1]}). Each screened with `repgeom "
+        f"gap` (T = python_keywords, T̄ = the {d['token_sets']['reference_words']} most frequent whole lower-case "
+        f"English words of fortunes and the KJV Bible, cosine and Euclidean G) and evaluated with `lm_eval` (held-out "
+        f"code perplexity over {info['ppl_chunks']} chunks, {info['ppl_chars']} characters; {comp['items']}-item 4-way "
+        f"completion of a held-out line's last name). Not covered: models past 135M parameters, paper A's real "
+        f"model families (CodeLlama, math-tuned Qwen), more than one training run per family, held-out code unseen "
+        f"in SmolLM2's pretraining (the standard library is public).")
+    parts = []
+    for fam, f in fams.items():
+        w = f["wall_s"]
+        parts.append(
+            f"{fam} (n = {len(f['steps'])}): ρ(G cos, ppl) = {show(fam, 'Gcos_ppl')}, ρ(G cos, completion) = "
+            f"{show(fam, 'Gcos_acc')}, ρ(G euc, ppl) = {show(fam, 'Geuc_ppl')}, ρ(G euc, completion) = "
+            f"{show(fam, 'Geuc_acc')}; perplexity {f['ppl'][0]:.2f} → {f['ppl'][-1]:.2f} (min {min(f['ppl']):.2f}), "
+            f"completion {f['completion_acc'][0]:.2f} → {f['completion_acc'][-1]:.2f}; over the family G cos spans "
+            f"{span(f['G_cosine']):.2g} % of its value, G euc {span(f['G_euclidean']):.2g} %; screen {w['screen']:.0f} s "
+            f"against {w['evaluation']:.0f} s of evaluation ({w['evaluation'] / w['screen']:.0f}×)")
+    line2 = ("Spearman ρ within each family with 95 % intervals (percentile bootstrap over the checkpoints, 2000 "
+             "resamples, seed 0): " + "; ".join(parts) + ".")
+    vparts = []
+    for fam in fams:
+        v = verdict[fam]
+        vparts.append(f"{fam}: cosine G with perplexity {SAID[v['Gcos_ppl']]}, with completion "
+                      f"{SAID[v['Gcos_acc']]}; Euclidean G with perplexity {SAID[v['Geuc_ppl']]}, with completion "
+                      f"{SAID[v['Geuc_acc']]}; step baseline ρ(step, ppl) = {show(fam, 'step_ppl')}, and ρ(G cos, step) = "
+                      f"{show(fam, 'Gcos_step')}, ρ(G euc, step) = {show(fam, 'Geuc_step')}" + same_as_step(fam))
+    picks = {fam: checkpoint_pick(f) for fam, f in fams.items()}
+    line3 = (PAPER + " Decided by the intervals — " + "; ".join(vparts) + ". Within a run the training step "
+             "ranks the checkpoints for free, so agreement with the step is not evidence that G beats it. "
+             + pick_sentence(picks))
+    summary = [line1, line2, line3]
+
+    rows = []
+    for fam in fams:
+        n = len(fams[fam]["steps"])
+        for k, iv in intervals[fam].items():
+            x, y, _ = PAIRS.get(k, (None, None, None))
+            label = f"ρ({x}, {y})" if x else f"ρ({k.split('_', 1)[1].rsplit('_', 1)[0]} [{k[:3]}], ppl)"
+            rows.append([fam, label, iv["estimate"], f"{iv['low']:+.3f} to {iv['high']:+.3f}", n,
+                         verdict[fam].get(k, "context (no paper prediction)")])
+    tables = [{"title": "Spearman ρ within each family with 95 % intervals (percentile bootstrap over checkpoints); "
+                        "verdicts decided by the interval",
+               "header": ["family", "pair", "ρ", "95 % CI", "n", "verdict"], "rows": rows}]
+    for fam, f in fams.items():
+        tables.append({
+            "title": f"{fam}: per variant ({f['label']}; G: T = python_keywords, T̄ = frequent English words; ppl: "
+                     "held-out token perplexity; completion: 4-way)",
+            "header": ["variant", "step", "G cos", "within(T) cos", "between cos", "within(T̄) cos", "G euc",
+                       "within(T) euc", "between euc", "within(T̄) euc", "ppl", "bits/byte", "completion acc",
+                       "acc_norm", "lm_eval wall s"],
+            "rows": [[f["models"][i], f["steps"][i], f["G_cosine"][i], *[f["components"]["cosine"][c][i]
+                      for c in COMPONENTS], f["G_euclidean"][i], *[f["components"]["euclidean"][c][i]
+                      for c in COMPONENTS], f["ppl"][i], f["bits_per_byte"][i], f["completion_acc"][i],
+                      f["acc_norm"][i], round(f["wall_s"]["per_variant_evaluation"][i], 1)]
+                     for i in range(len(f["steps"]))]})
+    tables.append({"title": "Wall time: the screen against evaluating every variant",
+                   "header": ["family", "variants", "screen: repgeom gap wall s", "of which reading rows + G (sum)",
+                              "evaluation: lm_eval wall s (sum)", "of which lm_eval's own time (sum)",
+                              "evaluation / screen", "training wall s"],
+                   "rows": [[fam, len(f["steps"]), round(f["wall_s"]["screen"], 1),
+                             round(f["wall_s"]["screen_core_sum"], 2), round(f["wall_s"]["evaluation"], 1),
+                             round(f["wall_s"]["evaluation_core_sum"], 1),
+                             round(f["wall_s"]["evaluation"] / f["wall_s"]["screen"], 1),
+                             round(f["wall_s"]["train"], 1)] for fam, f in fams.items()]})
+    tables.append(pick_table(picks))
+    tbar = info["tbar"]
     notes = [
-        "Intervals resample the checkpoints (the only unit result.json keeps per value): they are successive "
-        "states of one training run, not independent draws, and n = 10 is small, so the intervals describe how "
-        "stable the ranking is across these checkpoints, not a population of runs. Per-item cloze results and "
-        "the G of resampled token sets are not kept, so neither can be resampled here.",
-        "Protocol limits, stated with the verdict: every checkpoint is early training (burn-in), when G and "
-        "perplexity both move with the step; the model is trained on English prose while T is the Python keywords "
-        "(frequent in the Python documentation's prose); G is the cosine dispersion gap only, a Euclidean G was "
-        "not computed by this run; paper A screens fine-tuned checkpoints of a pretrained model, which this run "
-        "does not (it needs new long runs).",
+        "Intervals resample the checkpoints of a family (the unit result.json keeps per value): they are successive "
+        "states of one run (or one fine-tune), not independent draws, and n is small, so the intervals describe how "
+        "stable the ranking is across these checkpoints, not a population of runs. Per-item completion results and "
+        "the G of resampled token sets are not kept, so neither can be resampled here. Families are never pooled: "
+        "their G, perplexities and tokenizers are not on one scale.",
+        f"T = python_keywords (keyword.kwlist, {len(__import__('keyword').kwlist)} words; entries with and without "
+        f"a leading space). T̄: the {tbar['n_words']} most frequent whole lower-case words (2+ letters) of the "
+        f"Debian fortunes and the KJV Bible, general English that is not code, T's words excluded (least frequent "
+        f"kept: {tbar['least_frequent_kept']!r}, {tbar['its_count']} times). Not whole entries of a vocabulary: "
+        + "; ".join(f"{fam}: T missing {', '.join(f['token_sets']['missing_T']) or 'none'} (T holds "
+                    f"{f['token_sets']['n_T']} ids), T̄ missing {f['token_sets']['n_missing_Tbar']} of "
+                    f"{tbar['n_words']} words ({f['token_sets']['n_Tbar']} ids)" for fam, f in fams.items())
+        + " (as `repgeom gap` reports them; missing words are left out, not replaced).",
+        "Perplexity is token-level, exp(−Σ log p / Σ tokens) over the held-out chunks (whole lines from the middle of "
+        "held-out standard-library files; " + ", ".join(f"{fam}: {f['ppl_tokens']} tokens" for fam, f in fams.items())
+        + "), "
+        "from lm_eval's rolling log-likelihoods (--log_samples). The two families have different tokenizers, so "
+        "their perplexities are not comparable with each other.",
+        f"Completion: a name (identifier or keyword) that ends a held-out line of code (found with Python's "
+        f"tokenize, so never in a string or comment), after the previous {comp['context_lines']} lines and the line up "
+        f"to it; three distractors of about the same training frequency, so frequency alone does not pick the answer: the "
+        f"names of the same file's code closest in training frequency (within a factor 2; so names plausible there) "
+        f"for {comp.get('distractors_from_file', '?')} items, otherwise three names drawn from the training code "
+        f"within a factor 2 (widened when too few); answer and distractors are single tokens of SmolLM2's vocabulary; at most "
+        f"{comp['items_per_file']} items a file, {comp['items']} items from {comp['source_files']} held-out files. "
+        f"lm_eval multiple_choice (acc: the continuation's log-likelihood). With {comp['items']} items one "
+        "variant's accuracy has a binomial s.e. (lm_eval's) of "
+        + ", ".join(f"{sum(f['acc_stderr']) / len(f['acc_stderr']):.3f} on average in {fam}" for fam, f in fams.items())
+        + "; the completion accuracies of a family differ by less than that in many pairs, and the bootstrap over "
+        "checkpoints does not include this item noise, so the intervals with completion are too narrow.",
+        "Timing: the screen is one `repgeom gap --distance cosine` process over all variants of a family; the "
+        "evaluation is one `lm_eval` process per variant (process start and model load included; its own evaluation "
+        "time is given separately). Both ran on a 2-core machine shared with other jobs, so the walls are noisy.",
+        "The base SmolLM2 (step 0) is the GGUF (Q4_1) de-quantized to float32, the weights the fine-tune started "
+        "from; the checkpoints are float32. SmolLM2 was pretrained on public code, likely including the Python "
+        "standard library, so 'held out' means held out from this fine-tune only.",
     ]
-    figures = [{"file": "gap_ppl_vs_step.png", "caption": "G of each checkpoint's output embeddings (top), its "
-                "held-out perplexity (middle) and 4-way cloze accuracy (bottom, 95 % binomial interval from lm_eval's "
-                "s.e.; dotted: chance) against the training step"},
-               {"file": "gap_vs_ppl.png", "caption": "G against held-out perplexity and cloze accuracy, one point per "
-                "checkpoint (labels: training step); titles: Spearman ρ with its 95 % bootstrap interval"}]
-    notes.append(PICK_NOTE.format(burn_in=pick["burn_in"], first=pick["first_eligible_step"],
-                                  max_steps=pick["max_steps"], n=n, reference=d["token_sets"]["reference"],
-                                  size=d["token_sets"]["size"], **pick["callback_defaults"]))
+    figures = [{"file": "gap_vs_step.png", "caption": "Per family (columns): cosine G, Euclidean G, held-out code "
+                "perplexity and 4-way completion accuracy (95 % binomial interval from lm_eval's s.e.; dotted: chance) "
+                "against the step (fine-tune: step 0 is the base model; from scratch: after burn-in)"},
+               {"file": "gap_vs_ppl.png", "caption": "Cosine and Euclidean G against held-out perplexity and "
+                "completion accuracy, one point per variant (labels: step), per family; titles: Spearman ρ with its "
+                "95 % bootstrap interval"}]
     out = gallery.regenerated(doc, summary, tables, notes, intervals, figures)
-    out["data"]["checkpoint_pick"] = pick
+    out["data"]["verdicts"] = verdict
+    out["data"]["checkpoint_pick"] = picks
     return out
 
 
 # -- the training callback's label-free pick against the held-out choice (issue 26) ----------------------------------
 
-PICK_SETS = {"G": "domain", "G_digits": "second_domain"}  # G's column → its token set's key in data.token_sets
-PICK_NOTE = (
-    "Checkpoint pick: `repgeom_eval.training.geometry.pick_checkpoint`, the rule GeometryCallback applies "
-    "(largest cosine G at or after burn_in × max_steps, ties to the later step; default burn_in {burn_in} of max_steps {max_steps}, "
-    "so steps ≥ {first}), run on the G that `repgeom gap` measured on the saved checkpoints (T̄ = {reference}, "
-    "{size} sampled entries; the callback's defaults: T = {cb_domain}, T̄ = {cb_reference}, {cb_size}) for both "
-    "token sets T this run computed; the callback itself was "
-    "not run here, it computes G with the same token sets and distance code but was not checked against these "
-    "values. The held-out choice is the lowest held-out perplexity over all {n} checkpoints (it reads labels; "
-    "the pick does not). This is one training run, so there is no interval over runs; a bootstrap over the "
-    "checkpoints is not given, because the checkpoints are the whole candidate set of the pick, not a sample of "
-    "it, and resampling them would only measure which duplicates a resample happens to hold.")
-
-
-def checkpoint_pick(d: dict[str, Any]) -> dict[str, Any]:
-    """The callback's label-free pick (pick_checkpoint, its default burn-in) over the run's checkpoints for each
-    token set, against the checkpoint of lowest held-out perplexity."""
-    import dataclasses
-
-    from repgeom_eval.training.config import GeometryProbe
+def checkpoint_pick(f: dict[str, Any]) -> dict[str, Any]:
+    """GeometryCallback's rule (pick_checkpoint: largest cosine G at or after the burn-in, ties to the later step)
+    over a family's screened variants, against the variant of lowest held-out perplexity. The burn-in is this
+    run's (the fine-tune: none; from scratch: the dropped third), not the callback's default."""
     from repgeom_eval.training.geometry import pick_checkpoint
 
-    defaults = {f.name: f.default for f in dataclasses.fields(GeometryProbe)}
-    burn_in = defaults["burn_in"]
-    steps, ppl, acc = d["steps"], d["ppl"], d["cloze_acc"]
-    max_steps = d["training"]["max_steps"]
-    best = min(range(len(steps)), key=lambda i: (ppl[i], steps[i]))
-    order = sorted(range(len(steps)), key=lambda i: ppl[i])
-    out: dict[str, Any] = {"burn_in": burn_in, "max_steps": max_steps, "n_checkpoints": len(steps),
-                           "held_out_step": steps[best],
-                           "held_out_ppl": ppl[best], "held_out_cloze_acc": acc[best], "by_token_set": {},
-                           "callback_defaults": {"cb_domain": defaults["domain"], "cb_reference": defaults["reference"],
-                                                 "cb_size": defaults["size"]}}
-    for key, which in PICK_SETS.items():
-        name = d["token_sets"][which]
-        label = name + (" (this run's T)" if which == "domain" else "") + (
-            " (GeometryCallback's default T)" if name == defaults["domain"] else "")
-        records = [{"step": s, "G": {"cosine": g}, "checkpoint": m} for s, g, m in zip(steps, d[key], d["models"])]
-        picked = pick_checkpoint(records, max_steps, burn_in)
-        i = steps.index(picked["step"])
-        eligible = [j for j in order if steps[j] >= picked["first_eligible_step"]]
-        out["first_eligible_step"] = picked["first_eligible_step"]
-        out["by_token_set"][key] = {
-            "token_set": label, "step": picked["step"], "G_cosine": picked["G_cosine"],
-            "n_eligible": picked["n_eligible"], "ppl": ppl[i], "cloze_acc": acc[i],
-            "ppl_minus_best": ppl[i] - ppl[best], "ppl_ratio": ppl[i] / ppl[best],
-            "rank_by_ppl": order.index(i) + 1, "rank_by_ppl_among_eligible": eligible.index(i) + 1,
-            "is_held_out_choice": i == best, "rule": picked["rule"]}
-    return out
+    steps, ppl, acc = f["steps"], f["ppl"], f["completion_acc"]
+    records = [{"step": s, "G": {"cosine": g}} for s, g in zip(steps, f["G_cosine"])]
+    picked = pick_checkpoint(records, None, 0.0)  # every screened variant is past this family's burn-in
+    i = steps.index(picked["step"])
+    best = min(range(len(steps)), key=lambda j: (ppl[j], steps[j]))
+    order = sorted(range(len(steps)), key=lambda j: (ppl[j], steps[j]))
+    return {"rule": picked["rule"], "first_screened_step": f["first_screened_step"], "n_candidates": len(steps),
+            "step": picked["step"], "G_cosine": picked["G_cosine"], "ppl": ppl[i], "completion_acc": acc[i],
+            "held_out_step": steps[best], "held_out_ppl": ppl[best], "held_out_completion_acc": acc[best],
+            "ppl_ratio": ppl[i] / ppl[best], "rank_by_ppl": order.index(i) + 1, "is_held_out_choice": i == best}
 
 
-def pick_sentence(pick: dict[str, Any]) -> str:
-    parts = []
-    for key, p in pick["by_token_set"].items():
-        parts.append(f"T = {p['token_set'].split(' ')[0]}: step {p['step']}, perplexity {p['ppl']:.1f}, "
-                     f"{p['ppl_minus_best']:+.1f} ({p['ppl_ratio'] - 1:+.1%}) over the held-out choice, rank "
-                     f"{p['rank_by_ppl']} of {pick['n_checkpoints']} by perplexity "
-                     f"({p['rank_by_ppl_among_eligible']} of {p['n_eligible']} eligible)")
-    hits = [p["is_held_out_choice"] for p in pick["by_token_set"].values()]
-    verdict = ("it picks the held-out choice with both token sets" if all(hits) else
-               "it does not pick the held-out choice with either token set" if not any(hits) else
-               "it picks the held-out choice with one token set only")
-    return (f"The training callback's label-free pick (largest G at or after step {pick['first_eligible_step']}) "
-            f"against the held-out choice (lowest perplexity, step {pick['held_out_step']}, "
-            f"{pick['held_out_ppl']:.1f}): " + "; ".join(parts) + f"; {verdict} (one run, so no interval).")
+def pick_sentence(picks: dict[str, dict[str, Any]]) -> str:
+    parts = [f"{fam}: step {p['step']} (perplexity {p['ppl']:.2f}, {p['ppl_ratio'] - 1:+.1%} over the held-out "
+             f"choice, step {p['held_out_step']}; rank {p['rank_by_ppl']} of {p['n_candidates']})"
+             for fam, p in picks.items()]
+    return ("The training callback's label-free pick (largest cosine G among the screened variants) against the "
+            "held-out choice (lowest perplexity): " + "; ".join(parts) + " (one run each, so no interval).")
 
 
-def pick_table(pick: dict[str, Any]) -> dict[str, Any]:
-    rows = [[p["token_set"], p["step"], p["G_cosine"], p["ppl"], pick["held_out_step"], pick["held_out_ppl"],
-             p["ppl_minus_best"], f"{p['rank_by_ppl']}/{pick['n_checkpoints']}",
-             f"{p['rank_by_ppl_among_eligible']}/{p['n_eligible']}", p["cloze_acc"], pick["held_out_cloze_acc"]]
-            for p in pick["by_token_set"].values()]
-    return {"title": "Label-free checkpoint pick (GeometryCallback's pick_checkpoint) against the held-out choice "
-                     "(lowest perplexity); one run, no interval",
-            "header": ["T", "picked step", "G (cosine)", "pick ppl", "held-out step", "held-out ppl", "ppl − best",
-                       "rank by ppl", "rank among eligible", "pick cloze acc", "held-out cloze acc"],
-            "rows": rows}
+def pick_table(picks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {"title": "Label-free checkpoint pick (GeometryCallback's pick_checkpoint over the screened variants) "
+                     "against the held-out choice (lowest perplexity); one run each, no interval",
+            "header": ["family", "picked step", "G (cosine)", "pick ppl", "held-out step", "held-out ppl",
+                       "ppl ratio", "rank by ppl", "pick completion acc", "held-out completion acc"],
+            "rows": [[fam, p["step"], p["G_cosine"], p["ppl"], p["held_out_step"], p["held_out_ppl"],
+                      p["ppl_ratio"], f"{p['rank_by_ppl']}/{p['n_candidates']}", p["completion_acc"],
+                      p["held_out_completion_acc"]] for fam, p in picks.items()]}
 
 
 def draw(doc: dict[str, Any], out: Path) -> None:
@@ -527,41 +658,46 @@ def draw(doc: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     d = doc["data"]
-    steps, G, G2, ppl, acc = d["steps"], d["G"], d["G_digits"], d["ppl"], d["cloze_acc"]
-    se = [d["evaluations"][m]["acc_stderr"] for m in d["models"]]
-    fig, axes = plt.subplots(3, 1, figsize=(6.0, 6.4), sharex=True)
-    axes[0].plot(steps, G, "o-", color="tab:purple", label="T = python_keywords")
-    axes[0].set_ylabel("dispersion gap G")
-    ax2 = axes[0].twinx()
-    ax2.plot(steps, G2, "s--", color="tab:gray", ms=4, label="T = digits")
-    ax2.set_ylabel("G (T = digits)", color="tab:gray")
-    axes[0].legend(loc="upper left", fontsize=8)
-    ax2.legend(loc="lower right", fontsize=8)
-    axes[1].plot(steps, ppl, "o-", color="tab:red")
-    axes[1].set_yscale("log")
-    axes[1].set_ylabel("held-out perplexity")
-    axes[2].errorbar(steps, acc, yerr=[1.96 * e for e in se], fmt="o-", color="tab:green", capsize=2)
-    axes[2].axhline(0.25, color="gray", lw=0.8, ls=":")
-    axes[2].set_ylabel("cloze accuracy (4-way)")
-    axes[2].set_xlabel("training step")
-    fig.suptitle(f"GPT-2 ({d['model']['n_layers']} layers, width {d['model']['hidden_size']}) from "
-                 f"scratch: G (no forward pass) vs held-out quality", fontsize=10)
+    fams = d["families"]
+    fig, axes = plt.subplots(4, len(fams), figsize=(4.2 * len(fams), 8.0), sharex="col", squeeze=False)
+    for col, (fam, f) in enumerate(fams.items()):
+        steps = f["steps"]
+        ax = axes[:, col]
+        ax[0].plot(steps, f["G_cosine"], "o-", color="tab:purple", ms=3)
+        ax[0].set_ylabel("G (cosine)")
+        ax[0].set_title(f"{fam}: {f['label']}", fontsize=9)
+        ax[1].plot(steps, f["G_euclidean"], "s-", color="tab:blue", ms=3)
+        ax[1].set_ylabel("G (Euclidean)")
+        ax[2].plot(steps, f["ppl"], "o-", color="tab:red", ms=3)
+        ax[2].set_ylabel("held-out perplexity")
+        ax[3].errorbar(steps, f["completion_acc"], yerr=[1.96 * e for e in f["acc_stderr"]], fmt="o-",
+                       color="tab:green", capsize=2, ms=3)
+        ax[3].axhline(0.25, color="gray", lw=0.8, ls=":")
+        ax[3].set_ylabel("completion acc (4-way)")
+        ax[3].set_xlabel("training step")
+    fig.suptitle("G of the output embeddings (no forward pass) and held-out code quality, per family", fontsize=10)
     fig.tight_layout()
-    gallery.save_figure(fig, out / "gap_ppl_vs_step.png")
+    gallery.save_figure(fig, out / "gap_vs_step.png")
 
     iv = d["intervals"]
-    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.5))
-    for ax, y, label, key in ((axes[0], ppl, "held-out perplexity", "G_ppl"),
-                              (axes[1], acc, "cloze accuracy", "G_cloze_acc")):
-        ax.scatter(G, y, c=steps, cmap="viridis")
-        ax.set_xlabel("dispersion gap G (T = python_keywords)")
-        ax.set_ylabel(label)
-        ax.set_title(f"Spearman ρ = {iv[key]['estimate']:+.2f} (95 % CI {iv[key]['low']:+.2f} to "
-                     f"{iv[key]['high']:+.2f}; n = {len(steps)})", fontsize=9)
-    axes[0].set_yscale("log")
+    fig, axes = plt.subplots(len(fams), 4, figsize=(15.0, 3.3 * len(fams)), squeeze=False)
+    for row, (fam, f) in enumerate(fams.items()):
+        for col, (gkey, ykey, k, yl) in enumerate((("G_cosine", "ppl", "Gcos_ppl", "held-out perplexity"),
+                                                   ("G_euclidean", "ppl", "Geuc_ppl", "held-out perplexity"),
+                                                   ("G_cosine", "completion_acc", "Gcos_acc", "completion acc"),
+                                                   ("G_euclidean", "completion_acc", "Geuc_acc", "completion acc"))):
+            ax = axes[row, col]
+            ax.scatter(f[gkey], f[ykey], c=f["steps"], cmap="viridis", s=14)
+            ax.set_xlabel(f"{fam}: G ({gkey.split('_')[1]})", fontsize=8)
+            ax.set_ylabel(yl, fontsize=8)
+            i = iv[fam][k]
+            ax.set_title(f"ρ = {i['estimate']:+.2f} (95 % CI {i['low']:+.2f} to {i['high']:+.2f}; n = "
+                         f"{len(f['steps'])})", fontsize=8)
     fig.tight_layout()
-    for ax, y in ((axes[0], ppl), (axes[1], acc)):
-        label_points(ax, G, y, steps)
+    for row, (fam, f) in enumerate(fams.items()):
+        for col, (gkey, ykey) in enumerate((("G_cosine", "ppl"), ("G_euclidean", "ppl"),
+                                            ("G_cosine", "completion_acc"), ("G_euclidean", "completion_acc"))):
+            label_points(axes[row, col], f[gkey], f[ykey], f["steps"])
     gallery.save_figure(fig, out / "gap_vs_ppl.png")
 
 
