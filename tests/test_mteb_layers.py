@@ -218,6 +218,25 @@ def test_sweep_equals_single_layer_runs_on_all_task_types(tiny_model_dir, specs,
     assert sweep.forward_passes == single_passes
 
 
+def test_predictions_are_kept_per_layer(tiny_model_dir, specs, tmp_path):
+    """--prediction-folder: mteb names a prediction file after the task alone, so every layer gets its own folder;
+    each layer's saved STS similarities give back that layer's main score."""
+    from scipy.stats import spearmanr
+
+    result = run_layers(tiny_model_dir("bert"), fresh_tasks(specs, ["PydocSTS"]), [0, 2], output_folder=None,
+                        prediction_folder=tmp_path / "preds", progress=False, pooling="mean")
+    files = sorted((tmp_path / "preds").rglob("PydocSTS_predictions.json"))
+    assert len(files) == 2 and len({f.parent for f in files}) == 2
+    gold = [row["score"] for row in specs["PydocSTS"]["data"]]
+    scores = {r["layer"]: r["main_score"] for r in result.rows}
+    for f in files:
+        saved = json.loads(f.read_text())
+        layer = saved["mteb_model_meta"]["model_name"].split("@layer=")[1].split(",")[0]
+        assert f.parent.name == saved["mteb_model_meta"]["model_name"].replace("/", "__")
+        cosine = saved["default"]["test"]["cosine_scores"]
+        assert spearmanr(cosine, gold).statistic == pytest.approx(scores[layer], abs=1e-6)
+
+
 def test_decoder_on_all_task_types(tiny_model_dir, specs, tmp_path):
     # (pooling "last" would give every sentence of the embedding layer the same vector: they all end in ".")
     result = run_layers(tiny_model_dir("llama"), fresh_tasks(specs), "all", pooling="mean",

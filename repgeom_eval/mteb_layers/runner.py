@@ -315,7 +315,8 @@ def run_layers(
                             encoders[addr], task, cache=cache,
                             overwrite_strategy=OverwriteStrategy.ALWAYS if addr in rerun else strategy,
                             encode_kwargs=dict(encode_kwargs), show_progress_bar=False, co2_tracker=co2_tracker,
-                            prediction_folder=prediction_folder, num_proc=num_proc)
+                            prediction_folder=layer_predictions(prediction_folder, encoders[addr]),
+                            num_proc=num_proc)
                     except ValueError as exc:  # mteb's refusals (only-cache / never with missing results)
                         raise RepgeomError(f"{task.metadata.name} at {addr}: {exc}") from None
                     sweep.release(addr)
@@ -344,3 +345,12 @@ def run_layers(
     out.view_sequences = sweep_metrics.view_sequences if sweep_metrics is not None else 0
     out.seconds = time.perf_counter() - t_start
     return out
+
+
+def layer_predictions(folder: str | Path | None, encoder: Any) -> Path | None:
+    """The prediction folder of one layer: ``folder/<model name as mteb writes it in paths>`` (the layer and recipe
+    are in the name). mteb names a prediction file after the task only, so one folder for every layer would keep
+    the last layer's predictions alone."""
+    if folder is None:
+        return None
+    return Path(folder) / encoder.mteb_model_meta.model_name_as_path()
