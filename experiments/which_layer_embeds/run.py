@@ -120,7 +120,8 @@ def main() -> None:
             with exp.step(f"{model}, {prep}"):
                 seconds[(model, prep)] = exp.run(
                     "repgeom", "mteb", "run", "-m", path, "--layer", *layers[model], "--tasks-file", tasks_file,
-                    "-t", *names, *extra, "--output-folder", out, "--no-summary", "--no-progress",
+                    "-t", *names, *extra, "--output-folder", out, "--prediction-folder",
+                    exp.workdir / "predictions" / model / prep, "--no-summary", "--no-progress",
                     log=f"mteb-{model}-{prep}")
         exp.run("repgeom", "mteb", "summary", out, "--no-plot", log=f"summary-{model}")
         rows += read_rows(out / "repgeom_summary.csv", model)
@@ -271,7 +272,8 @@ def main() -> None:
     data = {"rows": rows, "verdicts": [{k: (v[k]["layer"] if k in ("best", "last") else v[k]) for k in v}
                                        | {"best_score": v["best"]["score"], "last_score": v["last"]["score"],
                                           "best_rel_depth": v["best"]["rel_depth"]} for v in verdicts],
-            "seconds": {f"{m}/{p}": s for (m, p), s in seconds.items()}, "size": size, "sources": sources}
+            "seconds": {f"{m}/{p}": s for (m, p), s in seconds.items()}, "size": size, "sources": sources,
+            "items": item_values(exp.workdir / "predictions", tasks_file, rows)}
     exp.finish([line1, line2, line3], data=data, notes=notes)
     gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
 
@@ -402,12 +404,176 @@ def ci_plain(iv: dict, digits: int, signed: bool) -> str:
     return gallery.ci_text(iv["low"], iv["high"], digits, signed)
 
 
+# -- per-item values (mteb's --prediction-folder) and intervals over a task's items -------------------------------------
+
+ITEM_TYPES = ("STS", "Classification")  # clustering: mteb does not save which items each k-means run drew
+
+
+def _jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def item_values(root: Path, tasks_file: Path, rows: list[dict]) -> dict:
+    """Per STS and classification task: the gold values of its evaluated items and, per model, preprocessing and
+    layer, each item's value from mteb's saved predictions: the cosine similarity of an STS pair, the fraction of
+    classification experiments that label a test item correctly. Each layer's main score is recomputed from them
+    and must match the score mteb reported."""
+    import json
+
+    doc = yaml.safe_load(tasks_file.read_text(encoding="utf-8"))
+    out: dict = {}
+    for task in doc["tasks"]:
+        if task["type"] == "STS":
+            gold = [float(r["score"]) for r in _jsonl(tasks_file.parent / task["data"])]
+        elif task["type"] == "Classification":
+            gold = [str(r["label"]) for r in _jsonl(tasks_file.parent / task["test"])]
+        else:
+            continue
+        out[task["name"]] = {"type": task["type"], "gold": gold, "values": {}}
+    names = {r["layer"].replace(":", "_"): r["layer"] for r in rows}
+    score = {(r["model"], r["preprocess"], r["task"], r["layer"]): r["score"] for r in rows}
+    worst = 0.0
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        for prep_dir in sorted(p for p in model_dir.iterdir() if p.is_dir()):
+            key = f"{model_dir.name}/{prep_dir.name}"
+            for path in sorted(prep_dir.glob("*/*_predictions.json")):
+                task = path.name[: -len("_predictions.json")]
+                if task not in out:
+                    continue
+                saved = json.loads(path.read_text(encoding="utf-8"))
+                layer = names[saved["mteb_model_meta"]["model_name"].split("@layer=")[1].split(",")[0]]
+                subset = next(k for k in saved if k != "mteb_model_meta")
+                predictions = next(iter(saved[subset].values()))
+                t = out[task]
+                if t["type"] == "STS":
+                    values = [round(float(x), 6) for x in predictions["cosine_scores"]]
+                else:
+                    values = [sum(str(run[i]) == g for run in predictions) / len(predictions)
+                              for i, g in enumerate(t["gold"])]
+                if len(values) != len(t["gold"]):
+                    raise SystemExit(f"{path}: {len(values)} predictions for {len(t['gold'])} items")
+                t["values"].setdefault(key, {})[layer] = values
+                worst = max(worst, abs(item_score(t["type"], t["gold"], values) - score[(model_dir.name, prep_dir.name,
+                                                                                       task, layer)]))
+    if worst > 1e-4:
+        raise SystemExit(f"per-item values give main scores up to {worst:.2g} away from mteb's")
+    return {"tasks": out, "largest_score_difference": worst}
+
+
+def item_score(kind: str, gold: list, values: list) -> float:
+    """A task's main score from its items: Spearman(cosine, gold) for STS, mean fraction correct otherwise."""
+    import numpy as np
+
+    from repgeom_eval.functional.stats import spearman
+
+    return float(spearman(values, gold)) if kind == "STS" else float(np.mean(values))
+
+
+def item_intervals(items: dict, rows: list[dict]) -> dict:
+    """Per task, model and preprocessing: every layer's main score and its difference from the last layer, with
+    95 % percentile-bootstrap intervals over the task's items (2000 resamples, seed 0; the same resamples for every
+    layer, so a difference is paired)."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    from repgeom_eval.functional.bootstrap import bootstrap_indices, percentile_interval, rowwise_pearson
+
+    depth = {(r["model"], r["preprocess"], r["layer"]): r["rel_depth"] for r in rows}
+    out: dict = {}
+    for task, t in items["tasks"].items():
+        gold = np.asarray([float(g) for g in t["gold"]] if t["type"] == "STS" else [0.0] * len(t["gold"]))
+        idx = bootstrap_indices(len(gold), 2000, 0)
+        gold_ranks = rankdata(gold[idx], axis=1) if t["type"] == "STS" else None
+
+        def resampled(values: list) -> np.ndarray:
+            v = np.asarray(values, float)[idx]
+            return rowwise_pearson(gold_ranks, rankdata(v, axis=1)) if t["type"] == "STS" else v.mean(axis=1)
+
+        out[task] = {}
+        for key, layers in t["values"].items():
+            model, prep = key.split("/")
+            order = sorted(layers, key=lambda a: depth[(model, prep, a)])
+            last = order[-1]
+            last_draws, last_score = resampled(layers[last]), item_score(t["type"], t["gold"], layers[last])
+            entry = {}
+            for a in order:
+                draws, est = resampled(layers[a]), item_score(t["type"], t["gold"], layers[a])
+                lo, hi, valid = percentile_interval(draws)
+                dlo, dhi, dvalid = percentile_interval(draws - last_draws)
+                entry[a] = {"rel_depth": depth[(model, prep, a)],
+                            "score": {"estimate": est, "low": lo, "high": hi, "n_valid": valid},
+                            "minus_last": {"estimate": est - last_score, "low": dlo, "high": dhi, "n_valid": dvalid}}
+            out[task][key] = {"n_items": len(gold), "last": last, "layers": entry}
+    return out
+
+
+def item_verdicts(item_iv: dict, diffs: dict) -> dict:
+    """Per model and preprocessing: on how many item-bootstrapped tasks the middle layer (fixed before looking) and
+    the best layer (after the fact) beat the last layer beyond noise, and how many intermediate layers do."""
+    out: dict = {}
+    for key, e in diffs.items():
+        middle = e["middle"]
+        per_task = []
+        for task, by_key in item_iv.items():
+            if key not in by_key:
+                continue
+            layers = by_key[key]["layers"]
+            inner = {a: v for a, v in layers.items() if 0 < v["rel_depth"] < 1}
+            best = max(inner, key=lambda a: (inner[a]["score"]["estimate"], -inner[a]["rel_depth"]))
+            decide = lambda v: gallery.decide(v["minus_last"]["low"], v["minus_last"]["high"], 0.0, "above")  # noqa
+            per_task.append({"task": task, "middle": middle, "middle_verdict": decide(layers[middle]),
+                             "middle_minus_last": layers[middle]["minus_last"], "best": best,
+                             "best_verdict": decide(inner[best]), "best_minus_last": inner[best]["minus_last"],
+                             "beyond": sum(decide(v) == gallery.FOLLOWS for v in inner.values()),
+                             "below": sum(decide(v) == gallery.OPPOSITE for v in inner.values()),
+                             "n_inner": len(inner)})
+        out[key] = per_task
+    return out
+
+
+def item_sentence(verdicts: dict) -> str:
+    parts = []
+    for key, per_task in verdicts.items():
+        model, prep = key.split("/")
+        label = f"{SHORT[model]} {'raw' if prep == 'none' else 'standardized'}"
+        mid = sum(t["middle_verdict"] == gallery.FOLLOWS for t in per_task)
+        mid_below = sum(t["middle_verdict"] == gallery.OPPOSITE for t in per_task)
+        best = sum(t["best_verdict"] == gallery.FOLLOWS for t in per_task)
+        any_layer = sum(t["beyond"] > 0 for t in per_task)
+        parts.append(f"{label}: the middle layer above the last on {mid} of {len(per_task)} tasks (below on "
+                     f"{mid_below}), some intermediate layer above it on {any_layer}, the best layer in hindsight on "
+                     f"{best}")
+    return ("Per task, by a paired bootstrap over the task's items (STS pairs, classification test items; "
+            "clustering has none): " + "; ".join(parts) + ".")
+
+
+def item_table(verdicts: dict) -> dict:
+    rows = []
+    for key, per_task in verdicts.items():
+        model, prep = key.split("/")
+        for t in per_task:
+            m, b = t["middle_minus_last"], t["best_minus_last"]
+            rows.append([model, prep, t["task"], t["middle"], m["estimate"], f"{m['low']:+.3f} to {m['high']:+.3f}",
+                         t["middle_verdict"], t["best"], b["estimate"], f"{b['low']:+.3f} to {b['high']:+.3f}",
+                         t["best_verdict"], f"{t['beyond']}/{t['n_inner']}", f"{t['below']}/{t['n_inner']}"])
+    return {"title": "Per task, intervals over the task's items (paired percentile bootstrap, 2000 resamples): the "
+                     "middle layer and the best intermediate layer (chosen after the fact) minus the last layer",
+            "header": ["model", "preprocess", "task", "middle layer", "middle − last", "95 % CI", "verdict",
+                       "best layer", "best − last", "95 % CI", "verdict", "layers above last", "layers below last"],
+            "rows": rows}
+
+
 def summarize(doc: dict) -> dict:
     """result.json with the summary, intervals and verdicts recomputed from its per-layer rows."""
     d = doc["data"]
     rows, verdicts, sources = d["rows"], d["verdicts"], d["sources"]
     diffs = layer_differences(rows)
     picks = label_free_picks(rows)
+    items = d.get("items")  # per-item values: runs that kept mteb's predictions (not the first full run)
+    item_iv = item_intervals(items, rows) if items else None
+    item_v = item_verdicts(item_iv, diffs) if items else None
 
     def count(model: str, prep: str) -> tuple[int, int, float]:
         vs = [v for v in verdicts if v["model"] == model and v["preprocess"] == prep]
@@ -446,7 +612,9 @@ def summarize(doc: dict) -> dict:
              f"graded STS; example tasks of size {d['size']} from {' and '.join(sources)}) for SmolLM2-135M-Instruct "
              f"(GGUF, mean pooling, {n_states} hidden states) and all-MiniLM-L6-v2 (its own recipe), raw and with "
              "`--preprocess standardize`, with dataset entropy and the massive-activation share. Not covered: MTEB "
-             "itself, and per-item scores (not kept), so intervals are over the tasks only.")
+             + ("itself, and per-item intervals for the clustering tasks (mteb keeps no record of which items its "
+                "k-means runs drew)." if items else
+                "itself, and per-item scores (not kept), so intervals are over the tasks only."))
     line2 = (f"Best layer minus last layer per task (selected after the fact, so never below 0): an earlier layer "
              f"is higher on {s_raw[0]}/{s_raw[1]} tasks for SmolLM2 raw (mean gain {s_raw[2]:+.3f}) and "
              f"{s_std[0]}/{s_std[1]} standardized ({s_std[2]:+.3f}); for MiniLM {m_raw[0]}/{m_raw[1]} raw "
@@ -459,7 +627,8 @@ def summarize(doc: dict) -> dict:
     line3 = ("Paper B (language models on MTEB): intermediate layers often beat the last one. Tested without "
              "picking the layer after the fact: the middle layer's score minus the last layer's, mean over the "
              f"{n_tasks} tasks with a 95 % interval (percentile bootstrap over tasks): " + "; ".join(parts)
-             + ". A per-task \"beats the last layer\" cannot be decided from these results (no per-item scores).")
+             + (". " + item_sentence(item_v) if items else
+                ". A per-task \"beats the last layer\" cannot be decided from these results (no per-item scores)."))
     table_rows = []
     for key, e in diffs.items():
         model, prep = key.split("/")
@@ -472,8 +641,18 @@ def summarize(doc: dict) -> dict:
     tables = [{"title": "Layer minus last layer, mean over the tasks, with 95 % intervals (percentile bootstrap over "
                         "the tasks; follows: above 0, opposite: below 0)",
                "header": ["model", "preprocess", "layer", "rel. depth", "mean difference", "95 % CI", "verdict"],
-               "rows": table_rows}] + pick_tables(picks)
-    notes = ["Intervals: the MTEB runs keep one main score per task and layer, not the per-item scores, so no "
+               "rows": table_rows}] + ([item_table(item_v)] if items else []) + pick_tables(picks)
+    item_note = ([f"Per-item intervals: `--prediction-folder` keeps mteb's predictions; result.json holds each STS "
+                  "pair's cosine similarity and each classification test item's fraction of correct experiments, per "
+                  "layer, from which every main score is recomputed (largest difference from mteb's rounded score "
+                  f"{items['largest_score_difference']:.1e}). Each task's items are resampled (2000 times, seed 0, "
+                  "the same resamples for every layer), so a layer's difference from the last layer is paired. The "
+                  "classification items are scored with the classifiers fitted once per experiment, so the interval "
+                  "covers the test items, not the choice of training samples. The best layer is chosen after the "
+                  "fact, which biases its difference upward; the middle layer is fixed before looking."]
+                 if items else [])
+    notes = [*item_note,
+             "Intervals: the MTEB runs keep one main score per task and layer, not the per-item scores, so no "
              "interval over a task's items can be formed from result.json; the bootstrap resamples the "
              f"{n_tasks} tasks (2000 resamples, seed 0), which gives the spread across tasks of a layer's difference "
              "from the last layer. With 6 tasks these intervals are coarse. The verdict uses the middle layer "
@@ -488,8 +667,14 @@ def summarize(doc: dict) -> dict:
     figures = [*[f for f in doc["figures"] if f["file"] != "gain_by_depth.png"],
                {"file": "gain_by_depth.png", "caption": "Each layer's main score minus the last layer's, mean over "
                 "the tasks, with 95 % bootstrap bands over the tasks; solid raw, dashed standardized"}]
+    if items:
+        figures.append({"file": "item_gain_by_depth.png", "caption": "Per STS and classification task: each layer's "
+                        "main score minus the last layer's, with 95 % bands from a paired bootstrap over the task's "
+                        "items; solid raw, dashed standardized; blue SmolLM2-135M, orange MiniLM"})
     out = gallery.regenerated(doc, [line1, line2, line3], tables, notes, diffs, figures)
     out["data"]["label_free_pick"] = {**picks, "quotes": pick_quotes(picks)}
+    if items:
+        out["data"]["item_intervals"] = item_iv
     return out
 
 
@@ -570,6 +755,28 @@ def draw(doc: dict, out: Path) -> None:
     outside_legend(ax, fontsize=7)
     fig.tight_layout()
     gallery.save_figure(fig, out / "gain_by_depth.png")
+    item_iv = doc["data"].get("item_intervals")
+    if item_iv:
+        tasks = list(item_iv)
+        fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.2), sharey=True, squeeze=False)
+        for ax, task in zip(axes[0], tasks):
+            for key, e in item_iv[task].items():
+                model, prep = key.split("/")
+                pts = list(e["layers"].values())
+                xs = [v["rel_depth"] for v in pts]
+                ax.plot(xs, [v["minus_last"]["estimate"] for v in pts], styles[prep], color=colours[model], lw=1.1,
+                        label=f"{SHORT[model]}, {'raw' if prep == 'none' else prep}")
+                ax.fill_between(xs, [v["minus_last"]["low"] for v in pts], [v["minus_last"]["high"] for v in pts],
+                                color=colours[model], alpha=0.10 if prep == "none" else 0.06, lw=0)
+            ax.axhline(0, color="grey", lw=0.8)
+            ax.set_title(f"{task} ({next(iter(item_iv[task].values()))['n_items']} items)", fontsize=8)
+            ax.set_xlabel("relative depth", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=7)
+        axes[0][0].set_ylabel("score − last-layer score", fontsize=8)
+        outside_legend(axes[0][-1], fontsize=7)
+        fig.tight_layout()
+        gallery.save_figure(fig, out / "item_gain_by_depth.png")
 
 
 def _mean_by(rows: list[dict], key: str, depth: str = "depth") -> dict[float, float]:
