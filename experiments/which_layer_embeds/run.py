@@ -448,7 +448,8 @@ def item_values(root: Path, tasks_file: Path, rows: list[dict]) -> dict:
                 predictions = next(iter(saved[subset].values()))
                 t = out[task]
                 if t["type"] == "STS":
-                    values = [round(float(x), 6) for x in predictions["cosine_scores"]]
+                    # unrounded: where one dimension dominates, the cosines agree to 6 digits and rounding makes ties
+                    values = [float(x) for x in predictions["cosine_scores"]]
                 else:
                     values = [sum(str(run[i]) == g for run in predictions) / len(predictions)
                               for i, g in enumerate(t["gold"])]
