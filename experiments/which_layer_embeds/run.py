@@ -1,7 +1,7 @@
 """Which layer embeds best (paper B, Fig. 1): MTEB-style scores at every hidden state of SmolLM2-135M-Instruct and
 all-MiniLM-L6-v2, raw and standardized, next to dataset entropy and the massive-activation share.
 
-    .venv/bin/python experiments/which_layer_embeds/run.py            # full size (~25 min on a quiet 2-core machine)
+    .venv/bin/python experiments/which_layer_embeds/run.py            # full size (~4 min on a quiet 2-core machine)
     .venv/bin/python experiments/which_layer_embeds/run.py --smoke    # tiny size, a few layers (~3 min)
 
 Steps, as a user would type them:
@@ -665,7 +665,7 @@ def summarize(doc: dict) -> dict:
              f"bootstrapped over the {n_tasks} tasks (2000 resamples, seed 0). A bootstrap of 0/n or n/n hits is a "
              "single point and says nothing about uncertainty, so the exact (Clopper-Pearson) binomial interval of "
              "the hit rate is given beside it. The best layer is chosen after the fact (an upper bound, not a rule)."]
-    figures = [*[f for f in doc["figures"] if f["file"] != "gain_by_depth.png"],
+    figures = [*[f for f in doc["figures"] if f["file"] not in ("gain_by_depth.png", "item_gain_by_depth.png")],
                {"file": "gain_by_depth.png", "caption": "Each layer's main score minus the last layer's, mean over "
                 "the tasks, with 95 % bootstrap bands over the tasks; solid raw, dashed standardized"}]
     if items:
