@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import math
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -406,7 +407,7 @@ def ci_plain(iv: dict, digits: int, signed: bool) -> str:
 
 # -- per-item values (mteb's --prediction-folder) and intervals over a task's items -------------------------------------
 
-ITEM_TYPES = ("STS", "Classification")  # clustering: mteb does not save which items each k-means run drew
+MTEB_SEED = 42  # mteb's AbsTask default seed: repgeom reseeds every task with it before each layer's evaluation
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -429,9 +430,18 @@ def item_values(root: Path, tasks_file: Path, rows: list[dict]) -> dict:
             gold = [float(r["score"]) for r in _jsonl(tasks_file.parent / task["data"])]
         elif task["type"] == "Classification":
             gold = [str(r["label"]) for r in _jsonl(tasks_file.parent / task["test"])]
+        elif task["type"] == "Clustering":
+            gold = [str(r["label"]) for r in _jsonl(tasks_file.parent / task["data"])]
         else:
             continue
         out[task["name"]] = {"type": task["type"], "gold": gold, "values": {}}
+        if task["type"] == "Clustering":
+            # which items each of mteb's k-means runs drew: not saved, so replayed from the seeded draw
+            # (random.Random(seed).choices, with replacement, one run after another); the main-score check below
+            # fails if the replay is wrong
+            rng = random.Random(MTEB_SEED)
+            out[task["name"]]["runs"] = [rng.choices(range(len(gold)), k=len(gold))
+                                         for _ in range(int(task.get("n_clusters", 10)))]
     names = {r["layer"].replace(":", "_"): r["layer"] for r in rows}
     score = {(r["model"], r["preprocess"], r["task"], r["layer"]): r["score"] for r in rows}
     worst = 0.0
@@ -450,26 +460,63 @@ def item_values(root: Path, tasks_file: Path, rows: list[dict]) -> dict:
                 if t["type"] == "STS":
                     # unrounded: where one dimension dominates, the cosines agree to 6 digits and rounding makes ties
                     values = [float(x) for x in predictions["cosine_scores"]]
+                elif t["type"] == "Clustering":  # each run's cluster of each drawn item
+                    values = [[int(c) for c in run] for run in predictions["Level 0"]]
+                    if len(values) != len(t["runs"]) or any(len(v) != len(r) for v, r in zip(values, t["runs"])):
+                        raise SystemExit(f"{path}: the k-means runs do not match the replayed draws")
                 else:
                     values = [sum(str(run[i]) == g for run in predictions) / len(predictions)
                               for i, g in enumerate(t["gold"])]
-                if len(values) != len(t["gold"]):
+                if t["type"] != "Clustering" and len(values) != len(t["gold"]):
                     raise SystemExit(f"{path}: {len(values)} predictions for {len(t['gold'])} items")
                 t["values"].setdefault(key, {})[layer] = values
-                worst = max(worst, abs(item_score(t["type"], t["gold"], values) - score[(model_dir.name, prep_dir.name,
-                                                                                       task, layer)]))
+                worst = max(worst, abs(item_score(t, values) - score[(model_dir.name, prep_dir.name, task, layer)]))
     if worst > 1e-4:
         raise SystemExit(f"per-item values give main scores up to {worst:.2g} away from mteb's")
     return {"tasks": out, "largest_score_difference": worst}
 
 
-def item_score(kind: str, gold: list, values: list) -> float:
-    """A task's main score from its items: Spearman(cosine, gold) for STS, mean fraction correct otherwise."""
+def item_score(task: dict, values: list) -> float:
+    """A task's main score from its items: Spearman(cosine, gold) for STS, the mean over the k-means runs of the
+    V-measure of each run's drawn items for clustering (sklearn, as mteb computes it), mean fraction correct for
+    classification."""
     import numpy as np
+    from sklearn.metrics import v_measure_score
 
     from repgeom_eval.functional.stats import spearman
 
-    return float(spearman(values, gold)) if kind == "STS" else float(np.mean(values))
+    if task["type"] == "STS":
+        return float(spearman(values, task["gold"]))
+    if task["type"] == "Clustering":
+        gold = np.asarray(task["gold"])
+        return float(np.mean([v_measure_score(gold[run], assigned) for run, assigned in zip(task["runs"], values)]))
+    return float(np.mean(values))
+
+
+def rowwise_v_measure(labels, clusters):
+    """V-measure (beta 1, natural logs, as sklearn's v_measure_score) of every row pair of integer-coded labels and
+    cluster assignments, from each row's contingency counts."""
+    import numpy as np
+
+    a, k = np.asarray(labels), np.asarray(clusters)
+    n_rows, n = a.shape
+    n_a, n_k = int(a.max()) + 1, int(k.max()) + 1
+    codes = (np.arange(n_rows)[:, None] * n_a + a) * n_k + k
+    joint = np.bincount(codes.ravel(), minlength=n_rows * n_a * n_k).reshape(n_rows, n_a, n_k) / n
+    pa, pk = joint.sum(2), joint.sum(1)
+
+    def entropy(p):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return -np.where(p > 0, p * np.log(p), 0.0).sum(-1)
+
+    h_a, h_k = entropy(pa), entropy(pk)
+    h_joint = entropy(joint.reshape(n_rows, -1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        homogeneity = np.where(h_a > 0, 1 - (h_joint - h_k) / h_a, 1.0)
+        completeness = np.where(h_k > 0, 1 - (h_joint - h_a) / h_k, 1.0)
+        v = np.where(homogeneity + completeness > 0,
+                     2 * homogeneity * completeness / (homogeneity + completeness), 0.0)
+    return v
 
 
 def item_intervals(items: dict, rows: list[dict]) -> dict:
@@ -484,11 +531,21 @@ def item_intervals(items: dict, rows: list[dict]) -> dict:
     depth = {(r["model"], r["preprocess"], r["layer"]): r["rel_depth"] for r in rows}
     out: dict = {}
     for task, t in items["tasks"].items():
-        gold = np.asarray([float(g) for g in t["gold"]] if t["type"] == "STS" else [0.0] * len(t["gold"]))
-        idx = bootstrap_indices(len(gold), 2000, 0)
-        gold_ranks = rankdata(gold[idx], axis=1) if t["type"] == "STS" else None
+        n_items = len(t["gold"])
+        if t["type"] == "Clustering":  # each run's drawn items resampled, the same resample for every layer
+            codes = {g: i for i, g in enumerate(sorted(set(t["gold"])))}
+            gold_codes = np.asarray([codes[g] for g in t["gold"]])
+            picks = [bootstrap_indices(len(run), 2000, r) for r, run in enumerate(t["runs"])]
+            run_labels = [gold_codes[np.asarray(run)][pick] for run, pick in zip(t["runs"], picks)]
+        else:
+            gold = np.asarray([float(g) for g in t["gold"]] if t["type"] == "STS" else [0.0] * n_items)
+            idx = bootstrap_indices(n_items, 2000, 0)
+            gold_ranks = rankdata(gold[idx], axis=1) if t["type"] == "STS" else None
 
         def resampled(values: list) -> np.ndarray:
+            if t["type"] == "Clustering":
+                return np.mean([rowwise_v_measure(labels, np.asarray(assigned)[pick])
+                                for labels, assigned, pick in zip(run_labels, values, picks)], axis=0)
             v = np.asarray(values, float)[idx]
             return rowwise_pearson(gold_ranks, rankdata(v, axis=1)) if t["type"] == "STS" else v.mean(axis=1)
 
@@ -497,16 +554,16 @@ def item_intervals(items: dict, rows: list[dict]) -> dict:
             model, prep = key.split("/")
             order = sorted(layers, key=lambda a: depth[(model, prep, a)])
             last = order[-1]
-            last_draws, last_score = resampled(layers[last]), item_score(t["type"], t["gold"], layers[last])
+            last_draws, last_score = resampled(layers[last]), item_score(t, layers[last])
             entry = {}
             for a in order:
-                draws, est = resampled(layers[a]), item_score(t["type"], t["gold"], layers[a])
+                draws, est = resampled(layers[a]), item_score(t, layers[a])
                 lo, hi, valid = percentile_interval(draws)
                 dlo, dhi, dvalid = percentile_interval(draws - last_draws)
                 entry[a] = {"rel_depth": depth[(model, prep, a)],
                             "score": {"estimate": est, "low": lo, "high": hi, "n_valid": valid},
                             "minus_last": {"estimate": est - last_score, "low": dlo, "high": dhi, "n_valid": dvalid}}
-            out[task][key] = {"n_items": len(gold), "last": last, "layers": entry}
+            out[task][key] = {"n_items": n_items, "last": last, "layers": entry}
     return out
 
 
@@ -546,8 +603,8 @@ def item_sentence(verdicts: dict) -> str:
         parts.append(f"{label}: the middle layer above the last on {mid} of {len(per_task)} tasks (below on "
                      f"{mid_below}), some intermediate layer above it on {any_layer}, the best layer in hindsight on "
                      f"{best}")
-    return ("Per task, by a paired bootstrap over the task's items (STS pairs, classification test items; "
-            "clustering has none): " + "; ".join(parts) + ".")
+    return ("Per task, by a paired bootstrap over the task's items (STS pairs, classification test items, the texts "
+            "of each k-means run): " + "; ".join(parts) + ".")
 
 
 def item_table(verdicts: dict) -> dict:
@@ -575,6 +632,17 @@ def summarize(doc: dict) -> dict:
     items = d.get("items")  # per-item values: runs that kept mteb's predictions (not the first full run)
     item_iv = item_intervals(items, rows) if items else None
     item_v = item_verdicts(item_iv, diffs) if items else None
+    counted: dict = {}
+    outside: dict = {}
+    outside_diff: dict = {}
+    for task, by_key in (item_iv or {}).items():
+        kind = items["tasks"][task]["type"]
+        for e in by_key.values():
+            for v in e["layers"].values():
+                counted[kind] = counted.get(kind, 0) + 1
+                sc, df = v["score"], v["minus_last"]
+                outside[kind] = outside.get(kind, 0) + (sc["low"] > sc["estimate"])
+                outside_diff[kind] = outside_diff.get(kind, 0) + (not df["low"] <= df["estimate"] <= df["high"])
 
     def count(model: str, prep: str) -> tuple[int, int, float]:
         vs = [v for v in verdicts if v["model"] == model and v["preprocess"] == prep]
@@ -613,9 +681,8 @@ def summarize(doc: dict) -> dict:
              f"graded STS; example tasks of size {d['size']} from {' and '.join(sources)}) for SmolLM2-135M-Instruct "
              f"(GGUF, mean pooling, {n_states} hidden states) and all-MiniLM-L6-v2 (its own recipe), raw and with "
              "`--preprocess standardize`, with dataset entropy and the massive-activation share. Not covered: MTEB "
-             + ("itself, and per-item intervals for the clustering tasks (mteb keeps no record of which items its "
-                "k-means runs drew)." if items else
-                "itself, and per-item scores (not kept), so intervals are over the tasks only."))
+             + ("itself." if items else "itself, and per-item scores (not kept), so intervals are over the tasks "
+                                        "only."))
     line2 = (f"Best layer minus last layer per task (selected after the fact, so never below 0): an earlier layer "
              f"is higher on {s_raw[0]}/{s_raw[1]} tasks for SmolLM2 raw (mean gain {s_raw[2]:+.3f}) and "
              f"{s_std[0]}/{s_std[1]} standardized ({s_std[2]:+.3f}); for MiniLM {m_raw[0]}/{m_raw[1]} raw "
@@ -644,13 +711,21 @@ def summarize(doc: dict) -> dict:
                "header": ["model", "preprocess", "layer", "rel. depth", "mean difference", "95 % CI", "verdict"],
                "rows": table_rows}] + ([item_table(item_v)] if items else []) + pick_tables(picks)
     item_note = ([f"Per-item intervals: `--prediction-folder` keeps mteb's predictions; result.json holds each STS "
-                  "pair's cosine similarity and each classification test item's fraction of correct experiments, per "
-                  "layer, from which every main score is recomputed (largest difference from mteb's rounded score "
+                  "pair's cosine similarity, each classification test item's fraction of correct experiments and each "
+                  "k-means run's assignments, per layer, from which every main score is recomputed (largest difference from mteb's rounded score "
                   f"{items['largest_score_difference']:.1e}). Each task's items are resampled (2000 times, seed 0, "
                   "the same resamples for every layer), so a layer's difference from the last layer is paired. The "
                   "classification items are scored with the classifiers fitted once per experiment, so the interval "
-                  "covers the test items, not the choice of training samples. The best layer is chosen after the "
-                  "fact, which biases its difference upward; the middle layer is fixed before looking."]
+                  "covers the test items, not the choice of training samples. Clustering: mteb saves each k-means "
+                  "run's assignments but not which texts the run drew; they are replayed from mteb's seeded draw "
+                  f"(random.Random({MTEB_SEED}).choices, with replacement), and each run's V-measure recomputed from "
+                  "them reproduces mteb's score (the check above), then each run's texts are resampled. Resampling "
+                  "repeats texts, which inflates a V-measure (it is mutual-information based): "
+                  f"{outside['Clustering']} of {counted['Clustering']} clustering score intervals lie wholly above "
+                  "their estimate, so read the clustering verdicts from the paired differences, where the inflation "
+                  f"largely cancels ({outside_diff['Clustering']} of {counted['Clustering']} difference intervals "
+                  "leave out their estimate). The best layer is chosen after the fact, which biases its difference "
+                  "upward; the middle layer is fixed before looking."]
                  if items else [])
     notes = [*item_note,
              "Intervals: the MTEB runs keep one main score per task and layer, not the per-item scores, so no "
