@@ -182,3 +182,18 @@ def test_docs_picks_quotes_the_gallery_hit_rates_as_result_json_holds_them():
     for table in doc["tables"]:
         if table["title"].startswith("Label-free"):
             assert f'"{table["title"]}"' in flat, table["title"]
+
+
+def test_which_layer_embeds_vectorised_v_measure_equals_sklearn():
+    """The per-item clustering intervals resample with a row-wise V-measure; it must be sklearn's (mteb's)."""
+    import numpy as np
+    from sklearn.metrics import v_measure_score
+
+    rng = np.random.default_rng(0)
+    labels, clusters = rng.integers(0, 4, (40, 25)), rng.integers(0, 5, (40, 25))
+    clusters[0] = 0  # one cluster: completeness 1, homogeneity 0
+    labels[1] = 2  # one class
+    clusters[2] = labels[2]  # a perfect clustering
+    got = _run_module("which_layer_embeds").rowwise_v_measure(labels, clusters)
+    want = [v_measure_score(a, k) for a, k in zip(labels, clusters)]
+    assert np.allclose(got, want, atol=1e-12)
