@@ -1,7 +1,7 @@
 """Checkpoint screening with the dispersion gap (paper A Fig. 9): does G of a checkpoint's output embeddings,
 computed with no forward pass, rank checkpoints and variants of one model family the way held-out quality does?
 
-    .venv/bin/python experiments/checkpoint_screening/run.py            # full size, ~32 min on 2 shared cores
+    .venv/bin/python experiments/checkpoint_screening/run.py            # full size, 26 min measured on 2 shared cores
     .venv/bin/python experiments/checkpoint_screening/run.py --smoke    # a few minutes, results under the work folder
     .venv/bin/python experiments/checkpoint_screening/run.py --from-raw # summary, intervals, figures from result.json
 

@@ -2,8 +2,8 @@
 are for the model, and are slices of lower dispersion less accurate? (paper A, Tables 3–4 and Fig. 8) — asked
 under three prompts and two scorings, because the answer can hang on both.
 
-    .venv/bin/python experiments/hardness_without_labels/run.py --smoke   # 40 questions, about 2 minutes
-    .venv/bin/python experiments/hardness_without_labels/run.py           # 600 questions, about 15 minutes
+    .venv/bin/python experiments/hardness_without_labels/run.py --smoke   # 40 questions, about 5 minutes on a loaded machine
+    .venv/bin/python experiments/hardness_without_labels/run.py           # 600 questions × 3 prompts, 49 min measured on 2 shared cores
 
 1. A multiple-choice quiz is generated from WordNet (Debian package ``wordnet``), seeded and deterministic: a
    noun's gloss, its head word and 3 distractors from the same lexicographer file (so all four are, say, animals
