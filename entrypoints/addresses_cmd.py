@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.json:
         doc = dict(describe(layout))
         doc["addresses"] = [{"address": a, "hook": str(site.point) if site.point else None, "ok": site.ok,
+                             "verified": site.ok and site.verified,
                              "check" if site.ok else "refused": site.note} for a, site, _ in rows]
         print(json.dumps(doc, indent=2))
         return 0
@@ -67,11 +68,12 @@ def run(args: argparse.Namespace) -> int:
     console.print("hidden_states[k]: " + ", ".join(f"[{k}] {a or '?'}" for k, a in enumerate(layout.hidden_states)))
     for note in layout.notes:
         console.print(f"note: {note}")
-    table = Table(title="addresses (✓ passed the load check, ✗ refused)")
+    table = Table(title="addresses (✓ passed the load check, ? served from a plugin's table, not verified, "
+                        "✗ refused)")
     for col in ("address", "hook", "check / reason refused"):
         table.add_column(col, overflow="fold")
     for name, site, _ in rows:
-        mark = "✓ " if site.ok else "✗ "
+        mark = "✗ " if not site.ok else "✓ " if site.verified else "? "
         table.add_row(mark + name, str(site.point) if site.point else "—", site.note)
     console.print(table)
     shown = dict.fromkeys(name.partition(":")[0] for name, _, _ in rows)

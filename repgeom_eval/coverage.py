@@ -103,12 +103,13 @@ def _compare(row: dict, loaded, t0: float) -> dict:
     row["hidden_states"] = n_hidden
     row["max_rel_error"] = worst
     # 4. sub-layers the load check verified, checked again on the captured real texts
-    verified = {s for block in layout.sites for s, site in block.items() if site.ok}
+    verified = {s for block in layout.sites for s, site in block.items() if site.ok and site.verified}
     refused: dict[str, dict] = {}
     for block in layout.sites:
         for s, site in block.items():
-            if not site.ok and (s not in refused or not site.absent and refused[s]["absent"]):
-                refused[s] = {"reason": site.note, "absent": site.absent}  # an unverified one shows over an absent one
+            if (not site.ok or not site.verified) and (s not in refused or not site.absent and refused[s]["absent"]):
+                # an unverified one (refused, or served from a table unchecked) shows over an absent one
+                refused[s] = {"reason": site.note, "absent": site.absent and not site.ok}
     row["verified_sites"] = sorted(verified)
     row["refused"] = {s: refused[s] for s in sorted(refused)}
     with Forward(loaded, resolve(available_addresses(loaded), loaded)) as fwd:

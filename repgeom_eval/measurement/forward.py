@@ -3,6 +3,7 @@
 Every command runs its batches through :class:`Forward`, whether it starts from strings (``measure``, the MTEB
 sweep) or from token ids (the analyses, the lm-eval extra pass):
 
+* eval mode for the passes (no dropout), each module's own mode restored afterwards;
 * inputs: ``attention_mask`` → ``position_ids = cumsum(mask) - 1`` where the architecture table asks for it (so left
   padding does not shift positions), ``use_cache=False`` for causal models (no key/value cache is built);
 * the pass stops after the deepest requested module unless logits are needed (:class:`~repgeom_eval.modeling.hooks.
@@ -167,11 +168,25 @@ class Forward:
         return cls(loaded, resolve(list(addresses), loaded), logits=logits)
 
     def __enter__(self) -> "Forward":
-        self._capture.__enter__()
+        # measured in eval mode (no dropout), whatever mode the caller's model is in (an in-memory model is often in
+        # train mode); each module's own mode comes back afterwards
+        self._modes = [m for m in self.loaded.model.modules() if m.training]
+        self.loaded.model.eval()
+        try:
+            self._capture.__enter__()
+        except BaseException:
+            self._restore_modes()
+            raise
         return self
+
+    def _restore_modes(self) -> None:
+        for module in self._modes:
+            module.training = True
+        self._modes = []
 
     def __exit__(self, *exc: Any) -> None:
         self._capture.__exit__(*exc)
+        self._restore_modes()
         if exc[0] is None:
             from repgeom_eval.measurement.degenerate import zero_vector_warning
 

@@ -184,6 +184,7 @@ def resolve(addresses: Sequence[Address], loaded: "LoadedModel") -> dict[Address
     refused is an error that gives its reason and the sites this model has."""
     layout = loaded.layout
     out: dict[Address, HookPoint] = {}
+    unverified: list[str] = []
     for addr in addresses:
         if addr.site == "embed":
             site = layout.embed
@@ -199,7 +200,13 @@ def resolve(addresses: Sequence[Address], loaded: "LoadedModel") -> dict[Address
             valid += [a for a in ALIASES if getattr(layout, a).ok]
             raise RepgeomError(f"address {addr} is not available on this {layout.model_type} model: {site.note} "
                                f"(available sites: {', '.join(valid)}; `repgeom addresses` lists them)")
+        if not site.verified:
+            unverified.append(f"{addr} ({site.point})")
         out[addr] = site.point
+    if unverified:
+        warnings.warn(f"{', '.join(unverified)}: read where the architecture table {layout.table!r} says, which the "
+                      f"load check could not verify on this {layout.model_type} model; `repgeom addresses` shows why",
+                      stacklevel=3)
     return out
 
 

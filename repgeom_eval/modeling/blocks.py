@@ -14,7 +14,7 @@ import torch
 from repgeom_eval.modeling.architectures import SITES
 from repgeom_eval.modeling.hooks import HookPoint
 from repgeom_eval.modeling.layout import Site
-from repgeom_eval.modeling.probe import Call, Recorded, Recorder, close, magnitude, point_of, tolerance
+from repgeom_eval.modeling.probe import Call, Recorded, Recorder, close, magnitude, point_of, scale_of, tolerance
 
 ATTENTION = re.compile(r"attn|attention", re.I)
 FEED_FORWARD = re.compile(r"mlp|feed_?forward|ffn|^ff|ff$|moe|expert|intermediate|^fc\d$|dense_h_to_4h|"
@@ -50,9 +50,11 @@ class _Block:
     def fingerprint(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().double().reshape(-1) @ self.proj
 
-    def maybe(self, fa: torch.Tensor, fb: torch.Tensor, scale: float, dtype_of: torch.Tensor) -> bool:
-        """Fingerprints compatible with equality (a cheap necessary condition for :func:`close`)."""
-        return float((fa - fb).abs().max()) <= tolerance(dtype_of) * scale * self.bound
+    def maybe(self, fa: torch.Tensor, fb: torch.Tensor, scale: "float | torch.Tensor", dtype_of: torch.Tensor) -> bool:
+        """Fingerprints compatible with equality (a cheap necessary condition for :func:`close`; a per-dimension
+        scale counts with its largest entry, which only loosens it)."""
+        top = float(scale.max()) if isinstance(scale, torch.Tensor) else scale
+        return float((fa - fb).abs().max()) <= tolerance(dtype_of) * top * self.bound
 
 
 def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous: Recorded | None,
@@ -92,9 +94,12 @@ def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous:
     def ancestors(c: Call) -> list[Call]:
         return [o for o in b.span if c.inside(o)]
 
-    mag_xy = magnitude(x, y)
+    mag_xy = scale_of(x, y)
 
     def nonzero(t: Recorded) -> bool:
+        """Above rounding noise somewhere (in half precision: in some hidden dimension, at the tolerance of sums)."""
+        if isinstance(mag_xy, torch.Tensor):
+            return bool((t.t.detach().double().abs() > tolerance(t.t) * mag_xy).any())
         return magnitude(t.t) > tolerance(t.t) * mag_xy * 10
 
     contributions = [c for c in b.outs if nonzero(c.out)]
@@ -103,20 +108,22 @@ def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous:
     #    takes it), then y = S + m (pre-norm) or y = norm(S + m) (post-norm)
     for ca in sorted(contributions, key=lambda c: c.end):
         a = ca.out
-        scale = magnitude(x, a.t)
+        scale = scale_of(x, a.t)
         ft = b.fx + a.fp
-        streams: list[tuple[str, Recorded, HookPoint, int, int]] = []
+        # (mode, stream, where it is read, contributions start after, the second sub-layer starts at, the
+        # feed-forward reads from): post-norm, the stream is made by the norm and read once its module has returned
+        streams: list[tuple[str, Recorded, HookPoint, int, int, int]] = []
         for c in b.ins:
             if c.start > ca.end and b.maybe(c.inp.fp, ft, scale, x) and close(c.inp, x + a.t, scale):
-                streams.append(("pre", c.inp, point_of(c, "input"), c.start, c.start))
+                streams.append(("pre", c.inp, point_of(c, "input"), c.start, c.start, c.start))
                 if c.out is not None and c.out.fp is not None and _is_norm(c, prefix):
                     oc = outermost(c)
-                    streams.append(("post", c.out, point_of(oc, "output"), c.end, c.start))
-        for mode, s, s_point, after, s_start in streams:
+                    streams.append(("post", c.out, point_of(oc, "output"), c.end, c.start, oc.end))
+        for mode, s, s_point, after, s_start, reads_from in streams:
             for cm in contributions:
                 if cm.start < after:
                     continue
-                pscale = magnitude(s.t, cm.out.t)
+                pscale = scale_of(s.t, cm.out.t)
                 fp = s.fp + cm.out.fp
                 if mode == "pre":
                     ok = b.maybe(b.fy, fp, pscale, x) and close(y, s.t + cm.out.t, pscale)
@@ -142,7 +149,9 @@ def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous:
                 if ffn is not None:
                     sites["mlp_out"] = Site(point_of(om, "output"), f"output of {om.name}: resid_post = resid_mid + "
                                             f"it; feed-forward module {ffn.name[len(prefix):]}")
-                    sites["mlp_in"] = Site(point_of(ffn, "input"), f"input of the feed-forward module {ffn.name}")
+                    sites["mlp_in"] = feed_forward_input(
+                        b, s.t, [c for c in b.span if c.start >= reads_from and (c.start <= cm.start or cm.inside(c))],
+                        prefix, where, "resid_mid")
                 else:
                     refuse(f"its second sub-layer has no feed-forward (MLP/MoE) module (it is "
                            f"{type(om.module).__name__} at {om.name})", ["mlp_out", "mlp_in"])
@@ -155,7 +164,7 @@ def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous:
         for cm in contributions:
             if ca is cm or ca.inside(cm) or cm.inside(ca):
                 continue
-            scale = magnitude(x, ca.out.t, cm.out.t)
+            scale = scale_of(x, ca.out.t, cm.out.t)
             if not (b.maybe(target, ca.out.fp + cm.out.fp, scale, x)
                     and close(y, x + ca.out.t + cm.out.t, scale)):
                 continue
@@ -168,7 +177,7 @@ def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous:
                                      f"output of {oa.name}: resid_post = resid_pre + attn_out + mlp_out")
             sites["mlp_out"] = Site(point_of(om, "output"),
                                     f"output of {om.name}: resid_post = resid_pre + attn_out + mlp_out")
-            sites["mlp_in"] = Site(point_of(ffn, "input"), f"input of the feed-forward module {ffn.name}")
+            sites["mlp_in"] = _parallel_feed_forward(b, x, ffn, prefix, where)
             refuse("it is a parallel residual block (attention and feed-forward both read the block input), so "
                    "there is no residual stream between them", ["resid_mid"])
             refuse("no embedding output precedes block 0", ["resid_pre"])
@@ -176,7 +185,7 @@ def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous:
 
     # 3. one sub-layer: y = x + o (blocks of hybrid models that hold only attention, only a feed-forward, or a mixer)
     for c in contributions:
-        scale = magnitude(x, c.out.t)
+        scale = scale_of(x, c.out.t)
         if not (b.maybe(target, c.out.fp, scale, x) and close(y, x + c.out.t, scale)):
             continue
         oc = outermost(c)
@@ -188,7 +197,7 @@ def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous:
         if ffn is not None and attn is None:
             sites["mlp_out"] = Site(point_of(oc, "output"), f"output of {oc.name}: resid_post = resid_pre + it "
                                     "(a block with a feed-forward only)")
-            sites["mlp_in"] = Site(point_of(ffn, "input"), f"input of the feed-forward module {ffn.name}")
+            sites["mlp_in"] = _parallel_feed_forward(b, x, ffn, prefix, where)
         refuse(f"it has a single sub-layer ({what}), so there is no stream between two sub-layers",
                ["resid_mid"])
         refuse(f"its single sub-layer ({what}) is not " + ("attention" if ffn is not None else "a feed-forward"),
@@ -201,6 +210,51 @@ def analyze_block(rec: Recorder, block: Call, i: int, model_type: str, previous:
            "cannot be told apart", ["attn_out", "resid_mid", "mlp_in", "mlp_out"], absent=False)
     refuse("no embedding output precedes block 0", ["resid_pre"])
     return "not recognised", _ordered(sites)
+
+
+def feed_forward_input(b: _Block, stream: torch.Tensor, region: list[Call], prefix: str, where: str,
+                       stream_name: str, norms_from: list[Call] | None = None) -> Site:
+    """``mlp_in``, checked: the tensor the feed-forward computation reads. That is the stream it adds to after the
+    norm applied to it (pre-norm), or the stream itself where no norm is applied (post-norm), read at the first
+    module of ``region`` (the feed-forward's calls) whose input equals it and that does not start by normalising
+    that input itself (T5's ``T5LayerFF`` and RoBERTa-PreLayerNorm's ``intermediate`` hold their norm inside: their
+    input is the un-normed stream, not what the feed-forward reads). The norms are looked for among ``norms_from``
+    (default: ``region``)."""
+    def with_input(calls: list[Call]) -> list[Call]:
+        return sorted((c for c in calls if c.inp is not None and c.inp.fp is not None), key=lambda c: c.start)
+
+    shaped = with_input(region)
+    reads: list[tuple[torch.Tensor, Call | None]] = [(stream, None)]
+    for c in with_input(region if norms_from is None else norms_from):
+        if _is_norm(c, prefix) and c.out is not None and c.out.fp is not None and close(c.inp, stream):
+            reads.append((c.out.t, c))
+
+    def normalises_own_input(c: Call) -> bool:
+        return any(_is_norm(d, prefix) and d is not c and d.inside(c) and d.inp is not None and close(d.inp, c.inp)
+                   for d in shaped)
+
+    for c in shaped:
+        if _is_norm(c, prefix) or normalises_own_input(c):
+            continue
+        for tensor, norm in reads[::-1]:  # normed first: a norm's output is what follows it
+            if close(c.inp, tensor):
+                what = f"the output of {norm.name} ({stream_name} normed)" if norm is not None else \
+                    f"{stream_name} itself (no norm between)"
+                return Site(point_of(c, "input"), f"input of {c.name}: what the feed-forward reads = {what}")
+    norms = [norm for _, norm in reads if norm is not None]
+    if norms:
+        return Site(point_of(norms[-1], "output"), f"output of {norms[-1].name}: {stream_name} normed, what the "
+                                                   "feed-forward reads")
+    return Site(None, f"{where}: no module of its feed-forward reads {stream_name} or a norm of it, so what the "
+                      "feed-forward reads cannot be verified", absent=False)
+
+
+def _parallel_feed_forward(b: _Block, x: torch.Tensor, ffn: Call, prefix: str, where: str) -> Site:
+    """``mlp_in`` of a block whose feed-forward reads the block input (parallel or single sub-layer): read inside the
+    named feed-forward module, from the block input or a norm of it that ran before (or inside) that module."""
+    inside = [c for c in b.span if c is ffn or c.inside(ffn)]
+    before = [c for c in b.span if c.end <= ffn.start] + inside
+    return feed_forward_input(b, x, inside, prefix, where, "resid_pre", norms_from=before)
 
 
 def _is_norm(c: Call, prefix: str) -> bool:

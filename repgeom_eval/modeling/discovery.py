@@ -33,6 +33,7 @@ from repgeom_eval.modeling.blocks import analyze_block
 from repgeom_eval.modeling.hooks import HookPoint
 from repgeom_eval.modeling.inputs_check import check_inputs, pad_id_of
 from repgeom_eval.modeling.layout import Layout, Site, describe
+from repgeom_eval.modeling.precision import probe_precision
 from repgeom_eval.modeling.probe import (Call, Recorder, accepted_inputs, build_inputs, call_of, close,
                                          few_logits, hidden_states_of, point_of, probe_ids, tensor_at)
 
@@ -58,17 +59,24 @@ def runner_of(model: nn.Module) -> tuple[nn.Module, list[str]]:
 
 
 def discover(model: nn.Module, table: ArchitectureSpec | None = None, table_name: str | None = None,
-             cache: bool = True) -> Layout:
-    """Find and check every layer-address site of ``model`` (a transformers ``PreTrainedModel``)."""
+             cache: bool = True, upcast: bool = True) -> Layout:
+    """Find and check every layer-address site of ``model`` (a transformers ``PreTrainedModel``).
+
+    A half-precision model is probed with its weights upcast to float32 (``upcast``; exact round trip), else per
+    hidden dimension in its own dtype (:mod:`~repgeom_eval.modeling.precision`); each module's train/eval mode is
+    restored afterwards."""
     if cache and model in _CACHE and _CACHE[model].table == table_name:
         return _CACHE[model]
-    was_training = model.training
+    modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), probe_precision(model, upcast) as how:
             layout = _discover(model, table, table_name)
     finally:
-        model.train(was_training)
+        for m, training in modes.items():
+            m.training = training
+    if how:
+        layout.notes.append(how)
     if cache:
         _CACHE[model] = layout
     return layout
@@ -343,7 +351,7 @@ def _apply_table(model: nn.Module, layout: Layout, rec: Recorder, table: Archite
                                                  f"{found.point})")
             else:
                 detail = f"discovery {'found ' + str(found.point) if found.ok else 'refused it: ' + found.note}"
-                layout.sites[i][s] = Site(point, f"{point} (table {name!r}, not verified: {detail})")
+                layout.sites[i][s] = Site(point, f"{point} (table {name!r}, not verified: {detail})", verified=False)
                 if found.ok:
                     warnings.warn(f"architecture table {name!r} reads {s}:{i} at {point}, which differs from the "
                                   f"verified {found.point}; using the table", stacklevel=4)

@@ -16,12 +16,15 @@ class Site:
     """One site at one block: where it is read (``None`` when refused) and how it was checked, or why not.
 
     A refused site is either ``absent`` (the block has no such tensor: no ``resid_mid`` in a parallel block, no
-    ``attn_out`` in a Mamba block) or unverified (the load check could not confirm it, so it is not guessed)."""
+    ``attn_out`` in a Mamba block) or unverified (the load check could not confirm it, so it is not guessed). A site
+    is served without verification only where a registered architecture table names it (``verified`` False): every
+    output that reads it carries a warning, and ``repgeom addresses`` marks it."""
 
     point: HookPoint | None
     note: str
     absent: bool = False
     width: int | None = None  # the vectors' width on the probe (a saved state's "D" is checked against it)
+    verified: bool = True  # False: read where a plugin's table says, which the load check could not confirm
 
     @property
     def ok(self) -> bool:
@@ -60,6 +63,15 @@ class Layout:
             return getattr(self, address.site).width
         return self.sites[address.layer][address.site].width
 
+    def unverified_sites(self) -> dict[str, str]:
+        """Sites served from a registered table without verification, with the first such block's note."""
+        out = {}
+        for s in SITES:
+            notes = [block[s].note for block in self.sites if block[s].ok and not block[s].verified]
+            if notes:
+                out[s] = notes[0]
+        return out
+
     def missing_sites(self) -> dict[str, str]:
         """Sites refused at every block, with the first block's reason (what ``repgeom addresses`` lists)."""
         out = {}
@@ -76,6 +88,6 @@ def describe(layout: Layout) -> Mapping[str, Any]:
         "runner": layout.runner or "<model>", "table": layout.table, "causal": layout.causal,
         "position_ids_from_mask": layout.position_ids, "padding_sides": list(layout.padding_sides),
         "block_kinds": sorted(set(layout.block_kinds)), "hidden_states": list(layout.hidden_states),
-        "refused": layout.missing_sites(), "notes": list(layout.notes),
+        "refused": layout.missing_sites(), "unverified": layout.unverified_sites(), "notes": list(layout.notes),
         "last_block_sites": [s for s, site in layout.sites[-1].items() if site.ok] if layout.sites else [],
     }

@@ -104,13 +104,30 @@ class Recorder:
         return [c for c in self.calls if c.module is module and c.end >= 0]
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+Scale = "float | torch.Tensor"  # one magnitude, or one per hidden dimension (half precision)
+
+
 def tolerance(t: torch.Tensor) -> float:
-    return 2e-2 if t.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    return 2e-2 if t.dtype in HALF else 1e-5
+
+
+def scale_of(*ts: torch.Tensor) -> "float | torch.Tensor":
+    """The magnitude an equality of sums of ``ts`` is judged against: their largest value in float32/float64, and in
+    half precision the largest value of each hidden dimension (last axis), at least 1e-3 of the overall largest, so
+    that a massive dimension widens the tolerance of its own channel only (docs/metrics.md#how-an-address-is-found)."""
+    if not any(t.dtype in HALF for t in ts):
+        return magnitude(*ts)
+    width = ts[0].shape[-1]
+    per_dim = torch.stack([t.detach().double().abs().reshape(-1, width).amax(0) for t in ts]).amax(0)
+    return per_dim.clamp_min(1e-3 * float(per_dim.max()) + 1e-30)
 
 
 def close(a: "torch.Tensor | Recorded | None", b: "torch.Tensor | Recorded | None",
-          scale: float | None = None) -> bool:
-    """Equal up to the rounding of a few additions in the tensors' dtype (relative to the largest magnitude)."""
+          scale: "float | torch.Tensor | None" = None) -> bool:
+    """Equal up to the rounding of a few additions in the tensors' dtype: relative to the largest magnitude in
+    float32/float64, per hidden dimension in half precision (:func:`scale_of`)."""
     a = a.t if isinstance(a, Recorded) else a
     b = b.t if isinstance(b, Recorded) else b
     if a is None or b is None or a.shape != b.shape:
@@ -120,8 +137,14 @@ def close(a: "torch.Tensor | Recorded | None", b: "torch.Tensor | Recorded | Non
     a64, b64 = a.detach().double(), b.detach().double()
     if not (torch.isfinite(a64).all() and torch.isfinite(b64).all()):
         return False
-    ref = scale if scale is not None else max(float(a64.abs().max()), float(b64.abs().max()), 1e-30)
-    return float((a64 - b64).abs().max()) <= tolerance(a) * max(ref, 1e-30)
+    tol = max(tolerance(a), tolerance(b))
+    if scale is None:
+        scale = scale_of(a, b)
+    if isinstance(scale, torch.Tensor):
+        if scale.shape[-1] != a64.shape[-1]:
+            return False
+        return bool(((a64 - b64).abs() <= tol * scale.to(a64.device)).all())
+    return float((a64 - b64).abs().max()) <= tol * max(scale, 1e-30)
 
 
 def magnitude(*ts: torch.Tensor) -> float:

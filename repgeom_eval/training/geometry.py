@@ -196,18 +196,14 @@ class GeometryCallback(TrainerCallback):
         p = self.probe
         context = context_length(loaded, p.max_length)
         vectors: dict[Any, list[torch.Tensor]] = {a: [] for a in plan.addresses}
-        modes = [(m, m.training) for m in model.modules()]
-        model.eval()  # no dropout: the values a saved checkpoint gives under `repgeom measure`
-        try:
-            with Forward(loaded, plan.points) as fwd:
-                for start in range(0, len(self.texts), p.batch_size):
-                    batch = fwd.texts(self.texts[start:start + p.batch_size], context, "right")
-                    for addr in plan.addresses:
-                        vecs, _ = pool64(batch.hidden[addr], batch.mask.to(batch.hidden[addr].device), p.pooling)
-                        vectors[addr].append(vecs.cpu())
-        finally:
-            for module, was_training in modes:
-                module.training = was_training
+        # Forward runs in eval mode (no dropout: the values a saved checkpoint gives under `repgeom measure`) and
+        # gives the Trainer its train mode back
+        with Forward(loaded, plan.points) as fwd:
+            for start in range(0, len(self.texts), p.batch_size):
+                batch = fwd.texts(self.texts[start:start + p.batch_size], context, "right")
+                for addr in plan.addresses:
+                    vecs, _ = pool64(batch.hidden[addr], batch.mask.to(batch.hidden[addr].device), p.pooling)
+                    vectors[addr].append(vecs.cpu())
         return {str(addr): float(dispersion(torch.cat(v))) for addr, v in vectors.items()}
 
     # -- the Trainer's events ----------------------------------------------------------------------------------------
