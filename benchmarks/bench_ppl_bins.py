@@ -94,7 +94,7 @@ def model_dir(tiny: bool, work: Path, dtype: str) -> str:
     from repgeom_eval.modeling.loading import load_model
 
     gguf = smollm2_path()
-    cache = gguf_cache_dir(gguf, getattr(torch, dtype))
+    cache = gguf_cache_dir(gguf)
     if cache is None or not (cache / "config.json").is_file():
         load_model(str(gguf), dtype=dtype)  # writes the de-quantized directory once
     if cache is None or not (cache / "config.json").is_file():

@@ -242,10 +242,10 @@ def model_dir(tiny: bool, work: Path) -> str:
     from repgeom_eval.modeling.loading import load_model
 
     gguf = smollm2_path()
-    cache = gguf_cache_dir(gguf, torch.float32)
+    cache = gguf_cache_dir(gguf)
     if cache is None or not (cache / "config.json").is_file():
         load_model(str(gguf))  # writes the de-quantized model directory once
-        cache = gguf_cache_dir(gguf, torch.float32)
+        cache = gguf_cache_dir(gguf)
     if cache is None or not (cache / "config.json").is_file():
         sys.exit("the GGUF cache is switched off or not writable (REPGEOM_GGUF_CACHE); cannot benchmark SmolLM2")
     return str(cache)

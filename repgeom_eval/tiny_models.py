@@ -190,6 +190,34 @@ def build_tiny(model_type: str, kind: str = CAUSAL, *, seed: int = 0, **sizes: i
     return _instantiate(config, kind)[0]
 
 
+MASSIVE_DIM = 0  # the hidden dimension :func:`make_realistic` makes massive
+
+
+def make_realistic(model: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
+    """Give a tiny random model two statistics of trained ones, where shortcuts go wrong: norm gains spread over about
+    0.4–2.5 with non-zero biases (a unit-gain RMSNorm changes no cosine, so a tensor read before or after it would
+    measure the same), and one *massive* hidden dimension, :data:`MASSIVE_DIM`, as SmolLM2 and most trained LMs have:
+    on a quarter of the tokens (every text has some) its embedding is raised by 20, and every norm's gain there is
+    30, so those tokens carry 10²–10³ times the other dimensions in the residual stream, which is what swamps a
+    half-precision tolerance. Changes ``model`` in place."""
+    width = model.get_input_embeddings().weight.shape[-1]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        massive_rows = torch.rand(emb.shape[0], generator=g) < 0.25
+        emb[massive_rows, MASSIVE_DIM] += 20.0
+        for module in model.modules():
+            if not re.search(r"Norm(alization)?\d*d?$", type(module).__name__):
+                continue
+            weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+            if isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,):
+                weight.copy_(torch.exp(0.4 * torch.randn(width, generator=g)))
+                weight[MASSIVE_DIM] = 30.0
+            if isinstance(bias, torch.Tensor) and tuple(bias.shape) == (width,):
+                bias.copy_(0.1 * torch.randn(width, generator=g))
+    return model
+
+
 def special_token_ids(config: Any) -> set[int]:
     """Every ``*_token_id`` / ``*_token_index`` of the config and its sub-configs."""
     out: set[int] = set()
@@ -295,13 +323,17 @@ def _build_with_tokenizer(model_type: str, kind: str, seed: int, sizes: dict):
     return _instantiate(config, kind)[0], tokenizer, config
 
 
-def save_tiny(model_type: str, path: str | Path, kind: str = CAUSAL, *, seed: int = 0, **sizes: int) -> Path:
-    """Build a tiny ``model_type`` model (:func:`build_tiny_with_tokenizer`) and save it with its tokenizer to
-    ``path`` (returned), loadable offline with ``AutoTokenizer`` and ``AutoModelForCausalLM`` (``kind=CAUSAL``) or
-    ``AutoModel`` (``kind=ENCODER``) ``.from_pretrained(path)``."""
+def save_tiny(model_type: str, path: str | Path, kind: str = CAUSAL, *, seed: int = 0, realistic: bool = False,
+              **sizes: int) -> Path:
+    """Build a tiny ``model_type`` model (:func:`build_tiny_with_tokenizer`; with ``realistic``, also
+    :func:`make_realistic`) and save it with its tokenizer to ``path`` (returned), loadable offline with
+    ``AutoTokenizer`` and ``AutoModelForCausalLM`` (``kind=CAUSAL``) or ``AutoModel`` (``kind=ENCODER``)
+    ``.from_pretrained(path)``."""
     import transformers as tf
 
     model, tokenizer, config = _build_with_tokenizer(model_type, kind, seed, sizes)
+    if realistic:
+        make_realistic(model, seed)
     path = Path(path)
     enabled = tf.utils.logging.is_progress_bar_enabled()
     tf.utils.logging.disable_progress_bar()  # no "Writing model shards" bar on stderr

@@ -37,6 +37,11 @@ def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch
     assert len(entries) == 1 and (entries[0] / "config.json").is_file() and entries[0].name.startswith("SmolLM2")
     cached = load_model(str(smollm2_path()))  # reads the saved directory
     assert cached.info.source == "gguf" and cached.info.n_parameters == converted.info.n_parameters
+    # one de-quantized float32 entry for every dtype: another dtype is a cast of it, not a second conversion
+    half = load_model(str(smollm2_path()), dtype="bfloat16")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == entries
+    w16, w32 = half.model.get_input_embeddings().weight, cached.model.get_input_embeddings().weight
+    assert w16.dtype == torch.bfloat16 and torch.equal(w16, w32.to(torch.bfloat16))
     texts = python_doc_paragraphs(2, max_chars=300)
     enc = converted.tokenizer(texts, padding=True, return_tensors="pt")
     assert enc["input_ids"].tolist() == cached.tokenizer(texts, padding=True, return_tensors="pt")["input_ids"].tolist()
@@ -47,7 +52,7 @@ def test_gguf_conversion_is_cached_and_reloads_identically(tmp_path, monkeypatch
     monkeypatch.setenv("REPGEOM_GGUF_CACHE", "0")
     from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
 
-    assert gguf_cache_dir(smollm2_path(), torch.float32) is None
+    assert gguf_cache_dir(smollm2_path()) is None
 
 
 def test_sites_on_the_real_model(smollm2):
@@ -110,3 +115,38 @@ def test_demo_depth_profile_line_names_the_strongest_negative_layer():
     assert "negative at 2 of 4 depths, most strongly at resid_post:1 (Pearson -0.700, Spearman -0.600)" in line
     positive = {a: {"pearson": 0.3, "spearman": float("nan")} for a in corr}
     assert "positive at every one of the 4 depths" in depth_profile_line(list(corr), positive)
+
+
+def _labels(layout):
+    return (layout.hidden_states, str(layout.final.point),
+            [(s, str(site.point), site.verified) for block in layout.sites for s, site in block.items()])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_keeps_every_label_and_value(smollm2, dtype, tmp_path):
+    """SmolLM2's massive dimension (about 10³ times the others) once made half precision rename its layers
+    (`--layers 5` read resid_post:2): labels are decided in float32 now, and the values stay within
+    docs/metrics.md#precision of float32's at every one of the 31 hidden states, in measure, the MTEB sweep and
+    repgeom-hf."""
+    import warnings
+
+    half = load_model(str(smollm2_path()), dtype=dtype)
+    assert _labels(half.layout) == _labels(smollm2.layout)
+    assert next(half.model.parameters()).dtype == getattr(torch, dtype)
+    texts = python_doc_paragraphs(12, max_chars=300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = measure(smollm2, texts, layers="all", progress=False, batch_size=6).results
+        got = measure(half, texts, layers="all", progress=False, batch_size=6).results
+        five = measure(half, texts, layers="5", progress=False, batch_size=6)
+    assert len(want) == 31 and got.keys() == want.keys()
+    tol = {"bfloat16": 0.02, "float16": 0.005}[dtype]
+    assert max(abs(got[a]["dispersion"] - want[a]["dispersion"]) for a in want) <= tol
+    assert five.config["layers_reported_as"] == {"5": "resid_post:4"}
+    assert abs(five.results["resid_post:4"]["dispersion"] - want["resid_post:4"]["dispersion"]) <= tol
+
+    from repgeom_eval.mteb_layers.embedder import LayerEmbedder
+
+    embedder = LayerEmbedder(half, pooling="mean")
+    assert [str(a) for a in embedder.addresses(14)] == ["resid_post:13"]
+    assert [str(a) for a in embedder.addresses("all")] == list(want)

@@ -259,7 +259,7 @@ def base_model_folder(gguf: str) -> Path:
 
     from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
 
-    cache = gguf_cache_dir(Path(gguf), torch.float32)
+    cache = gguf_cache_dir(Path(gguf))
     if cache is None or not (cache / "model.safetensors").is_file():
         raise SystemExit(f"the de-quantized base model is not cached ({cache}); run with REPGEOM_GGUF_CACHE on")
     return cache

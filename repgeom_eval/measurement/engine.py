@@ -86,6 +86,7 @@ def measure(
         raise RepgeomError(f"give the options either as a RunConfig or as keywords, not both ({sorted(options)})")
     t_start = time.perf_counter()
     host = host or get_host()
+    config = _with_model_pooling(config, model)
     specs = instantiate_metrics(config.metrics, host, config.metric_params, config.per_text, config.pooling)
     prep = Preprocessor()
     if config.preprocess_stats and config.preprocess != "none":
@@ -101,6 +102,25 @@ def measure(
         return result
     finally:
         dist.close()
+
+
+def _with_model_pooling(config: RunConfig, model: Any) -> RunConfig:
+    """A sentence-transformers model (a folder or a ``SentenceTransformer`` object) is measured with its own pooling
+    unless ``pooling`` is given, as the MTEB encoder reads it (its Normalize module changes no cosine; see
+    docs/metrics.md#pooling)."""
+    from dataclasses import replace
+
+    from repgeom_eval.modeling.st_config import st_config_for, st_config_of
+
+    if config.pooling is not None or isinstance(model, LoadedModel):
+        return config
+    st = st_config_for(str(model)) if isinstance(model, (str, Path)) and Path(str(model)).is_dir() \
+        else st_config_of(model)
+    if st is None:
+        return config
+    warnings.warn(f"pooling {st.pooling!r}: the sentence-transformers model's own (its Pooling module); --pooling "
+                  "sets another", stacklevel=3)
+    return replace(config, pooling=st.pooling)
 
 
 def _measure_loaded(model, tokenizer, model_options, config, host, source, dist, specs, prep, t_start):

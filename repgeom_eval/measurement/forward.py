@@ -108,9 +108,11 @@ def model_inputs(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: t
                         position_ids=layout.position_ids, **extra)
 
 
-def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None, ids: Sequence[Any]) -> None:
+def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None, ids: Sequence[Any],
+                 computed_in: torch.dtype | None = None) -> None:
     """Raise :class:`NonFiniteError` naming the address and the first affected text if a real token's vector holds a
-    NaN or inf (pad positions may legitimately hold anything)."""
+    NaN or inf (pad positions may legitimately hold anything). ``computed_in``: the dtype the model ran in (the cause
+    named differs: an overflow in half precision, the model's own code in float32/float64)."""
     # The common case costs one reduction with no temporary: a sum is finite only if every term is (a NaN or an inf
     # anywhere makes it NaN or inf). A finite-valued tensor whose sum overflows, or a NaN at a pad position, falls
     # through to the exact check below, which decides.
@@ -121,10 +123,16 @@ def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None
         bad &= mask.to(bad.device)
     if bool(bad.any()):
         rows = bad.any(1).nonzero().flatten().tolist()
+        dtype = computed_in or h.dtype
+        if dtype in (torch.float16, torch.bfloat16):
+            cause = f"a {str(dtype).removeprefix('torch.')} overflow is the usual cause: try --dtype float32"
+        else:
+            cause = (f"in {str(dtype).removeprefix('torch.')} this is no overflow but the model's own code (some "
+                     "attention and expert kernels go wrong in float64, or with padding): try --dtype float32, "
+                     "--batch-size 1, or --model-arg attn_implementation=eager")
         raise NonFiniteError(
             f"NaN or inf in the hidden states at address {addr} for text id {ids[rows[0]]!r}"
-            f" ({len(rows)} text(s) of this batch affected); a float16/bfloat16 overflow is the usual cause: "
-            "try --dtype float32"
+            f" ({len(rows)} text(s) of this batch affected); {cause}"
         )
 
 
@@ -224,9 +232,10 @@ class Forward:
         names = list(row_ids) if row_ids is not None else list(range(len(ids)))
         hidden = {}
         for addr, h in captured.items():
+            computed_in = h.dtype
             if h.dtype in (torch.float16, torch.bfloat16):
                 h = h.float()
-            check_finite(addr, h, bool_mask, names)
+            check_finite(addr, h, bool_mask, names, computed_in)
             counts = self.zero_counts.setdefault(addr, [0, 0])
             real = bool_mask.to(h.device)
             counts[0] += int(((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum())  # one reduction, no copy

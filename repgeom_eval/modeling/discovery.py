@@ -103,8 +103,12 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
         try:
             out = runner(**base, output_hidden_states=True, return_dict=True)
         except Exception as exc:  # noqa: BLE001 - any failure of a foreign forward pass is reported in one line
+            hint = ""
+            if param is not None and param.dtype == torch.float64:
+                hint = ("; some kernels take no float64 (grouped expert matmuls, fused attention): try --model-arg "
+                        "experts_implementation=eager, --model-arg attn_implementation=eager, or --dtype float32")
             raise DiscoveryError(f"model type {model_type!r}: the load check's probe forward pass (random token ids, "
-                                 f"text only) failed: {type(exc).__name__}: {first_line(exc)[:300]}") from None
+                                 f"text only) failed: {type(exc).__name__}: {first_line(exc)[:300]}{hint}") from None
     hidden = hidden_states_of(out)
     if not hidden:
         raise DiscoveryError(f"model type {model_type!r} returns no hidden_states from its forward pass "

@@ -10,14 +10,17 @@ from typing import Any
 
 import torch
 
+CACHE_DTYPE = torch.float32  # what the one de-quantized copy holds (every GGUF quantization fits it exactly)
 
-def gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
+
+def gguf_cache_dir(path: Path) -> Path | None:
     """Where the de-quantized form of a ``.gguf`` file is kept, or None when the cache is switched off.
 
     transformers parses a GGUF file several times (config, tokenizer, weights) and de-quantizes every tensor: about
-    a minute for SmolLM2-135M on 2 cores. The result is saved once as a plain model directory (safetensors) and
-    later loads read that in seconds. Keyed by the file's content, the dtype and the transformers version;
-    ``REPGEOM_GGUF_CACHE=0`` switches it off, ``REPGEOM_CACHE`` moves it (default ``~/.cache/repgeom-eval``).
+    a minute for SmolLM2-135M on 2 cores. The result is saved once, in float32, as a plain model directory
+    (safetensors), and every later load reads that in seconds and casts it to the dtype asked for: one entry per
+    file, whatever the dtypes. Keyed by the file's content and the transformers version; ``REPGEOM_GGUF_CACHE=0``
+    switches it off, ``REPGEOM_CACHE`` moves it (default ``~/.cache/repgeom-eval``).
     """
     if os.environ.get("REPGEOM_GGUF_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
@@ -29,7 +32,7 @@ def gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 22), b""):
             digest.update(block)
-    digest.update(f"{dtype}|{transformers.__version__}".encode())
+    digest.update(f"{CACHE_DTYPE}|{transformers.__version__}".encode())
     root = Path(os.environ.get("REPGEOM_CACHE") or Path.home() / ".cache" / "repgeom-eval").expanduser()
     return root / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
 

@@ -145,6 +145,10 @@ def locate_model(name: str) -> tuple[str, dict[str, Any], str]:
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
                 return str(path), {"gguf_file": ggufs[0].name}, "gguf"
+            if (path / "adapter_config.json").is_file():
+                raise RepgeomError(f"{name!r} is a PEFT adapter folder (adapter_config.json), not a model: pass its "
+                                   f"base model as --model and the folder as --peft {name}"
+                                   + _adapter_base(path / "adapter_config.json"))
             raise RepgeomError(f"model directory {name!r} has no config.json"
                                + (f" and {len(ggufs)} .gguf files; pass one of them" if ggufs else ""))
         return str(path), {}, "directory"
@@ -152,6 +156,17 @@ def locate_model(name: str) -> tuple[str, dict[str, Any], str]:
     if looks_like_path:
         raise RepgeomError(f"model path {name!r} does not exist")
     return name, {}, "hub"
+
+
+def _adapter_base(config_file: Path) -> str:
+    """" (its base model is X)", from an adapter's config, or nothing."""
+    import json
+
+    try:
+        base = json.loads(config_file.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" (its base model is {base})" if isinstance(base, str) and base else ""
 
 
 def model_files(names: str | Sequence[str]) -> tuple[list[str], list[str]]:
@@ -210,8 +225,10 @@ def load_model(
     remote = {"trust_remote_code": opts.trust_remote_code}
     if opts.revision:
         remote["revision"] = opts.revision
-    weights = _weights_options(opts, name)
-    cache = gguf_cache_dir(Path(target) / extra["gguf_file"], torch_dtype) if source == "gguf" else None
+    weights = _weights_options(opts, name) | dict(opts.model_args or {})
+    cache = gguf_cache_dir(Path(target) / extra["gguf_file"]) if source == "gguf" else None
+    if cache is not None and not (cache / "config.json").is_file():
+        _convert_gguf(target, extra, remote, cache, host)  # one float32 copy, whatever dtype is asked for
     from_cache = cache is not None and (cache / "config.json").is_file()
     if from_cache:
         target, extra = str(cache), {}
@@ -233,13 +250,8 @@ def load_model(
     auto = auto_class(config, host)
     if source == "directory" or from_cache:
         check_safetensors(Path(target), name)
-    verbosity = transformers.logging.get_verbosity()
-    bars = transformers.utils.logging.is_progress_bar_enabled()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            transformers.logging.set_verbosity_error()
-            transformers.utils.logging.disable_progress_bar()
+        with _quiet_transformers():
             try:
                 tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
             except (OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError) as exc:
@@ -265,13 +277,7 @@ def load_model(
             raise
         _refuse_remote_code(name, exc)
         raise RepgeomError(f"cannot load model {name!r}: {first_line(exc)}") from None
-    finally:  # restore the caller's logging settings
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-    if cache is not None and not from_cache:
-        save_gguf_cache(model, tokenizer, cache)
-    if not weights:  # a device map or a quantized model is already where accelerate put it
+    if "device_map" not in weights:  # a device map or a quantized model is already where accelerate put it
         model.to(dev)
     model.eval().requires_grad_(False)
     if opts.peft:
@@ -293,6 +299,42 @@ def load_model(
         if "encoder is measured" in note or "multimodal" in note:
             warnings.warn(f"model {name!r}: {note}", stacklevel=2)
     return loaded
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No transformers warnings, log lines or progress bars inside; the caller's settings restored afterwards."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            transformers.logging.set_verbosity_error()
+            transformers.utils.logging.disable_progress_bar()
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def _convert_gguf(target: str, extra: dict[str, Any], remote: dict[str, Any], cache: Path, host: Any) -> None:
+    """De-quantize a ``.gguf`` file once, in float32, into its cache entry (every later load, in any dtype, reads
+    that). A file that does not convert is left to the ordinary load, which reports it in one line."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from repgeom_eval.modeling.gguf_cache import CACHE_DTYPE
+
+    try:
+        with _quiet_transformers():
+            config = AutoConfig.from_pretrained(target, **extra, **remote)
+            tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
+            model = auto_class(config, host).from_pretrained(target, dtype=CACHE_DTYPE, **extra, **remote)
+    except Exception:  # noqa: BLE001 - the load below reads the same file and says what is wrong with it
+        return
+    save_gguf_cache(model, tokenizer, cache)
 
 
 def _weights_options(opts: ModelOptions, name: str) -> dict[str, Any]:
@@ -331,7 +373,43 @@ def _apply_adapter(model: Any, adapter: str, name: str) -> Any:
         wrapped = PeftModel.from_pretrained(model, str(path) if path.exists() else adapter)
     except Exception as exc:  # noqa: BLE001 - peft raises ValueError, OSError, KeyError ... for a foreign adapter
         raise RepgeomError(f"cannot apply the adapter {adapter!r} to model {name!r}: {first_line(exc)}") from None
-    return wrapped.eval().get_base_model()
+    return adapted_base_model(wrapped.eval(), f"--peft {adapter}")
+
+
+def adapted_base_model(peft_model: Any, what: str) -> Any:
+    """The base model of a ``PeftModel`` with the adapter's layers inside its modules, which is what the hooks read;
+    an adapter that acts in ``PeftModel``'s own forward instead (prompt, prefix and p-tuning add virtual tokens or
+    key/value prefixes there) is refused in one line, since the base model would be measured without it. Checked on
+    a few token ids too: the base model must compute what the whole ``PeftModel`` computes."""
+    configs = getattr(peft_model, "peft_config", {}) or {}
+    config = configs.get(getattr(peft_model, "active_adapter", None)) or next(iter(configs.values()), None)
+    kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "adapter")))
+    refusal = (f"{what}: a {kind} adapter acts in PEFT's own forward pass (virtual tokens or key/value prefixes in "
+               "front of the text), which the layer hooks of the base model do not see, so the numbers would be the "
+               "bare model's; measure without it, or use an adapter that changes the model's layers (LoRA, IA3 ...)")
+    if getattr(config, "is_prompt_learning", False):
+        raise RepgeomError(refusal)
+    from repgeom_eval.modeling.probe import probe_ids
+
+    base = peft_model.get_base_model()
+    ids = probe_ids(base, base.config, rows=1, length=5).to(next(base.parameters()).device)
+    modes = [m for m in peft_model.modules() if m.training]
+    peft_model.eval()  # no dropout in either pass
+    try:
+        with torch.no_grad():
+            mine = peft_model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+            theirs = base(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+        a = getattr(mine, "hidden_states", None) or ()
+        b = getattr(theirs, "hidden_states", None) or ()
+        same = len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+    except Exception:  # noqa: BLE001 - a model that needs other inputs: the adapter type decided above
+        same = True
+    finally:
+        for m in modes:
+            m.training = True
+    if not same:
+        raise RepgeomError(refusal)
+    return base
 
 
 TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog, twice: 1 2 3."
@@ -366,6 +444,9 @@ def auto_class(config: Any, host: Any = None) -> Any:
     if spec is not None:
         return transformers.AutoModelForCausalLM if spec.causal else transformers.AutoModel
     auto_map = getattr(config, "auto_map", None) or {}
+    saved_as = (getattr(config, "architectures", None) or [None])[0]
+    if isinstance(saved_as, str) and saved_as.endswith("EncoderModel") and hasattr(transformers, saved_as):
+        return getattr(transformers, saved_as)  # T5EncoderModel and kin: the encoder alone, saved as such
     if getattr(config, "is_encoder_decoder", False):
         return transformers.AutoModel
     encoder = model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)

@@ -12,7 +12,10 @@ that ``--help`` stays instant.
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any
 
 from repgeom_eval.errors import RepgeomError
@@ -32,6 +35,44 @@ def device_problem(device: Any) -> str | None:
     if isinstance(device, str) and device.split(":")[0].strip().lower() in NO_DATA_DEVICES:
         return (f"{device!r} holds tensor shapes but no values, so nothing can be measured there; use cpu, cuda or "
                 "auto")
+    return None
+
+
+# from_pretrained keywords that other options set: --model-arg may not set them behind those options' backs
+OWN_KEYWORDS = {"dtype": "--dtype", "torch_dtype": "--dtype", "device_map": "--device-map", "revision": "--revision",
+                "trust_remote_code": "--trust-remote-code", "quantization_config": "--quantization",
+                "gguf_file": "--model FILE.gguf", "output_loading_info": None, "ignore_mismatched_sizes": None,
+                "pretrained_model_name_or_path": "--model"}
+
+
+def _model_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` → (key, value read as JSON where it is JSON: true, 3, 0.5, "x"; else the text)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _model_args_from_cli(items: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    return dict(items)
+
+
+def model_args_problem(value: Any) -> str | None:
+    """What is wrong with a ``model_args`` mapping (None: nothing)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        return f"expected a mapping of from_pretrained options (KEY=VALUE), got {type(value).__name__}"
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            return f"{key!r} is not a keyword name"
+        if key in OWN_KEYWORDS:
+            flag = OWN_KEYWORDS[key]
+            return f"{key} is set by repgeom itself" + (f"; use {flag}" if flag else "")
     return None
 
 
@@ -62,6 +103,12 @@ class ModelOptions(Options):
     quantization: str | None = option(None, "--quantization", choices=list(QUANTIZATION_CHOICES),
                                       help="load the weights in 8 or 4 bits with bitsandbytes (needs it, and "
                                            "usually a GPU)")
+    model_args: Mapping[str, Any] | None = option(None, "--model-arg", action="append", type=_model_arg, cli_default=[],
+                                           metavar="KEY=VALUE", from_cli=_model_args_from_cli,
+                                           check=model_args_problem,
+                                           help="a keyword for the model's from_pretrained, as in lm-eval's "
+                                                "--model_args (e.g. experts_implementation=eager, "
+                                                "attn_implementation=eager); repeatable")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES and not hasattr(self.dtype, "is_floating_point"):
@@ -69,6 +116,8 @@ class ModelOptions(Options):
         for name in ("revision", "device_map", "peft"):
             if getattr(self, name) == "":
                 self._set(name, None)
+        if isinstance(self.model_args, Mapping):
+            self._set("model_args", MappingProxyType(dict(self.model_args)) if self.model_args else None)
         super().__post_init__()  # the other groups of a command's configuration, and the choices
 
     @classmethod
@@ -87,7 +136,7 @@ class ModelOptions(Options):
         for f in fields(ModelOptions):
             value = getattr(self, f.name)
             if f.name not in ("dtype", "device") and value != f.default:
-                out[f.name] = value
+                out[f.name] = dict(value) if isinstance(value, Mapping) else value
         return out
 
 

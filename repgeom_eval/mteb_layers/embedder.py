@@ -29,7 +29,7 @@ from repgeom_eval.measurement.texts import Record
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 from repgeom_eval.measurement.pooling import check_pooling, pool
 
-from .st_config import STConfig, st_config_for, st_config_of
+from repgeom_eval.modeling.st_config import STConfig, st_config_for, st_config_of
 
 #: ``--pooling`` choices: the repgeom poolings plus ``st`` (the model's own) and ``auto`` (``st`` if the model is a
 #: sentence-transformers model, else ``mean`` as in paper B).
