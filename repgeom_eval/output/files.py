@@ -132,7 +132,7 @@ def check_outputs(outputs: Mapping[str, PathsArg], inputs: Mapping[str, PathsArg
     dirs = [(label, p) for label, value in (folders or {}).items() for p in _paths(value)]
     for i, (label, out) in enumerate(outs):
         for other_label, other in outs[:i]:
-            if _same_file(out, other):
+            if _same_file(out, other) and not is_stream(out):  # two outputs to /dev/null replace nothing
                 same = f"the same path {out!r}" if out == other else f"the same file ({other!r} and {out!r})"
                 raise RepgeomError(f"{other_label} and {label} are {same}; give each output its own path")
         for in_label, src in ins:
@@ -195,7 +195,8 @@ _GROUPS: list[_Group] = []
 
 
 def _key(path: PathArg) -> str:
-    return os.path.abspath(os.path.expanduser(os.fspath(path)))  # type: ignore[arg-type]
+    """A path as the file it names (links followed): a run's outputs are matched by where they land."""
+    return os.path.realpath(os.path.expanduser(os.fspath(path)))  # type: ignore[arg-type]
 
 
 def _unlink(path: str) -> None:
@@ -234,12 +235,42 @@ def commit_together(paths: Iterable[PathArg]) -> Iterator[None]:
     group.pending.clear()
 
 
+def is_stream(path: str | Path) -> bool:
+    """An existing target that is not a regular file, links followed: a device (``/dev/null``), a FIFO, a socket,
+    ``/dev/stdout``. Such a target is written in place, never replaced (a rename over it would put a regular file
+    where the device node was)."""
+    import stat
+
+    try:
+        mode = os.stat(os.path.expanduser(os.fspath(path))).st_mode  # links followed (/dev/stdout → a pipe)
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+@contextmanager
+def _write_in_place(path: str | Path, mode: str) -> Iterator[IO[Any]]:
+    try:
+        with open(os.path.expanduser(os.fspath(path)), mode, encoding=None if "b" in mode else "utf-8") as fh:
+            yield fh
+    except OSError as exc:
+        clean = write_error(path, exc)
+        raise (clean or RepgeomError(f"cannot write {str(path)!r}: {exc.strerror or exc}")) from None
+
+
 @contextmanager
 def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     """Write to a temporary file next to ``path`` and rename it into place only on success (inside
     :func:`commit_together`, when the whole run has succeeded). A full disk or a file-size limit is a one-line
-    :class:`RepgeomError`; the temporary file is removed either way."""
-    p = check_writable(path)
+    :class:`RepgeomError`; the temporary file is removed either way.
+
+    A symbolic link is followed (the file it points to is replaced, the link stays); a target that is no regular
+    file (:func:`is_stream`: ``/dev/null``, ``/dev/stdout``, a FIFO) is written in place, as ``open`` would."""
+    if is_stream(path):
+        with _write_in_place(path, mode) as fh:
+            yield fh
+        return
+    p = check_writable(Path(os.path.realpath(os.path.expanduser(os.fspath(path)))))
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
     try:
         umask = os.umask(0)
