@@ -17,6 +17,17 @@ from repgeom_eval import __version__
 from repgeom_eval.errors import RepgeomError
 
 
+# optional dependency (top-level module) → the extra of pyproject.toml that installs it
+OPTIONAL = {"lm_eval": "lmeval", "sklearn": "lmeval", "scipy": "lmeval", "mteb": "mteb",
+            "sentence_transformers": "mteb", "accelerate": "train", "datasets": "train", "matplotlib": "plot",
+            "pandas": "compare", "faiss": "knn", "nlpaug": "aug", "peft": "peft", "gguf": "gguf"}
+
+
+def extra_for(module: str) -> str | None:
+    """The extra that installs ``module`` (``lm_eval.api`` → ``lmeval``), or None for a module of no extra."""
+    return OPTIONAL.get(module.partition(".")[0])
+
+
 def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f"repgeom: warning: {message}\n"
 
@@ -145,6 +156,12 @@ def _main(argv: Sequence[str] | None) -> int:
         from repgeom_eval.plugin_system.host import get_host
 
         host = get_host()
+        if not host.commands.names():
+            off = disabled_from_env()
+            raise RepgeomError("no command is available: " + (
+                f"the plugins switched off ({', '.join(off)}) include the one that provides them; drop "
+                + " ".join(f"-p no:{n}" for n in off) if off else "no installed plugin provides any (reinstall "
+                "repgeom-eval)"))
         parser = build_parser(host)
         args = parser.parse_args(args_list)
         if not getattr(args, "_run", None):
@@ -170,6 +187,13 @@ def _main(argv: Sequence[str] | None) -> int:
         if debug:
             raise
         print(f"repgeom: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = extra_for(exc.name or "")
+        if debug or extra is None:
+            raise
+        print(f"repgeom: error: this needs the {exc.name.partition('.')[0]} package, which is not installed: "
+              f"pip install \"repgeom-eval[{extra}]\"", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("repgeom: interrupted", file=sys.stderr)

@@ -262,7 +262,11 @@ def _run(cfg: MtebRunCommand) -> int:
     out = check_creatable_dir(cfg.output_folder, "--output-folder")
     weight_files, model_dirs = model_files([cfg.model])
     # mteb only adds files under the output folder: it must not be (or hold, or lie in) the model folder
-    check_outputs({"--output-folder": str(out)}, inputs={"--model": weight_files}, folders={"--model": model_dirs})
+    outputs = {"--output-folder": str(out)}
+    if cfg.prediction_folder:
+        outputs["--prediction-folder"] = str(check_creatable_dir(cfg.prediction_folder, "--prediction-folder"))
+    check_outputs(outputs, inputs={"--model": weight_files, "--tasks-file": cfg.tasks_file,
+                                   "--preprocess-stats": cfg.preprocess_stats}, folders={"--model": model_dirs})
     tasks = resolve_tasks(_words(cfg.tasks), tasks_file=cfg.tasks_file, task_types=_words(cfg.task_types),
                           categories=_words(cfg.categories), languages=_words(cfg.languages),
                           benchmarks=_words(cfg.benchmarks), eval_splits=_words(cfg.eval_splits))

@@ -76,6 +76,13 @@ class LayerPick(abc.ABC):
         if self.direction not in DIRECTIONS:
             raise RepgeomError(f"layer pick {self.name!r}: direction must be min or max, got {self.direction!r}")
         self.params = {k: _coerce(self.name, k, params[k], d) if k in params else d for k, d in allowed.items()}
+        problem = self.check_params()
+        if problem:  # refused here, before any model runs, not after the forward passes
+            raise RepgeomError(f"layer pick {self.name!r}: {problem} (set it with --layer-pick-param KEY=VALUE)")
+
+    def check_params(self) -> str | None:
+        """What is wrong with ``self.params`` (a value out of its range), or None; override to check a rule's own."""
+        return None
 
     def candidates(self, addresses: Sequence[str]) -> list[str]:
         """The layers the rule chooses among, from every hidden state (``embed``, ``resid_post:0`` ... ``final``)."""
@@ -113,6 +120,10 @@ class MinDatasetEntropy(LayerPick):
                 "vectors centred over all texts and unit-normalised, divided by log min(N, D)")
     direction = "min"
     defaults = {"alpha": 1.0}
+
+    def check_params(self) -> str | None:
+        alpha = self.params["alpha"]
+        return None if alpha > 0 else f"alpha={alpha!r} must be > 0 (the order of a Rényi entropy)"
 
     def score(self, vectors: np.ndarray) -> float:
         from repgeom_eval.functional.entropy import dataset_entropy

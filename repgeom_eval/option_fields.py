@@ -187,20 +187,54 @@ def plain(value: Any) -> Any:
 
 # -- YAML files -----------------------------------------------------------------------------------------------------
 
+MAX_YAML_BYTES = 16 * 2**20  # a configuration or tasks file larger than this is a mistake (or /dev/zero)
+
+
+def excerpt(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error quotes a value, never a whole file's worth of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """YAML text read safely: no Python objects (``safe_load``) and no aliases (``*name``), which let a 1 KB file
+    expand to billions of entries. A syntax error is one line naming ``what``."""
+    import yaml  # a dependency of repgeom-eval; imported here, so that --help without --config does not pay for it
+
+    class Loader(yaml.SafeLoader):
+        def fetch_alias(self) -> None:
+            raise RepgeomError(f"{what} uses a YAML alias (*name) at line {self.get_mark().line + 1}; aliases are not "
+                               "read (they can expand a small file without bound): write the values out")
+
+    try:
+        return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise RepgeomError(f"{what} is not valid YAML: {str(exc).splitlines()[0]}") from None
+
+
+def read_yaml_file(path: str | Path, what: str) -> Any:
+    """A YAML (or JSON) file read safely (:func:`parse_yaml`): a regular file of at most 16 MiB, UTF-8."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise RepgeomError(f"{what} is a directory; pass the file")
+    if not p.exists():
+        raise RepgeomError(f"{what} does not exist")
+    if not p.is_file():
+        raise RepgeomError(f"{what} is not a regular file (a device or a pipe?); pass the file")
+    if p.stat().st_size > MAX_YAML_BYTES:
+        raise RepgeomError(f"{what} holds {p.stat().st_size / 2**20:.0f} MiB, more than the "
+                           f"{MAX_YAML_BYTES // 2**20} MiB a configuration may; pass the right file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RepgeomError(f"{what} is not valid UTF-8 (byte {exc.start}); re-encode it as UTF-8") from None
+    return parse_yaml(text, what)
+
+
 def read_config_file(path: str | Path, cls: type, command: str = "") -> dict[str, Any]:
     """The option values of a YAML file: a mapping from option names (``batch_size`` or ``batch-size``) to values.
     An unknown name is a one-line error naming it and the closest option."""
-    import yaml  # a dependency of repgeom-eval; imported here, so that --help without --config does not pay for it
-
-    p = Path(path)
-    if not p.is_file():
-        raise RepgeomError(f"--config {str(path)!r} " + ("is a directory" if p.is_dir() else "does not exist"))
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise RepgeomError(f"--config {str(path)!r} is not valid UTF-8 (byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        raise RepgeomError(f"--config {str(path)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    data = read_yaml_file(path, f"--config {str(path)!r}")
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -684,6 +684,14 @@ REWRITE_CASES = {
                                   r"counts\.n_tokens is \d+, but the \d+ shard\(s\) it says are done hold \d+"),
     "a count edited": (lambda b: b["counts"].__setitem__(3, b["counts"][3] + 1),
                        r"counts\.n_sequences is \d+, but the \d+ shard\(s\)"),
+    # every sum and count of every state doubled, consistently: each metric's invariants hold, but the vectors the
+    # states claim are twice the texts of the shards said done
+    "every state doubled": (lambda b: [state.update({k: v * 2 for k, v in state.items()})
+                                       for group in (*b["metrics"].values(), {"energy": b["energy"]})
+                                       for states in group.values() for state in
+                                       (states.values() if "n" not in states else [states])],
+                            r"energy\.\S+\.n is \d+ vectors, but the \d+ shard\(s\) it says are done hold \d+ "
+                            r"text\(s\)"),
 }
 
 

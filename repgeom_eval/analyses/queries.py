@@ -139,12 +139,17 @@ def _load_vectors(path: Path) -> np.ndarray:
     if path.suffix == ".npy":
         try:
             array = np.load(path, allow_pickle=False)
-        except ValueError as exc:
-            raise RepgeomError(f"{path}: not a numeric .npy array ({exc})") from None
+        except (ValueError, OSError, EOFError) as exc:
+            raise RepgeomError(f"{path}: not a numeric .npy array ({str(exc).splitlines()[0][:160]}); write it with "
+                               "numpy.save") from None
     elif path.suffix == ".safetensors":
         from safetensors.numpy import load_file
 
-        tensors = load_file(str(path))
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError, ...)
+            raise RepgeomError(f"{path}: not a readable .safetensors file ({str(exc).splitlines()[0][:160]}); "
+                               "write it with safetensors.numpy.save_file") from None
         if len(tensors) != 1:
             raise RepgeomError(f"{path} holds {len(tensors)} tensors ({', '.join(tensors)}); expected exactly one")
         array = next(iter(tensors.values()))

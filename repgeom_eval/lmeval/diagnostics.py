@@ -22,7 +22,7 @@ def bank_warnings(bank: Any, computed: Mapping[str, Mapping[str, Any]], energy: 
     :class:`~repgeom_eval.measurement.bank.MetricBank`, ``computed`` its ``compute()``, ``energy`` address → the
     energy diagnostic's metric state."""
     from repgeom_eval.measurement.degenerate import degenerate_warning
-    from repgeom_eval.measurement.results import massive_warning
+    from repgeom_eval.measurement.results import fed, massive_warning
 
     out: list[str] = []
     diagnostics: dict[str, dict[str, Any]] = {}
@@ -40,6 +40,8 @@ def bank_warnings(bank: Any, computed: Mapping[str, Mapping[str, Any]], energy: 
     out += [f"{name}: {text} (at {', '.join(keys)})" for (name, text), keys in said.items()]
     flagged, energy_values = [], {}
     for addr, metric in energy.items():
+        if not fed(metric):
+            continue  # no original text reached it (views-only metrics): nothing measured
         value = metric.compute()
         energy_values[str(addr)] = value
         if value["top_dimensions"] and float(value["top_shares"][0]) >= MASSIVE_SHARE:

@@ -34,7 +34,7 @@ class RepgeomHFLM(HFLM):
 
     def __init__(self, *args: Any, **kwargs: Any):
         given = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(PREFIX)}
-        check_settings(given)  # every repgeom_* setting, before the model loads
+        check_settings(given, partial=True)  # every repgeom_* setting, before the model loads (--metadata: later)
         self.repgeom_metadata = given  # read by the session: every task of the run gets repgeom_metrics
         super().__init__(*args, **kwargs)
 

@@ -355,6 +355,13 @@ class TaskBank:
         self.values = {score_name(name, addr): value for addr, results in computed.items()
                        for metric, result in results.items()
                        for name, value in flatten_result(metric, result).items()}
+        for addr, ms in merged.states.items():  # what a metric could not honour as given (top_k_used ...)
+            for spec, metric in ms:
+                with spec.guard("diagnostics", addr):
+                    diag = metric.diagnostics() or {}
+                if isinstance(diag.get("warning"), str):  # its numbers beside its values; its words in the warnings
+                    self.values.update({score_name(f"{spec.name}.{k}", str(addr)): v for k, v in diag.items()
+                                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
         self.per_doc = {}
         for doc_id, by_addr in merged.per_text_scores().items():
             self.per_doc[doc_id] = {score_name(key, addr): _plain(v)

@@ -236,12 +236,16 @@ class MeasureRun:
             total=expected, unit="seq", desc=desc, progress=cfg.progress, disable=not dist.is_main
         ) as bar:
             recount = [0, 0, 0, 0]
+            owned = 0  # original texts of the done shards that this process ran (what its states must hold)
             for shard_no, shard in enumerate(self.source.shards(cfg.shard_size)):
                 if shard_no < start_shard:  # done before the checkpoint: no forward pass, only recounted
-                    recount = [a + b for a, b in zip(recount, shard_counts(self._plan(shard), self.context))]
+                    sp = self._plan(shard)
+                    recount = [a + b for a, b in zip(recount, shard_counts(sp, self.context))]
+                    owned += sum(sp.items[i].view < 0 for u, unit in enumerate(sp.units) if dist.owns(u)
+                                 for i in unit)
                     continue
                 if shard_no == start_shard and start_shard and hasattr(sink, "shard_done"):
-                    self._check_resumed_counts(recount)
+                    self._check_resumed_counts(recount, owned if self.need_originals else None)
                     recount = []
                 sp = self._plan(shard)
                 for u, unit in enumerate(sp.units):
@@ -255,11 +259,14 @@ class MeasureRun:
                 if hasattr(sink, "shard_done"):
                     sink.shard_done(shard_no, sp)
             if start_shard and recount and hasattr(sink, "shard_done"):  # a finished run: every shard was skipped
-                self._check_resumed_counts(recount)
+                self._check_resumed_counts(recount, owned if self.need_originals else None)
 
-    def _check_resumed_counts(self, recount: list[int]) -> None:
+    def _check_resumed_counts(self, recount: list[int], owned: int | None) -> None:
         try:
-            self.state.check_counts(recount, f"checkpoint {self.checkpoint.state_file if self.checkpoint else ''}")
+            where = f"checkpoint {self.checkpoint.state_file if self.checkpoint else ''}"
+            self.state.check_counts(recount, where)
+            if owned is not None:
+                self.state.check_vectors(owned, where)
         except ValueError as exc:
             raise RepgeomError(f"{exc}; delete the run directory to start over") from None
 

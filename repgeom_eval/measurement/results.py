@@ -85,12 +85,12 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
             if isinstance(diag, dict) and isinstance(diag.get("warning"), str):
                 said.setdefault((name, diag["warning"]), []).append(key)
     for (name, text), keys in said.items():
-        warnings.warn(f"{name}: {text} (at {compact(keys)})", stacklevel=4)
+        warnings.warn(f"{name}: {text} (at {address_runs(keys)})", stacklevel=4)
     flagged = _energy_diagnostics(run, out.diagnostics, massive_share_warning)
     if flagged:  # one warning for the whole run, not one line per layer
         warnings.warn(massive_warning(flagged, massive_share_warning), stacklevel=4)
     degenerate = degenerate_warning(model_name, out.results, out.diagnostics,
-                                    {str(a): m.compute() for a, m in run.energy.items()})
+                                    {str(a): m.compute() for a, m in run.energy.items() if fed(m)})
     if degenerate:  # zero vectors or NaN results: correct numbers that carry no geometry, said once
         warnings.warn(degenerate, stacklevel=4)
     for spec in specs:
@@ -109,6 +109,12 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
     return out
 
 
+def fed(energy: Any) -> bool:
+    """Whether the energy diagnostic saw any vector (it sees the original texts: none when only views-only metrics
+    such as infonce or lidar run, and then no energy means nothing measured, not zero vectors)."""
+    return float(getattr(energy, "n", 1)) > 0
+
+
 def massive_warning(flagged: list[tuple[Address, int, float]], threshold: float, advice: str | None = None) -> str:
     """The one line that says where one hidden dimension dominates (``flagged``: what the energy diagnostic found
     over ``threshold``); ``advice``: what the caller can offer besides the massive_activations metric."""
@@ -123,6 +129,8 @@ def _energy_diagnostics(run: RunState, diagnostics: dict[str, dict[str, Any]],
     """``diagnostics[address]["energy"]`` from the massive_activations states; the addresses over ``threshold``."""
     flagged = []
     for addr, metric in run.energy.items():
+        if not fed(metric):
+            continue  # no original text ran (views-only metrics): nothing measured, nothing to say
         value = metric.compute()
         if not value["top_dimensions"]:
             continue  # no energy at all (zero vectors): nothing to say
@@ -152,6 +160,21 @@ def compact(flagged: list[tuple[Address, int, float]]) -> str:
         name = str(run[0][0]) if len(run) == 1 else f"{run[0][0]}..{run[-1][0].layer}"
         parts.append(f"{name} (dim {run[0][1]}: {share})")
     return ", ".join(parts)
+
+
+def address_runs(names: list[str]) -> str:
+    """``resid_post:0..27, final``: consecutive layers of one site merged (any other name is kept as it is)."""
+    runs: list[list[tuple[str, int | None, str]]] = []
+    for name in names:
+        site, _, layer = str(name).partition(":")
+        index = int(layer) if layer.lstrip("-").isdigit() else None
+        last = runs[-1][-1] if runs else None
+        if last is not None and index is not None and last[1] is not None and last[0] == site \
+                and index == last[1] + 1:
+            runs[-1].append((site, index, str(name)))
+        else:
+            runs.append([(site, index, str(name))])
+    return ", ".join(run[0][2] if len(run) == 1 else f"{run[0][2]}..{run[-1][1]}" for run in runs)
 
 
 @contextmanager

@@ -90,6 +90,16 @@ class RunState:
                 raise ValueError(f"{where}: counts.{name} is {got}, but the {self.resumed_from} shard(s) it says are "
                                  f"done hold {want}")
 
+    def check_vectors(self, owned: int, where: str) -> None:
+        """The vectors a resumed checkpoint's states hold must be those of the texts of the shards it says are done:
+        the energy diagnostic counts every original text it was fed, so a state whose shard index was set back, or
+        whose sums were scaled, is refused instead of resuming into a wrong number."""
+        for addr, energy in self.energy.items():
+            n = float(energy.n)
+            if n != owned:
+                raise ValueError(f"{where}: energy.{addr}.n is {n:g} vectors, but the {self.resumed_from} shard(s) it "
+                                 f"says are done hold {owned} text(s) for this process")
+
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         return {

@@ -110,6 +110,7 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
             raise DiscoveryError(f"model type {model_type!r}: the load check's probe forward pass (random token ids, "
                                  f"text only) failed: {type(exc).__name__}: {first_line(exc)[:300]}{hint}") from None
     hidden = hidden_states_of(out)
+    _check_finite(model, model_type, hidden)
     if not hidden:
         raise DiscoveryError(f"model type {model_type!r} returns no hidden_states from its forward pass "
                              "(output_hidden_states=True), so no layer can be checked; it cannot be measured")
@@ -136,6 +137,22 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
     _check_shapes(model, layout, rec, hidden, tuple(ids.shape))
     check_inputs(runner, layout, ids, device, pad_id_of(model, config, ids))
     return layout
+
+
+def _check_finite(model: nn.Module, model_type: str, hidden: tuple) -> None:
+    """NaN or inf first, before any structural check (a diverged checkpoint is not a model of unknown shape)."""
+    if all(bool(torch.isfinite(h).all()) for h in hidden):
+        return
+    bad = [name for name, t in model.named_parameters()
+           if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise DiscoveryError(f"model type {model_type!r}: its weights hold NaN or inf ({shown}), the mark of a "
+                             "diverged or corrupted checkpoint; nothing it computes can be measured")
+    first = next(k for k, h in enumerate(hidden) if not bool(torch.isfinite(h).all()))
+    raise DiscoveryError(f"model type {model_type!r}: its weights are finite, but the load check's probe gives NaN "
+                         f"or inf from hidden_states[{first}] on (an overflow of its dtype, or its own code); try "
+                         "--dtype float32")
 
 
 def _outer_last_hidden_state(rec: Recorder) -> torch.Tensor | None:

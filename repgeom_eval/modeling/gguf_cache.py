@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +75,38 @@ def save_gguf_cache(model: Any, tokenizer: Any, cache: Path) -> None:
             transformers.utils.logging.enable_progress_bar()
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No transformers warnings, log lines or progress bars inside; the caller's settings restored afterwards."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            transformers.logging.set_verbosity_error()
+            transformers.utils.logging.disable_progress_bar()
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def convert_gguf(target: str, extra: dict[str, Any], remote: dict[str, Any], cache: Path,
+                 model_class: Callable[[Any], Any]) -> None:
+    """De-quantize a ``.gguf`` file once, in float32, into its cache entry (every later load, in any dtype, reads
+    that; ``model_class(config)`` is the class to load it with). A file that does not convert is left to the ordinary load, which reports it in one line."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(target, **extra, **remote)
+            tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
+            model = model_class(config).from_pretrained(target, dtype=CACHE_DTYPE, **extra, **remote)
+    except Exception:  # noqa: BLE001 - the load below reads the same file and says what is wrong with it
+        return
+    save_gguf_cache(model, tokenizer, cache)

@@ -31,7 +31,7 @@ def as_loaded(model: Any, tokenizer: Any = None, *, name: str | None = None, hos
         hf, tok = inner
         return wrap_model(hf, tokenizer or tok, name=name or _st_name(model), source="memory", host=host)
     if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):  # a PeftModel: the adapted base model
-        from repgeom_eval.modeling.loading import adapted_base_model
+        from repgeom_eval.modeling.adapters import adapted_base_model
 
         model = adapted_base_model(model, f"the {type(model).__name__} given")
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):

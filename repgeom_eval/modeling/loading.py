@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from repgeom_eval.errors import RepgeomError, first_line
-from repgeom_eval.modeling.gguf_cache import gguf_cache_dir, save_gguf_cache
+from repgeom_eval.modeling.gguf_cache import convert_gguf, gguf_cache_dir, quiet_transformers
+from repgeom_eval.modeling.adapters import adapter_base, apply_adapter
 from repgeom_eval.modeling.layout import Layout
 from repgeom_eval.modeling.weights_check import check_loading_report, check_safetensors
 from repgeom_eval.modeling.options import LoadingPolicy, ModelOptions
@@ -148,7 +149,7 @@ def locate_model(name: str) -> tuple[str, dict[str, Any], str]:
             if (path / "adapter_config.json").is_file():
                 raise RepgeomError(f"{name!r} is a PEFT adapter folder (adapter_config.json), not a model: pass its "
                                    f"base model as --model and the folder as --peft {name}"
-                                   + _adapter_base(path / "adapter_config.json"))
+                                   + adapter_base(path / "adapter_config.json"))
             raise RepgeomError(f"model directory {name!r} has no config.json"
                                + (f" and {len(ggufs)} .gguf files; pass one of them" if ggufs else ""))
         return str(path), {}, "directory"
@@ -156,17 +157,6 @@ def locate_model(name: str) -> tuple[str, dict[str, Any], str]:
     if looks_like_path:
         raise RepgeomError(f"model path {name!r} does not exist")
     return name, {}, "hub"
-
-
-def _adapter_base(config_file: Path) -> str:
-    """" (its base model is X)", from an adapter's config, or nothing."""
-    import json
-
-    try:
-        base = json.loads(config_file.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        return ""
-    return f" (its base model is {base})" if isinstance(base, str) and base else ""
 
 
 def model_files(names: str | Sequence[str]) -> tuple[list[str], list[str]]:
@@ -228,7 +218,7 @@ def load_model(
     weights = _weights_options(opts, name) | dict(opts.model_args or {})
     cache = gguf_cache_dir(Path(target) / extra["gguf_file"]) if source == "gguf" else None
     if cache is not None and not (cache / "config.json").is_file():
-        _convert_gguf(target, extra, remote, cache, host)  # one float32 copy, whatever dtype is asked for
+        convert_gguf(target, extra, remote, cache, lambda c: auto_class(c, host))  # one float32 copy, whatever dtype is asked for
     from_cache = cache is not None and (cache / "config.json").is_file()
     if from_cache:
         target, extra = str(cache), {}
@@ -251,7 +241,7 @@ def load_model(
     if source == "directory" or from_cache:
         check_safetensors(Path(target), name)
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             try:
                 tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
             except (OSError, ValueError, TypeError, AttributeError, KeyError, RuntimeError) as exc:
@@ -281,7 +271,7 @@ def load_model(
         model.to(dev)
     model.eval().requires_grad_(False)
     if opts.peft:
-        model = _apply_adapter(model, opts.peft, name)
+        model = apply_adapter(model, opts.peft, name)
     if tokenizer.pad_token is None:
         # Only the attention mask matters for padded positions; any existing token will do.
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
@@ -299,42 +289,6 @@ def load_model(
         if "encoder is measured" in note or "multimodal" in note:
             warnings.warn(f"model {name!r}: {note}", stacklevel=2)
     return loaded
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """No transformers warnings, log lines or progress bars inside; the caller's settings restored afterwards."""
-    import transformers
-
-    verbosity = transformers.logging.get_verbosity()
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            transformers.logging.set_verbosity_error()
-            transformers.utils.logging.disable_progress_bar()
-            yield
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-
-
-def _convert_gguf(target: str, extra: dict[str, Any], remote: dict[str, Any], cache: Path, host: Any) -> None:
-    """De-quantize a ``.gguf`` file once, in float32, into its cache entry (every later load, in any dtype, reads
-    that). A file that does not convert is left to the ordinary load, which reports it in one line."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from repgeom_eval.modeling.gguf_cache import CACHE_DTYPE
-
-    try:
-        with _quiet_transformers():
-            config = AutoConfig.from_pretrained(target, **extra, **remote)
-            tokenizer = AutoTokenizer.from_pretrained(target, **extra, **remote)
-            model = auto_class(config, host).from_pretrained(target, dtype=CACHE_DTYPE, **extra, **remote)
-    except Exception:  # noqa: BLE001 - the load below reads the same file and says what is wrong with it
-        return
-    save_gguf_cache(model, tokenizer, cache)
 
 
 def _weights_options(opts: ModelOptions, name: str) -> dict[str, Any]:
@@ -356,60 +310,6 @@ def _weights_options(opts: ModelOptions, name: str) -> dict[str, Any]:
         out["quantization_config"] = BitsAndBytesConfig(**bits)
         out.setdefault("device_map", "auto")
     return out
-
-
-def _apply_adapter(model: Any, adapter: str, name: str) -> Any:
-    """The model with a PEFT adapter applied: the base model's own modules, with the adapter's layers inside them
-    (so every address is found and read as on the base model)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        raise RepgeomError("--peft needs the peft package: pip install peft") from None
-    path = Path(os.path.expanduser(adapter))
-    if path.exists() and not (path / "adapter_config.json").is_file():
-        raise RepgeomError(f"--peft {adapter!r}: the folder has no adapter_config.json; pass a PEFT adapter folder "
-                           "(written by PeftModel.save_pretrained)")
-    try:
-        wrapped = PeftModel.from_pretrained(model, str(path) if path.exists() else adapter)
-    except Exception as exc:  # noqa: BLE001 - peft raises ValueError, OSError, KeyError ... for a foreign adapter
-        raise RepgeomError(f"cannot apply the adapter {adapter!r} to model {name!r}: {first_line(exc)}") from None
-    return adapted_base_model(wrapped.eval(), f"--peft {adapter}")
-
-
-def adapted_base_model(peft_model: Any, what: str) -> Any:
-    """The base model of a ``PeftModel`` with the adapter's layers inside its modules, which is what the hooks read;
-    an adapter that acts in ``PeftModel``'s own forward instead (prompt, prefix and p-tuning add virtual tokens or
-    key/value prefixes there) is refused in one line, since the base model would be measured without it. Checked on
-    a few token ids too: the base model must compute what the whole ``PeftModel`` computes."""
-    configs = getattr(peft_model, "peft_config", {}) or {}
-    config = configs.get(getattr(peft_model, "active_adapter", None)) or next(iter(configs.values()), None)
-    kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "adapter")))
-    refusal = (f"{what}: a {kind} adapter acts in PEFT's own forward pass (virtual tokens or key/value prefixes in "
-               "front of the text), which the layer hooks of the base model do not see, so the numbers would be the "
-               "bare model's; measure without it, or use an adapter that changes the model's layers (LoRA, IA3 ...)")
-    if getattr(config, "is_prompt_learning", False):
-        raise RepgeomError(refusal)
-    from repgeom_eval.modeling.probe import probe_ids
-
-    base = peft_model.get_base_model()
-    ids = probe_ids(base, base.config, rows=1, length=5).to(next(base.parameters()).device)
-    modes = [m for m in peft_model.modules() if m.training]
-    peft_model.eval()  # no dropout in either pass
-    try:
-        with torch.no_grad():
-            mine = peft_model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
-            theirs = base(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
-        a = getattr(mine, "hidden_states", None) or ()
-        b = getattr(theirs, "hidden_states", None) or ()
-        same = len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
-    except Exception:  # noqa: BLE001 - a model that needs other inputs: the adapter type decided above
-        same = True
-    finally:
-        for m in modes:
-            m.training = True
-    if not same:
-        raise RepgeomError(refusal)
-    return base
 
 
 TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog, twice: 1 2 3."

@@ -86,7 +86,9 @@ def geometry_scores(vectors: np.ndarray, host: PluginHost | None = None) -> dict
 def geometry_warnings(scores: dict[str, Any], model: str, where: str) -> list[str]:
     """The degenerate-number messages of one score dict (``where``: the layer, task, split and subset), worded as
     ``repgeom measure`` words them."""
-    said = []
+    from .metrics import METRIC_WARNINGS_KEY
+
+    said = [f"model {model!r}: {line} (at {where})" for line in json.loads(scores.get(METRIC_WARNINGS_KEY) or "[]")]
     share = scores.get(MASSIVE_KEYS[1])
     if isinstance(share, float) and share >= MASSIVE_SHARE_WARNING:
         said.append(f"model {model!r}: one hidden dimension carries at least {MASSIVE_SHARE_WARNING:.0%} of the "

@@ -107,6 +107,9 @@ class _Split:
     done: set[Address] = field(default_factory=set)
 
 
+METRIC_WARNINGS_KEY = "repgeom_metric_warnings"  # a JSON list: the metrics' own diagnostics warnings
+
+
 class SweepMetrics:
     """Registered metrics for the layers of one sweep (see the module docstring).
 
@@ -231,9 +234,20 @@ class SweepMetrics:
         if split is not None and address in split.fed and address not in split.done:
             if self.n_views:
                 self._views(split, embedder)
+            said = []
             for spec, metric in split.bank.states[address]:
                 out.update({score_key(k): v for k, v in flatten_result(spec.name, metric.compute()).items()})
                 configs[spec.name] = self.configs[spec.name]
+                with spec.guard("diagnostics", str(address)):
+                    diag = metric.diagnostics() or {}
+                # what the metric could not honour as given (massive_activations' top_k beyond the width ...): its
+                # numbers beside the scores, its words in repgeom_warnings, as `repgeom measure` reports them
+                if isinstance(diag.get("warning"), str):
+                    out.update({score_key(f"{spec.name}.{k}"): v for k, v in diag.items()
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                    said.append(f"{spec.name}: {diag['warning']}")
+            if said:
+                out[METRIC_WARNINGS_KEY] = json.dumps(said)
             split.done.add(address)
             split.bank.states[address] = []  # computed: free the states
         carried = self._carried.pop((context, address), None)

@@ -319,6 +319,15 @@ def run_layers(
                             num_proc=num_proc)
                     except ValueError as exc:  # mteb's refusals (only-cache / never with missing results)
                         raise RepgeomError(f"{task.metadata.name} at {addr}: {exc}") from None
+                    except OSError as exc:  # a full disk or a read-only cache while mteb writes its results
+                        from repgeom_eval.output.files import write_error
+
+                        where = exc.filename or output_folder or prediction_folder or "the mteb cache"
+                        clean = write_error(where, exc)
+                        if clean is None:
+                            raise
+                        raise RepgeomError(f"{task.metadata.name} at {addr}: {clean}; free space or pass another "
+                                           "--output-folder") from None
                     sweep.release(addr)
                     for task_result in result.task_results:
                         rows = _rows(task_result, task, encoders[addr])

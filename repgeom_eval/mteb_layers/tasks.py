@@ -36,7 +36,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from datasets import Dataset, DatasetDict
 from mteb.abstasks.classification import AbsTaskClassification
 from mteb.abstasks.clustering import AbsTaskClustering
@@ -144,18 +143,12 @@ def make_task(spec: Mapping[str, Any], base_dir: str | Path | None = None):
 
 def load_tasks_file(path: str | Path) -> list:
     """All tasks of a YAML/JSON tasks file (see the module docstring)."""
+    from repgeom_eval.option_fields import read_yaml_file
+
     path = Path(path).expanduser()
-    if path.is_dir():
-        raise RepgeomError(f"tasks file {str(path)!r} is a directory; pass the YAML/JSON tasks file")
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise RepgeomError(f"tasks file {str(path)!r} not found")
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise RepgeomError(f"tasks file {str(path)!r} is not UTF-8 text (byte {exc.start}); re-encode it as "
-                           "UTF-8") from None
-    except yaml.YAMLError as exc:
-        raise RepgeomError(f"tasks file {str(path)!r} is not valid YAML/JSON: {exc}") from None
+    doc = read_yaml_file(path, f"tasks file {str(path)!r}")
     entries = doc.get("tasks") if isinstance(doc, dict) else doc
     if not isinstance(entries, list) or not entries:
         raise RepgeomError(f"tasks file {str(path)!r} must hold a list of tasks (a 'tasks:' list or a top-level list)")

@@ -95,16 +95,17 @@ def depth_profiles_figure(rows: Sequence[dict[str, Any]], x: str = "relative", t
     line per model (and source, when several sources give the panel), a shared x axis: ``relative`` depth (0 =
     embeddings, 1 = the deepest position) or the ``layer`` index (depth). Rows without a depth are left out.
     Legends sit outside the axes, so that no line is hidden."""
-    from repgeom_eval.output.results_table import model_label
+    from repgeom_eval.output.results_table import column_labels, identity
 
     key = "relative_depth" if x == "relative" else "depth"
+    names = column_labels(rows)  # one line per model and recipe, as the table has one column each
     panels: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
     for r in rows:
         if r.get(key) is None or r.get("value") is None:
             continue
         split = f" {r['split']}" if r.get("split") else ""
         panel = panels.setdefault((r["metric"], f"{r['task']}{split}"), {})
-        line = model_label(r) + (f" ({r['recipe']})" if r.get("recipe") else "")
+        line = names[identity(r)]
         panel.setdefault(f"{line} [{r['source']}]", []).append((float(r[key]), float(r["value"])))
     if not panels:
         raise RepgeomError("nothing to plot: no result has a layer depth (lm-eval values at an unknown layer, or "

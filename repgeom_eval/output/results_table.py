@@ -34,6 +34,7 @@ COLUMNS = ("model", "revision", "source", "path", "task", "split", "subset", "re
            "relative_depth", "kind", "metric", "value", "stderr")
 SOURCES = ("measure", "lm-eval", "mteb")
 _MTEB_SKIP = {"repgeom_n_texts", "repgeom_depth", "repgeom_main_score_name", "repgeom_metrics"}
+_NOT_RECIPE = {"layer", "model", "device", "name", "revision"}  # loader keys that are no part of the embedding recipe
 _SUBLAYER = {"resid_pre": 0.0, "attn_out": 0.5, "resid_mid": 0.5, "mlp_in": 0.5, "mlp_out": 1.0, "resid_post": 1.0}
 
 
@@ -88,23 +89,37 @@ def is_lmeval(doc: Any) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("results"), dict) and isinstance(doc.get("configs"), dict)
 
 
+def _value(v: Any) -> float | None:
+    """A result value: a number, or NaN for ``null`` (results files write NaN as null), else None (not a value)."""
+    return math.nan if v is None else _number(v)
+
+
+def measure_recipe(config: dict[str, Any]) -> str:
+    """What besides the model changes a measure result's numbers: pooling (``default``: each metric's own), dtype,
+    preprocessing."""
+    prep = config.get("preprocess")
+    method = prep.get("method") if isinstance(prep, dict) else prep
+    return f"pooling={config.get('pooling') or 'default'},dtype={config.get('dtype')},preprocess={method or 'none'}"
+
+
 def measure_rows(doc: dict[str, Any], path: str) -> list[dict[str, Any]]:
     model = doc.get("model") or {}
     n_layers = model.get("n_layers")
     task = Path(str((doc.get("data") or {}).get("path") or "texts")).name
+    recipe = measure_recipe(doc.get("config") or {})
     rows = []
     for address, per_metric in doc["results"].items():
         depth = address_depth(address, n_layers)
         values: dict[str, float] = {}
         for metric, v in (per_metric or {}).items():
             if isinstance(v, dict):
-                values.update({f"{metric}.{k}": _number(x) for k, x in v.items() if _number(x) is not None})
-            elif _number(v) is not None:
-                values[metric] = _number(v)
+                values.update({f"{metric}.{k}": _value(x) for k, x in v.items() if _value(x) is not None})
+            elif _value(v) is not None:
+                values[metric] = _value(v)
         for metric, value in values.items():
             rows.append({"model": str(model.get("name", "?")), "revision": model.get("revision"),
-                         "source": "measure", "path": path, "task": task, "address": address, "depth": depth,
-                         "relative_depth": depth / n_layers if depth is not None and n_layers else None,
+                         "source": "measure", "path": path, "task": task, "recipe": recipe, "address": address,
+                         "depth": depth, "relative_depth": depth / n_layers if depth is not None and n_layers else None,
                          "kind": "geometry", "metric": metric, "value": value})
     return rows
 
@@ -153,10 +168,13 @@ def mteb_rows(folder: Path) -> list[dict[str, Any]]:
     rows = []
     for meta_file in sorted(folder.rglob("model_meta.json")):
         meta = _read_json(meta_file)
-        exp = (meta.get("experiment_kwargs") or {}) if isinstance(meta, dict) else {}
+        if not isinstance(meta, dict):
+            continue
+        # the layer and recipe: in loader_kwargs since the one-model-per-layer layout, in experiment_kwargs before
+        exp = {**(meta.get("loader_kwargs") or {}), **(meta.get("experiment_kwargs") or {})}
         if "layer" not in exp:
             continue
-        recipe = ",".join(f"{k}={exp[k]}" for k in sorted(exp) if k != "layer")
+        recipe = ",".join(f"{k}={exp[k]}" for k in sorted(exp) if k not in _NOT_RECIPE)
         for result_file in sorted(meta_file.parent.glob("*.json")):
             if result_file.name == "model_meta.json":
                 continue
@@ -169,7 +187,7 @@ def mteb_rows(folder: Path) -> list[dict[str, Any]]:
                     depth = _number(scores.get("repgeom_depth"))
                     if depth is None:
                         depth = address_depth(exp["layer"])
-                    base = {"model": str(meta.get("name", "?")), "revision": meta.get("revision"),
+                    base = {"model": str(meta.get("name", "?")).partition("@")[0], "revision": meta.get("revision"),
                             "source": "mteb", "path": str(result_file), "task": task, "split": split,
                             "subset": scores.get("hf_subset"), "recipe": recipe, "address": str(exp["layer"]),
                             "depth": depth}
@@ -290,19 +308,60 @@ def _sort_depth(value: Any) -> float:
     return math.inf if value is None else float(value)
 
 
+def identity(row: dict[str, Any]) -> tuple[str, str, str]:
+    """What a column of the comparison stands for: the model (its path or hub id), its revision or content hash,
+    and the recipe (pooling, dtype, preprocessing; MTEB's pooling and normalisation)."""
+    return str(row["model"]), str(row.get("revision") or ""), str(row.get("recipe") or "")
+
+
+def column_labels(rows: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], str]:
+    """A distinct label for every :func:`identity`: the model's short name (:func:`model_label`), made longer with
+    its parent folders where two models share it (``a/gpt2``, ``b/gpt2``), and with the recipe where one model was
+    measured two ways (``gpt2 [pooling=mean,...]``)."""
+    ids = list(dict.fromkeys(identity(r) for r in rows))
+    label = {i: model_label({"model": i[0], "revision": i[1]}) for i in ids}
+    for depth in range(2, 64):
+        by_label: dict[str, set[str]] = {}
+        for i in ids:
+            by_label.setdefault(label[i], set()).add(i[0])
+        clash = {m for names in by_label.values() if len(names) > 1 for m in names}
+        if not clash:
+            break
+        for i in ids:
+            if i[0] in clash:
+                parts = i[0].removeprefix("local/").rstrip("/").split("/")
+                label[i] = "/".join(parts[-depth:]) + (f"@{i[1][:12]}" if i[1] else "")
+    counts: dict[str, int] = {}
+    for i in ids:
+        counts[label[i]] = counts.get(label[i], 0) + 1
+    for i in ids:
+        if counts[label[i]] > 1 and i[2]:
+            label[i] = f"{label[i]} [{i[2]}]"
+    return label
+
+
 def wide(rows: Iterable[dict[str, Any]]) -> tuple[list[str], list[tuple[tuple, dict[str, float]]]]:
-    """The comparison table: one column per model, one row per (source, task, split, metric, address) in depth
-    order (relative depth where known, so that ``final`` comes last for every model); returns (model labels,
-    [(row key, {label: value})])."""
+    """The comparison table: one column per model and recipe (:func:`column_labels`), one row per (source, task,
+    split, metric, address) in depth order (relative depth where known, so that ``final`` comes last for every model);
+    returns (column labels, [(row key, {label: value})]). Two results of one model and recipe that give the same row
+    from different files are refused in one line: one of them would hide the other."""
+    rows = list(rows)
+    names = column_labels(rows)
     labels: list[str] = []
     table: dict[tuple, dict[str, float]] = {}
+    origin: dict[tuple, str] = {}
     depth: dict[tuple, Any] = {}
     for r in rows:
-        label = model_label(r)
+        label = names[identity(r)]
         if label not in labels:
             labels.append(label)
-        key = (r["source"], r["task"], r["split"] or "", r["recipe"] or "", r["metric"], r["address"] or "")
+        key = (r["source"], r["task"], r["split"] or "", r["subset"] or "", r["metric"], r["address"] or "")
+        if label in table.get(key, {}) and origin[key + (label,)] != r["path"] and r["source"] == "measure":
+            raise RepgeomError(f"{origin[key + (label,)]} and {r['path']} both give {r['metric']} at {r['address']} "
+                               f"of {label} on {r['task']}: the same model and recipe twice; compare them "
+                               "separately, or measure them under different data file names")
         table.setdefault(key, {})[label] = r["value"]
+        origin[key + (label,)] = r["path"]
         at = r["relative_depth"] if r["relative_depth"] is not None else r["depth"]  # models of different depth
         if at is not None and (depth.get(key) is None or at < depth[key]):
             depth[key] = at

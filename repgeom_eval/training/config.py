@@ -37,6 +37,7 @@ from typing import Any
 from repgeom_eval.analyses.configs import GapConfig
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.option_fields import excerpt, parse_yaml, read_yaml_file
 from repgeom_eval.training.settings import (NON_EMPTY_STRING, ConfigError, Must, check, check_types, config_block,
                                             from_mapping, help_of, integer_at_least, is_integer, is_number, setting)
 
@@ -54,6 +55,14 @@ FILE_PATH = Must("a file path", lambda v: isinstance(v, str) and bool(v.strip())
 
 def _frozen_mapping(value: Any) -> Any:
     return MappingProxyType(dict(value)) if isinstance(value, Mapping) else value
+
+
+def _training_arguments(value: Any) -> Any:
+    """The ``training`` mapping, with YAML 1.1's ``no`` (read as false) given back as the string ``"no"`` where
+    TrainingArguments wants one: ``save_strategy: no``, ``eval_strategy: no`` ..."""
+    if isinstance(value, Mapping):
+        value = {k: "no" if str(k).endswith("_strategy") and value[k] is False else value[k] for k in value}
+    return _frozen_mapping(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +246,7 @@ class TrainConfig:
                                          lambda v: isinstance(v, tuple) and all(isinstance(a, Mapping) for a in v)),
         then=("plugins", "objective"))
     training: Mapping[str, Any] = setting(
-        default_factory=dict, normalise=_frozen_mapping,
+        default_factory=dict, normalise=_training_arguments,
         help="transformers.TrainingArguments fields: max_steps (or num_train_epochs) and any other")
     evaluate_at: tuple[int, ...] = setting(
         (), help="steps at which each domain's evaluation perplexity is measured (and at the end)", normalise=_steps,
@@ -318,8 +327,6 @@ class TrainConfig:
 
 def set_dotted(raw: dict[str, Any], assignment: str) -> None:
     """Apply one ``--set a.b.c=VALUE`` override (VALUE parsed as YAML) to a config mapping."""
-    import yaml
-
     key, sep, text = assignment.partition("=")
     if not sep or not key.strip():
         raise RepgeomError(f"--set expects KEY=VALUE (e.g. training.max_steps=100), got {assignment!r}")
@@ -332,39 +339,27 @@ def set_dotted(raw: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise RepgeomError(f"--set {assignment!r}: {part!r} is not a mapping in the config")
         node = child
-    try:
-        node[parts[-1]] = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RepgeomError(f"--set {assignment!r}: the value is not valid YAML ({exc})") from None
+    node[parts[-1]] = parse_yaml(text, f"--set {excerpt(assignment)}")
 
 
 def read_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """Read and check a training config file; ``overrides`` are ``a.b=VALUE`` strings applied first."""
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise RepgeomError(f"training config {str(path)!r} " + ("is a directory" if p.is_dir() else "does not exist"))
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise RepgeomError(f"training config {str(path)!r} is not valid YAML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise RepgeomError(f"training config {str(path)!r} is not valid UTF-8 (byte {exc.start})") from None
+    raw = read_yaml_file(path, f"training config {str(path)!r}")
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
-        raise RepgeomError(f"training config {str(path)!r} must be a mapping, got {type(raw).__name__}: {raw!r}")
+        raise RepgeomError(f"training config {str(path)!r} must be a mapping, got {type(raw).__name__}: "
+                           f"{excerpt(raw)}")
     if isinstance(raw.get("model"), str) and any(a.startswith("model.") for a in overrides):
         raw["model"] = {"name": raw["model"]}  # --set model.revision=v1 on `model: NAME`
     for assignment in overrides:
         set_dotted(raw, assignment)
-    return parse_config(raw, p.resolve().parent, where=str(path))
+    return parse_config(raw, Path(path).expanduser().resolve().parent, where=str(path))
 
 
 def parse_config(raw: Mapping[str, Any], base_dir: str | Path = ".", where: str = "training config") -> TrainConfig:
     """Check a config mapping (see the module docstring); relative paths are taken from ``base_dir``."""
     if not isinstance(raw, Mapping):
-        raise RepgeomError(f"{where} must be a mapping, got {type(raw).__name__}: {raw!r}")
+        raise RepgeomError(f"{where} must be a mapping, got {type(raw).__name__}: {excerpt(raw)}")
     try:
         cfg = from_mapping(TrainConfig, copy.deepcopy(dict(raw)))
     except ConfigError as exc:

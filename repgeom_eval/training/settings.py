@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.option_fields import option
+from repgeom_eval.option_fields import excerpt, option
 
 
 class ConfigError(RepgeomError):
@@ -91,7 +91,7 @@ def from_mapping(cls: type, mapping: Any, handled: Sequence[str] = ()) -> Any:
     A group with ``OTHER_KEYS = "name"`` collects the keys it does not declare into that field (e.g. the GPT-2
     config keys of ``from_scratch``) instead of refusing them."""
     if not isinstance(mapping, Mapping):
-        raise ConfigError(f"must be a mapping, got {type(mapping).__name__}: {mapping!r}")
+        raise ConfigError(f"must be a mapping, got {type(mapping).__name__}: {excerpt(mapping)}")
     keys = file_keys(cls)
     other_field = getattr(cls, "OTHER_KEYS", None)
     values: dict[str, Any] = {}
@@ -135,7 +135,7 @@ def check(group: Any) -> None:
         must = f.metadata.get("must")
         if not (must.holds(value) if must is not None else conforms(value, hints[f.name])):
             says = must.says if must is not None else describe(hints[f.name])
-            raise ConfigError(f"must be {says}, got {given!r}", f.name)
+            raise ConfigError(f"must be {says}, got {excerpt(given)}", f.name)
 
 
 def check_types(group: Any) -> None:
