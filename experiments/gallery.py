@@ -356,13 +356,26 @@ def regenerated(doc: dict[str, Any], summary: Sequence[str], tables: Sequence[di
             "(the run itself is not repeated; its commands and seconds are those below).")
     new_notes = [note, *notes]
     out["summary"] = list(summary)
-    out["tables"] = base_tables + [dict(t) for t in tables]
+    out["tables"] = base_tables + [stable(dict(t)) for t in tables]
     out["notes"] = base_notes + new_notes
     if figures is not None:
         out["figures"] = [dict(f) for f in figures]
-    out["data"]["intervals"] = intervals
+    out["data"]["intervals"] = stable(intervals)
     out["data"]["from_raw"] = {"command": command, "tables": [t["title"] for t in tables], "notes": new_notes}
     return out
+
+
+def stable(value: Any, digits: int = 12) -> Any:
+    """Computed numbers kept to ``digits`` significant digits: a sum taken in another order (another numpy build)
+    moves the last bits of a correlation, and the committed results must not depend on that (tests/test_experiments
+    recomputes them byte for byte)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if value == value and abs(value) != float("inf") else value
+    if isinstance(value, dict):
+        return {k: stable(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(stable(v, digits) for v in value)
+    return value
 
 
 def from_raw(name: str, summarize: Any, draw: Any = None, argv: Sequence[str] | None = None) -> Path:
