@@ -64,6 +64,15 @@ def disabled_by_flags(argv: Sequence[str]) -> list[str]:
     return names
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with its errors in the one-line form of every other error (no usage block first)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        where = self.prog.removeprefix("repgeom").strip()
+        self.exit(2, f"repgeom: error: {where + ': ' if where else ''}{message} (`{self.prog} --help` lists the "
+                     "options)\n")
+
+
 class _CommandParsers(argparse._SubParsersAction):
     """The ``COMMAND`` positional: every command's parser exists (``repgeom --help`` lists them with their help
     lines), but a command's options are added, by its ``configure``, only when that command is the one parsed.
@@ -104,7 +113,7 @@ class _CommandParsers(argparse._SubParsersAction):
 def build_parser(host) -> argparse.ArgumentParser:
     """The ``repgeom`` parser. Each command's options are added when that command is parsed; call
     ``command_parser(parser, name)`` to get one command's complete parser without parsing."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="repgeom",
         description="Representation-geometry metrics for language models (dispersion, entropy, ...).",
         epilog="Run `repgeom COMMAND --help` for a command's options; `repgeom plugins` lists installed plugins.",

@@ -176,8 +176,11 @@ def _sts(metadata: TaskMetadata, data: dict, options: dict):
         self.dataset = DatasetDict({split: Dataset.from_dict(table)})
         self.data_loaded = True
 
-    attrs = {"metadata": metadata, "load_data": load_data, "min_score": options.get("min_score", min(scores)),
-             "max_score": options.get("max_score", max(scores))}
+    low, high = options.get("min_score", min(scores)), options.get("max_score", max(scores))
+    if not float(low) < float(high):  # mteb divides by max_score - min_score
+        raise RepgeomError(f"task {metadata.name!r}: its scores span nothing (min_score {low}, max_score {high}); an "
+                           "STS task needs pairs of different similarity, or min_score < max_score")
+    attrs = {"metadata": metadata, "load_data": load_data, "min_score": low, "max_score": high}
     return type(metadata.name, (AbsTaskSTS,), attrs)()
 
 
