@@ -7,13 +7,22 @@ export HF_HUB_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS = 1
 
-.PHONY: test demo venv bench clean reproduce-smoke any-model
+.PHONY: test test-min demo venv bench clean reproduce-smoke any-model
 
 venv:
 	bash scripts/bootstrap.sh dev
 
 test: venv
 	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+test-min:  # the core tests on the lowest versions pyproject declares (constraints/floors.txt), in .venv-min
+	test -x .venv-min/bin/python || python3 -m venv .venv-min
+	.venv-min/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -c constraints/floors.txt \
+		transformers tokenizers numpy safetensors pluggy pyyaml rich tqdm pytest pytest-xdist scipy
+	.venv-min/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	.venv-min/bin/python -m pytest -n 2 -p no:cacheprovider $(PYTEST_ARGS) tests/test_dispersion_math.py \
+		tests/test_invariance.py tests/test_capture.py tests/test_addresses.py tests/test_model_loading.py \
+		tests/test_discovery.py
 
 reproduce-smoke: venv  # every gallery experiment at a tiny size (experiments/README.md)
 	$(VENV)/bin/python -m pytest -n 2 --dist load -m "reproduce or not reproduce" tests/test_experiments.py $(PYTEST_ARGS)

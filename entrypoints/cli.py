@@ -13,7 +13,6 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 
-from repgeom_eval import __version__
 from repgeom_eval.errors import RepgeomError
 
 
@@ -118,7 +117,9 @@ def build_parser(host) -> argparse.ArgumentParser:
         description="Representation-geometry metrics for language models (dispersion, entropy, ...).",
         epilog="Run `repgeom COMMAND --help` for a command's options; `repgeom plugins` lists installed plugins.",
     )
-    parser.add_argument("--version", action="version", version=f"repgeom-eval {__version__}")
+    from repgeom_eval.output.versions import version_line
+
+    parser.add_argument("--version", action="version", version=version_line())
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     parser.add_argument("-p", dest="disabled_plugins", action="append", type=_plugin_switch, default=[],
                         metavar="no:NAME", help="switch plugin NAME off for this command, without uninstalling it "

@@ -11,7 +11,7 @@ Everything a plugin author or a user imports is a name of this package (``__all_
 tests/test_public_api.py); the modules behind it may move, the names here do not.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # What a plugin module imports at its top. All of it is light (no torch, no transformers: the metric API binds torch
 # lazily), so that `repgeom --help` and `repgeom plugins` can import every plugin cheaply; tests/test_startup.py checks.
@@ -22,9 +22,6 @@ from .errors import (ParameterError, PluginError, RepgeomError, UnknownNameError
                      is_count, is_real)
 from .metric import Consumes, LayerBatch, Metric  # noqa: E402
 from .plugin_system.kinds import Command  # noqa: E402
-from . import moved as _moved  # noqa: E402  (old module paths keep working for one release, with a warning)
-
-_moved.install()
 
 # Heavy pieces (torch, transformers) load on first access, so `import repgeom_eval` in a plugin stays cheap.
 _LAZY = {
@@ -51,8 +48,6 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "SiteHook":  # the architecture tables' earlier name for HookPoint
-        return _moved.moved_names(__name__, {name: "repgeom_eval.modeling.hook_point:HookPoint"})(name)
     raise AttributeError(f"module 'repgeom_eval' has no attribute {name!r}")
 
 

@@ -314,36 +314,12 @@ def test_importing_the_interface_loads_no_plugin_host_and_no_torch():
     assert not [m for m in loaded if m == "torch" or m.startswith("torch.")]
 
 
-def test_the_old_import_path_still_works_with_a_deprecation_warning():
-    import importlib
+def test_the_training_package_names_load_without_a_warning():
     import warnings
 
-    from repgeom_eval.training import auxloss
-
-    sys.modules.pop("repgeom_eval.auxloss", None)
-    with pytest.warns(DeprecationWarning, match=r"repgeom_eval\.auxloss moved to repgeom_eval\.training\.auxloss") \
-            as caught:
-        from repgeom_eval.auxloss import AuxLoss as Old, build_aux_loss as old_build, parse_addresses as old_parse
-    assert caught[0].filename == __file__  # the warning points at the import, not at the import machinery
-    assert (Old, old_build, old_parse) == (auxloss.AuxLoss, auxloss.build_aux_loss, auxloss.parse_request)
-    assert auxloss.__spec__.name == "repgeom_eval.training.auxloss"
-    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
-        importlib.import_module("repgeom_eval.auxloss").Nope  # noqa: B018
-    # the training package's own names load their module, without a warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from repgeom_eval.training import AuxLoss as New, AuxLossTrainer, build_aux_loss as build, pack_blocks, train
 
     assert New is AuxLoss and build is build_aux_loss and callable(train) and callable(pack_blocks)
     assert AuxLossTrainer.__module__ == "repgeom_eval.training.trainer"
-
-
-def test_names_that_left_the_run_module_warn_where_they_are_imported():
-    from repgeom_eval.training import config, data, model
-
-    moved = {"pack_blocks": data, "split_texts": data, "parse_config": config, "read_config": config,
-             "set_dotted": config, "build_model": model, "train_tokenizer": model}
-    for name, home in moved.items():
-        with pytest.warns(DeprecationWarning, match=f"loop.{name} has moved: import it from {home.__name__}"):
-            exec(f"from repgeom_eval.training.loop import {name} as found", namespace := {})
-        assert namespace["found"] is getattr(home, name)

@@ -110,7 +110,18 @@ def test_bare_indices_equal_the_models_own_hidden_states(tiny, model_type):
     """Whatever the model's hidden_states hold (Mamba's start after block 0; XLNet has no block modules), a bare
     index reads exactly hidden_states[k]: padded batch through Forward vs each text alone through the model."""
     kind = "encoder" if model_type == "t5" else "causal"
-    loaded = load_model(tiny(model_type, kind))
+    path = tiny(model_type, kind)
+    try:
+        loaded = load_model(path)
+    except RepgeomError as exc:  # measured right or refused in one line: refused only where the model cannot run
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        own = (AutoModel if kind == "encoder" else AutoModelForCausalLM).from_pretrained(path)
+        ids = torch.tensor([[11, 12, 13, 14]])
+        with pytest.raises(Exception):  # noqa: B017 - whatever the model's own code raises
+            own(input_ids=ids)
+        assert "\n" not in str(exc)
+        return
     n = len(loaded.layout.hidden_states)
     plan = resolve_request([str(k) for k in range(n)], loaded)
     with warnings.catch_warnings():
@@ -195,9 +206,11 @@ def test_a_missing_lm_head_is_refused_only_where_logits_are_needed(tiny_model_di
     save_file({k: v for k, v in weights.items() if k != "embed_out.weight"}, tmp_path / "model.safetensors",
               metadata={"format": "pt"})
     loaded = load_model(str(tmp_path))
-    assert loaded.info.unused_random_tensors == ["lm_head.weight"]  # transformers 5 renames embed_out on load
+    head = next(n for n, p in loaded.model.named_parameters()  # lm_head.weight since transformers 5.x renamed it
+                if p is loaded.model.get_output_embeddings().weight)
+    assert loaded.info.unused_random_tensors == [head]
     rg.measure(loaded, TEXTS, layers="final", metrics=["dispersion"], progress=False)
-    with pytest.raises(RepgeomError, match="lacks the tensors lm_head.weight"):
+    with pytest.raises(RepgeomError, match=f"lacks the tensors {head}"):
         loaded.check_logits("ppl-bins")
 
 

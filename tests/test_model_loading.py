@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.modeling.loading import LoadingPolicy, load_model
+from repgeom_eval.modeling.loading import load_model
+from repgeom_eval.modeling.options import ModelOptions
 
 
 def _variant(src: Path, dst: Path, tensors=None, config=None) -> Path:
@@ -59,7 +60,7 @@ def test_random_initialisation_only_on_request_and_recorded(tiny_model_dir, tmp_
     tensors, config, _ = BROKEN["missing block"]
     bad = _variant(Path(tiny_model_dir("llama")), tmp_path / "bad", tensors, config)
     with pytest.warns(UserWarning, match="keep their random initialisation"):
-        loaded = load_model(str(bad), policy=LoadingPolicy(allow_random_init=True))
+        loaded = load_model(str(bad), options=ModelOptions(allow_random_init=True))
     assert "model.layers.1.mlp.up_proj.weight" in loaded.info.to_dict()["random_init_tensors"]
     data = tmp_path / "texts.txt"
     data.write_text("\n".join(texts[:4]) + "\n")
@@ -104,7 +105,7 @@ def test_remote_code_runs_with_the_flag(tiny_model_dir, tmp_path, texts):
         load_model(str(model))
     assert not marker.exists()
     # with the flag the model's code runs, and its layers are found by reading its modules (no table needed)
-    loaded = load_model(str(model), policy=LoadingPolicy(trust_remote_code=True))
+    loaded = load_model(str(model), options=ModelOptions(trust_remote_code=True))
     assert marker.exists()
     assert loaded.info.model_type == "repgeom_custom" and loaded.layout.table is None
     assert loaded.layout.blocks == "model.layers" and loaded.layout.final.point.module_name == "model.norm"

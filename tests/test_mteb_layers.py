@@ -369,7 +369,9 @@ def test_tasks_file_round_trip_and_errors(tmp_path):
     check("tasks: [{name: A, type: STS}]", "needs 'data'")
     check("tasks: [{name: A, type: STS, data: d.jsonl, colour: red}]", "unknown key")
     check("tasks: [{name: A, type: STS, data: d.jsonl}, {name: A, type: STS, data: d.jsonl}]", "more than once",
-          '{"sentence1": "a", "sentence2": "b", "score": 1}\n')
+          '{"sentence1": "a", "sentence2": "b", "score": 1}\n{"sentence1": "c", "sentence2": "d", "score": 3}\n')
+    check("tasks: [{name: A, type: STS, data: d.jsonl}]", "scores span nothing",
+          '{"sentence1": "a", "sentence2": "b", "score": 1}\n{"sentence1": "c", "sentence2": "d", "score": 1}\n')
     (tmp_path / "q.jsonl").write_text('{"query_id": "1", "doc_id": "zz"}\n')
     (tmp_path / "d.jsonl").write_text('{"id": "1", "text": "t"}\n')
     check("tasks: [{name: R, type: Retrieval, corpus: d.jsonl, queries: d.jsonl, qrels: q.jsonl}]",

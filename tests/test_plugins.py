@@ -331,8 +331,8 @@ def test_cli_switches_plugins_off_with_p_no(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == ("repgeom: error: -p condensation: expected no:NAME (switch plugin NAME off), got "
                    "'condensation'\n")
-    assert main(["-p", "no:commands"]) == 0  # every built-in command is off: only the help is left
-    assert "measure" not in capsys.readouterr().out
+    assert main(["-p", "no:commands"]) == 2  # every built-in command is off: say so, and how to get them back
+    assert "drop -p no:commands" in capsys.readouterr().err
 
 
 def test_the_version_recorded_is_the_code_that_runs_and_compatible_releases_keep_saved_runs():

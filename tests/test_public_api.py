@@ -1,5 +1,5 @@
-"""The public API: the names plugin authors and users import from ``repgeom_eval`` itself, pinned; old module paths
-keep working for one release, with a warning naming the new one."""
+"""The public API: the names plugin authors and users import from ``repgeom_eval`` itself, pinned. No moved-name
+layer: no release carried the earlier module paths (CHANGELOG.md, 0.2.0)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import warnings
 import pytest
 
 import repgeom_eval
-from repgeom_eval.moved import MOVED
 
 PUBLIC = {
     "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "HookPoint", "pre_ln_decoder",
@@ -38,15 +37,12 @@ def test_what_a_plugin_imports_first_is_light():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_warns_and_gives_the_module_where_it_lives(old):
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED[old])
-    assert any(issubclass(w.category, DeprecationWarning) and MOVED[old] in str(w.message) for w in caught)
-    sys.modules.pop(old, None)
+@pytest.mark.parametrize("old", ["repgeom_eval.auxloss", "repgeom_eval.models", "repgeom_eval.capture",
+                                 "repgeom_eval.moved"])
+def test_earlier_module_paths_are_gone_and_nothing_hooks_imports(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("repgeom_eval")]
 
 
 def test_names_moved_to_the_package_root_are_the_same_objects():

@@ -11,10 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from repgeom_eval.modeling.hook_point import HookPoint
-from repgeom_eval.moved import moved_names
-
-# SiteHook was the tables' own name for a hook point (README, "Python API": moved names)
-__getattr__ = moved_names(__name__, {"SiteHook": "repgeom_eval.modeling.hook_point:HookPoint"})
 
 SITES = ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post")
 

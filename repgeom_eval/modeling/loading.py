@@ -19,9 +19,9 @@ from repgeom_eval.modeling.gguf_cache import convert_gguf, gguf_cache_dir, quiet
 from repgeom_eval.modeling.adapters import adapter_base, apply_adapter
 from repgeom_eval.modeling.layout import Layout
 from repgeom_eval.modeling.weights_check import check_loading_report, check_safetensors
-from repgeom_eval.modeling.options import LoadingPolicy, ModelOptions
+from repgeom_eval.modeling.options import ModelOptions
 
-__all__ = ["LoadedModel", "LoadingPolicy", "ModelInfo", "ModelOptions", "auto_class", "load_model", "loading_policy",
+__all__ = ["LoadedModel", "ModelInfo", "ModelOptions", "auto_class", "load_model", "loading_policy",
            "locate_model", "model_files", "use_model_options", "wrap_model"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,7 +101,6 @@ def use_model_options(options: ModelOptions) -> Iterator[ModelOptions]:
         _POLICY.pop()
 
 
-use_loading_policy = use_model_options  # the earlier name
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -181,16 +180,15 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
     host: Any = None,
-    policy: ModelOptions | None = None,
     *,
     options: ModelOptions | None = None,
 ) -> LoadedModel:
     """Load model + tokenizer, find and check its layers (:mod:`~repgeom_eval.modeling.discovery`), put the model in
     eval mode on its device.
 
-    ``options`` (a :class:`~repgeom_eval.modeling.options.ModelOptions`; ``policy`` is its earlier name; default: the
-    options in force, :func:`loading_policy`) say how: revision, dtype, device or device map, remote code, random
-    initialisation, a PEFT adapter, quantization; ``dtype`` and ``device``, when given, take precedence.
+    ``options`` (a :class:`~repgeom_eval.modeling.options.ModelOptions`; default: the options in force,
+    :func:`loading_policy`) say how: revision, dtype, device or device map, remote code, random initialisation, a
+    PEFT adapter, quantization, other ``from_pretrained`` keywords; ``dtype`` and ``device``, when given, win.
 
     The checkpoint is measured as saved or refused: tensors that the measured hidden states read but the files lack,
     tensors the files hold in the modules those states come from but the architecture has no place for, and tensors
@@ -204,8 +202,7 @@ def load_model(
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
-    opts = (options or policy or loading_policy()).replace(dtype=dtype, device=device)
-    policy = opts
+    opts = (options or loading_policy()).replace(dtype=dtype, device=device)
     dev = resolve_device(opts.device)
     torch_dtype = resolve_dtype(opts.dtype, dev)
     target, extra, source = locate_model(name)
@@ -281,7 +278,7 @@ def load_model(
                            "\"pad_token\": \"<pad>\")")
     check_tokenizer(tokenizer, name)
     loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
-    random_init, unused = check_loading_report(name, report, policy, model, loaded.layout)
+    random_init, unused = check_loading_report(name, report, opts, model, loaded.layout)
     loaded.info.random_init_tensors = random_init
     loaded.info.unused_random_tensors = unused
     loaded.info.options = opts.non_default()

@@ -139,6 +139,3 @@ class ModelOptions(Options):
                 out[f.name] = dict(value) if isinstance(value, Mapping) else value
         return out
 
-
-#: The earlier name of the two loading flags, kept for plugins that import it.
-LoadingPolicy = ModelOptions

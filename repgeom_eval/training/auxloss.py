@@ -21,14 +21,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from repgeom_eval.errors import RepgeomError
-from repgeom_eval.moved import moved_names
 from repgeom_eval.plugin_system.lazy import lazy
 
 # Imported on first use: the aux-loss plugin subclasses AuxLoss while `repgeom plugins` runs, which needs no torch.
 torch = lazy("torch")
 parse_request = lazy("repgeom_eval.modeling.addresses:parse_request")
 # the earlier name of parse_request, with the same arguments (README, "Python API": moved names)
-__getattr__ = moved_names(__name__, {"parse_addresses": "repgeom_eval.modeling.addresses:parse_request"})
 
 if TYPE_CHECKING:  # pragma: no cover
     from repgeom_eval.modeling.addresses import Address

@@ -19,16 +19,8 @@ from repgeom_eval.errors import RepgeomError
 from repgeom_eval.output.files import write_json
 from repgeom_eval.output.progress import mode_of, progress_bar
 from repgeom_eval.training.config import GEOMETRY_FILE, TRAINING_DEFAULTS, TrainConfig
-from repgeom_eval.moved import moved_names
 from repgeom_eval.training.results import TrainResult
 
-# Names that lived here before the run was split into its rooms (README, "Training with auxiliary losses").
-__getattr__ = moved_names(__name__, {
-    "parse_config": "repgeom_eval.training.config", "read_config": "repgeom_eval.training.config",
-    "set_dotted": "repgeom_eval.training.config", "pack_blocks": "repgeom_eval.training.data",
-    "split_texts": "repgeom_eval.training.data", "build_model": "repgeom_eval.training.model",
-    "train_tokenizer": "repgeom_eval.training.model", "EOS": "repgeom_eval.training.model",
-})
 
 
 def train(cfg: TrainConfig, progress: bool = True, host: Any = None, overwrite: bool = False) -> TrainResult:
