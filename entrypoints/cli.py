@@ -168,10 +168,14 @@ def _main(argv: Sequence[str] | None) -> int:
         host = get_host()
         if not host.commands.names():
             off = disabled_from_env()
-            raise RepgeomError("no command is available: " + (
-                f"the plugins switched off ({', '.join(off)}) include the one that provides them; drop "
-                + " ".join(f"-p no:{n}" for n in off) if off else "no installed plugin provides any (reinstall "
-                "repgeom-eval)"))
+            if "commands" in off:  # the built-in plugin that registers every command
+                why = "the built-in plugin 'commands' that provides them is switched off; drop -p no:commands " \
+                      "(or take it out of REPGEOM_DISABLE_PLUGINS)"
+            elif off:
+                why = f"the plugins switched off ({', '.join(off)}) include the one that provides them"
+            else:
+                why = "no installed plugin provides any (reinstall repgeom-eval)"
+            raise RepgeomError(f"no command is available: {why}")
         parser = build_parser(host)
         args = parser.parse_args(args_list)
         if not getattr(args, "_run", None):
