@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE = 1
 export HF_DATASETS_OFFLINE = 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS = 1
 
-.PHONY: test test-min demo venv bench clean reproduce-smoke any-model
+.PHONY: test test-min check-install demo venv bench clean reproduce-smoke any-model
 
 venv:
 	bash scripts/bootstrap.sh dev
@@ -23,6 +23,9 @@ test-min:  # the core tests on the lowest versions pyproject declares (constrain
 	.venv-min/bin/python -m pytest -n 2 -p no:cacheprovider $(PYTEST_ARGS) tests/test_dispersion_math.py \
 		tests/test_invariance.py tests/test_capture.py tests/test_addresses.py tests/test_model_loading.py \
 		tests/test_discovery.py
+
+check-install: venv  # the built wheel with each extra alone, in fresh venvs (scripts/check_install.py)
+	$(VENV)/bin/python scripts/check_install.py $(if $(EXTRAS),--extras $(EXTRAS),)
 
 reproduce-smoke: venv  # every gallery experiment at a tiny size (experiments/README.md)
 	$(VENV)/bin/python -m pytest -n 2 --dist load -m "reproduce or not reproduce" tests/test_experiments.py $(PYTEST_ARGS)

@@ -7,14 +7,15 @@ and float16 and measured through
 * ``measure``: ``dispersion`` and ``token_dispersion`` (mean pooling) at every hidden state;
 * the MTEB sweep (what ``repgeom mteb run`` runs): ``repgeom.dispersion`` of the embeddings of a local STS task at
   every hidden state;
-* ``repgeom-hf`` (causal types): ``repgeom:dispersion@ADDRESS`` over a local lm-eval task at every hidden state.
+* ``repgeom-hf`` (causal types, SmolLM2 from its de-quantized GGUF cache folder): ``repgeom:dispersion@ADDRESS``
+  over a local lm-eval task at every hidden state.
 
 "labels equal" means the load check's layout (what each hidden_states[k] is called, where each site is read) and the
 addresses each surface reports are float32's; "max |Δ|" is the largest absolute difference from float32's value at
 the same address (docs/metrics.md#precision states 0.02 for bfloat16 and 0.005 for float16).
 
     .venv/bin/python benchmarks/precision_matrix.py              # tiny types, about 3 minutes on 2 cores
-    .venv/bin/python benchmarks/precision_matrix.py --smollm2    # and SmolLM2 (measure and the MTEB sweep)
+    .venv/bin/python benchmarks/precision_matrix.py --smollm2    # and SmolLM2 (about 5 minutes more)
 
 Writes benchmarks/results/precision_matrix.json and prints the table.
 """
@@ -133,7 +134,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smollm2", action="store_true", help="add SmolLM2-135M (measure and the MTEB sweep)")
+    parser.add_argument("--smollm2", action="store_true", help="add SmolLM2-135M")
     parser.add_argument("--types", nargs="*", default=list(TYPES), help="tiny model types (default: all twelve)")
     parser.add_argument("--no-lm-eval", action="store_true", help="skip the repgeom-hf surface")
     args = parser.parse_args()
@@ -160,8 +161,18 @@ def main() -> None:
         if args.smollm2:
             from repgeom_eval.demo import python_doc_paragraphs, smollm2_path
 
-            rows.append(row_for("SmolLM2-135M", str(smollm2_path()), "causal", task, task_dir,
-                                python_doc_paragraphs(16, max_chars=400), False))
+            from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
+            from repgeom_eval.modeling.loading import load_model
+
+            gguf = str(smollm2_path())
+            load_model(gguf)  # de-quantizes once into the GGUF cache, a plain model folder lm-eval's HFLM can read
+            folder = gguf_cache_dir(Path(gguf))
+            row = row_for("SmolLM2-135M", gguf, "causal", task, task_dir, python_doc_paragraphs(16, max_chars=400),
+                          False)
+            if not args.no_lm_eval and folder is not None:
+                row["surfaces"]["repgeom-hf"] = compare({d: surface_lm_eval(str(folder), d, task_dir)
+                                                         for d in DTYPES})
+            rows.append(row)
     doc = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU", "transformers": transformers.__version__,
            "tolerance": {"bfloat16": 0.02, "float16": 0.005}, "rows": rows}
     RESULT.parent.mkdir(exist_ok=True)
