@@ -42,6 +42,8 @@ TEXTS = ["The quick brown fox jumps over the lazy dog near the river bank today.
          "Numbers such as 3 and 4 appear here, in a sentence of middling length.", "x y z",
          "Another sentence, of ordinary words, to pad the batch out a little further."]
 RESULT = Path(__file__).parent / "results" / "precision_matrix.json"
+LM_PAIRS = [("the cat sat on", "mat"), ("dogs ran over green", "hills"), ("birds sang near old", "towns"),
+            ("a quick brown fox", "jumps"), ("numbers like three and", "four"), ("rain fell on the", "roof")]
 
 
 def signature(layout) -> tuple:
@@ -77,18 +79,6 @@ def surface_lm_eval(path: str, dtype: str, task_dir: Path) -> dict[str, float]:
                           task_manager=TaskManager(include_defaults=False, include_path=str(task_dir)))
     return {k.removesuffix(",none"): v for k, v in out["results"]["rg_precision"].items()
             if k.startswith("repgeom:dispersion@") and isinstance(v, float)}
-
-
-def write_task(folder: Path) -> Path:
-    with open(folder / "docs.jsonl", "w") as fh:
-        for q, a in [("the cat sat on", "mat"), ("dogs ran over green", "hills"), ("birds sang near old", "towns"),
-                     ("a quick brown fox", "jumps"), ("numbers like three and", "four"), ("rain fell on the", "roof")]:
-            fh.write(json.dumps({"q": q, "a": a}) + "\n")
-    (folder / "rg_precision.yaml").write_text(
-        f'task: rg_precision\noutput_type: loglikelihood\ndoc_to_text: "{{{{q}}}}"\ndoc_to_target: " {{{{a}}}}"\n'
-        f"metric_list:\n  - {{metric: acc}}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {folder / 'docs.jsonl'}\ntest_split: test\nmetadata:\n  version: 1.0\n")
-    return folder
 
 
 def compare(values: dict[str, dict[str, float]]) -> dict[str, dict]:
@@ -152,7 +142,9 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        task_dir = write_task(Path(tmp))
+        from repgeom_eval.testing import write_lm_eval_task
+
+        task_dir = write_lm_eval_task(Path(tmp) / "lm-task", "rg_precision", LM_PAIRS)
         for model_type in args.types:
             path = str(save_tiny(model_type, Path(tmp) / model_type, TYPES[model_type], realistic=True))
             rows.append(row_for(f"tiny {model_type}", path, TYPES[model_type], task, task_dir, TEXTS,

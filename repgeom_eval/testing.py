@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +253,20 @@ def write_task_data(schema: str, path: str | Path, n: int = 40, seed: int = 0, *
         for record in task_records(schema, n, seed, **kwargs):
             fh.write(json.dumps(record) + "\n")
     return path
+
+
+def write_lm_eval_task(folder: str | Path, name: str, pairs: Sequence[tuple[str, str]]) -> Path:
+    """A local lm-eval loglikelihood task ``name`` in ``folder`` (``--include_path``): one document per
+    (question, answer) pair, in a JSON-lines file beside its YAML. Returns the folder."""
+    import json
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = folder / f"{name}.jsonl"
+    docs.write_text("".join(json.dumps({"q": q, "a": a}) + "\n" for q, a in pairs), encoding="utf-8")
+    (folder / f"{name}.yaml").write_text(
+        f'task: {name}\noutput_type: loglikelihood\ndoc_to_text: "{{{{q}}}}"\ndoc_to_target: " {{{{a}}}}"\n'
+        "metric_list:\n  - {metric: acc}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {docs.resolve()}\ntest_split: test\nmetadata:\n  version: 1.0\n", encoding="utf-8")
+    return folder
+

@@ -34,6 +34,24 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def realistic(tmp_path_factory):
+    """Factory: ``realistic("t5")`` → a saved tiny model of that type with realistic norm gains and one massive
+    dimension (``repgeom_eval.tiny_models.make_realistic``), built once per session; encoder types (t5, bert,
+    roberta-prelayernorm) as encoders, the others as causal LMs."""
+    from repgeom_eval.tiny_models import save_tiny
+
+    made: dict[str, str] = {}
+
+    def get(model_type: str) -> str:
+        if model_type not in made:
+            kind = "encoder" if model_type in ("t5", "bert", "roberta-prelayernorm") else "causal"
+            made[model_type] = str(save_tiny(model_type, tmp_path_factory.mktemp(model_type), kind, realistic=True))
+        return made[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def texts():
     """Real English sentences of varied length, read at test time from Python's own documentation."""
     from pydoc_data.topics import topics

@@ -28,7 +28,6 @@ from repgeom_eval.measurement.forward import Forward, model_inputs
 from repgeom_eval.modeling.addresses import Address, available_addresses, resolve
 from repgeom_eval.modeling.discovery import discover
 from repgeom_eval.modeling.loading import load_model
-from repgeom_eval.tiny_models import save_tiny
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: |value − float32's| allowed for a cosine-distance metric (docs/metrics.md#precision)
@@ -74,19 +73,8 @@ ORACLE: dict[str, tuple[str, str, str | None, dict]] = {
                               "mlp_in": ("intermediate.dense", "in"), "mlp_out": ("output.dense", "out")}),
 }
 TYPES = list(ORACLE)
-
-
-@pytest.fixture(scope="module")
-def realistic(tmp_path_factory):
-    made: dict[str, str] = {}
-
-    def get(model_type: str) -> str:
-        if model_type not in made:
-            kind = ORACLE[model_type][0]
-            made[model_type] = str(save_tiny(model_type, tmp_path_factory.mktemp(model_type), kind, realistic=True))
-        return made[model_type]
-
-    return get
+LM_PAIRS = [("the cat sat on", "mat"), ("dogs ran over green", "hills"), ("birds sang near old", "towns"),
+            ("a quick brown fox", "jumps"), ("numbers like three and", "four"), ("rain fell on the", "roof")]
 
 
 def labels(layout) -> dict[str, object]:

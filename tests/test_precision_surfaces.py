@@ -6,7 +6,6 @@ runs the causal types: lm-eval's HF backend does not run encoders.)"""
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
@@ -14,24 +13,9 @@ import pytest
 import lm_eval  # noqa: F401  (dev extra: missing must fail, not skip)
 import mteb  # noqa: F401
 
-from test_precision_matrix import DTYPES, ORACLE, TOLERANCE, TYPES
+from test_precision_matrix import DTYPES, LM_PAIRS, ORACLE, TOLERANCE, TYPES
 
 CAUSAL = [t for t in TYPES if ORACLE[t][0] == "causal"]
-
-
-@pytest.fixture(scope="module")
-def realistic(tmp_path_factory):
-    from repgeom_eval.tiny_models import save_tiny
-
-    made: dict[str, str] = {}
-
-    def get(model_type: str) -> str:
-        if model_type not in made:
-            kind = ORACLE[model_type][0]
-            made[model_type] = str(save_tiny(model_type, tmp_path_factory.mktemp(model_type), kind, realistic=True))
-        return made[model_type]
-
-    return get
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +47,9 @@ def test_mteb_sweep_in_every_precision(realistic, sts_task, model_type):
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("precision-task")
-    with open(folder / "docs.jsonl", "w") as fh:
-        for q, a in [("the cat sat on", "mat"), ("dogs ran over green", "hills"), ("birds sang near old", "towns"),
-                     ("a quick brown fox", "jumps"), ("numbers like three and", "four"), ("rain fell on the", "roof")]:
-            fh.write(json.dumps({"q": q, "a": a}) + "\n")
-    (folder / "rg_precision.yaml").write_text(
-        f'task: rg_precision\noutput_type: loglikelihood\ndoc_to_text: "{{{{q}}}}"\ndoc_to_target: " {{{{a}}}}"\n'
-        f"metric_list:\n  - {{metric: acc}}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {folder / 'docs.jsonl'}\ntest_split: test\nmetadata:\n  version: 1.0\n")
-    return folder
+    from repgeom_eval.testing import write_lm_eval_task
+
+    return write_lm_eval_task(tmp_path_factory.mktemp("precision-task"), "rg_precision", LM_PAIRS)
 
 
 @pytest.mark.parametrize("model_type", CAUSAL)
