@@ -25,6 +25,9 @@ class MeasureCommand(ModelGroup, DataGroup, RunConfig, OutputGroup, JsonGroup):
                             "hf:json?data_files=big.jsonl); read in shards")
     per_text_path: str | None = option(None, "--per-text", metavar="OUT.jsonl", key=False, config=False,
                                        help="also write per-text scores (c_i, token dispersion) to this JSONL file")
+    dry_run: bool = option(False, "--dry-run", action="store_true", key=False, config=False,
+                           help="print the memory the run will hold (every metric state per address, per 1,000 "
+                                "texts, the device of each, the weights) from the model's config alone, and stop")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -79,6 +82,10 @@ def _example(path: str) -> str:
 def run(args: argparse.Namespace) -> int:
     cfg = MeasureCommand.from_args(args)
     runs = per_model(cfg)
+    if cfg.dry_run:
+        for one in runs:
+            dry_run(one)
+        return 0
     for one in runs:  # every check (outputs, inputs) before the first forward pass
         _check(one)
     documents = []
@@ -96,6 +103,36 @@ def run(args: argparse.Namespace) -> int:
 
         Console().print("compare them: repgeom compare " + " ".join(escape(r.output) for r in runs), soft_wrap=True)
     return 0
+
+
+def dry_run(cfg: MeasureCommand) -> None:
+    """``--dry-run``: the memory estimate of one model's run (repgeom_eval/measurement/estimate.py)."""
+    from repgeom_eval.measurement.estimate import estimate, human
+
+    config = RunConfig.of(cfg, per_text=bool(cfg.per_text_path))
+    est = estimate(cfg.model, config)
+    if cfg.json:
+        print(json.dumps(est.to_dict(), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    doc = est.to_dict()
+    table = Table(title=f"{cfg.model}: {est.model_type}, {est.n_layers} blocks × width {est.width}, {est.dtype} on "
+                        f"{est.device}; {est.n_addresses} address(es)")
+    for col in ("state", "lives on", "per address", "+ per 1,000 texts", "addresses", "total"):
+        table.add_column(col, justify="left" if col in ("state", "lives on") else "right")
+    for name, row in doc["metrics"].items():
+        table.add_row(name, row["device"], human(row["fixed_bytes_per_address"]),
+                      human(row["per_1000_texts_bytes_per_address"]), str(row["addresses"]),
+                      human(row["fixed_bytes_per_address"] * row["addresses"]))
+    console = Console()
+    console.print(table)
+    console.print(f"metric states: {human(est.state_bytes)} + {human(est.per_1000_texts_bytes)} per 1,000 texts; "
+                  f"weights: {human(est.weights_bytes)}; captured hidden states per batch: "
+                  f"{human(est.batch_hidden_bytes)}")
+    for note in est.notes:
+        console.print(f"note: {note}")
 
 
 def _check(cfg: MeasureCommand) -> None:

@@ -46,6 +46,8 @@ class Condensation(Metric):
     condensation grows with depth) and ``mean_last_n`` = mean of the last n layers' values, n = 1..L.
     """
 
+    state_device = "cpu"
+
     name = "condensation"
     consumes = Consumes.TOKENS
 

@@ -96,6 +96,8 @@ class TokenDispersion(Metric):
     skipped and counted. State: the sum of the per-text values and the count.
     """
 
+    state_device = "cpu"  # per-text values come back to the host
+
     name = "token_dispersion"
     consumes = Consumes.TOKENS
 

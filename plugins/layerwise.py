@@ -62,9 +62,11 @@ class _GramAccumulator(Metric):
     lists concatenate).
     """
 
+    state_device = "cpu"  # the rows and the Gram are kept in host memory
+
     def _init_gram_state(self) -> None:
         self.add_state("gram", torch.zeros(0, dtype=torch.float64), "sum", shape=("D", "D"))
-        self.add_state("rows", [], "cat", shape=("N", "D"))
+        self.add_state("rows", [], "cat", shape=("N", "D"), max_rows="D")  # folded into gram past D rows
         self.add_state("n", torch.zeros((), dtype=torch.float64), "sum", shape=())
         self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum", shape=())
 
@@ -108,6 +110,8 @@ class PromptEntropy(Metric):
 
     State: the four sums over prompts and the prompt count (plus per-prompt values with ``per_text=True``).
     """
+
+    state_device = "cpu"  # per-prompt entropies come back to the host
 
     name = "prompt_entropy"
     consumes = Consumes.TOKENS
@@ -273,6 +277,8 @@ class Curvature(Metric):
     Reports the means over prompts of ``raw`` (the mean angle, radians, what B reports) and ``logD`` = raw / log D.
     State: the two sums and the prompt count (plus per-prompt values with ``per_text=True``).
     """
+
+    state_device = "cpu"  # per-prompt angle sums come back to the host
 
     name = "curvature"
     consumes = Consumes.TOKENS

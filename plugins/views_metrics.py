@@ -49,6 +49,8 @@ def _unit_views(metric: Metric, batch: LayerBatch) -> torch.Tensor:
 class _TwoViewMetric(Metric):
     """Shared state of the two-view metrics: the unit views of every text (``"cat"``) and the text indices."""
 
+    state_device = "cpu"  # the unit views are kept in host memory
+
     consumes = Consumes.VIEWS
     default_pooling = "mean"
 
@@ -148,6 +150,8 @@ class LiDAR(Metric):
     Σ_i (μ_i−μ)(μ_i−μ)ᵀ = Σ_i μ_i μ_iᵀ − n μμᵀ and Σ_ij (x_ij−μ_i)(x_ij−μ_i)ᵀ = Σ_ij x_ij x_ijᵀ − q Σ_i μ_i μ_iᵀ, so
     S_b and S_w (hence Σ = S_w^{−½} S_b S_w^{−½}) follow from the four sums. Compute is O(D³).
     """
+
+    state_device = "cpu"  # the unit views are kept in host memory
 
     name = "lidar"
     consumes = Consumes.VIEWS

@@ -62,6 +62,8 @@ class Metric:
         consumes: what ``update`` reads (:class:`Consumes`).
         full_state_update: always ``False`` here: ``update`` only ever needs the batch and the running state.
         default_pooling: how token vectors become one vector per text for this metric, unless overridden.
+        state_device: where the states live: ``"input"`` (the device of the vectors fed in, the model's) or
+            ``"cpu"`` (the metric moves what it keeps to host memory); ``repgeom measure --dry-run`` reports it.
 
     A ``VIEWS`` metric must have an ``n_views`` attribute (usually a constructor parameter): the pipeline makes
     that many augmented views of every text and hands them over pooled, as ``batch.views`` [B, n_views, D].
@@ -75,21 +77,25 @@ class Metric:
     full_state_update: ClassVar[bool] = False
     #: pooling used for POOLED/VIEWS metrics unless the user sets one (``--pooling`` or ``METRIC.pooling``).
     default_pooling: ClassVar[str] = "last"
+    state_device: ClassVar[str] = "input"
 
     def __init__(self) -> None:
         self._defaults: dict[str, Any] = {}
         self._reductions: dict[str, str] = {}
         self._shapes: dict[str, tuple[int | str, ...] | None] = {}
+        self._bounds: dict[str, int | str] = {}
 
     # -- state -------------------------------------------------------------------------------------------------
     def add_state(self, name: str, default: torch.Tensor | list, reduce: str,
-                  shape: tuple[int | str, ...] | None = None) -> None:
+                  shape: tuple[int | str, ...] | None = None, max_rows: int | str | None = None) -> None:
         """Declare a state. ``"cat"`` states start as an empty list and are concatenated on merge.
 
         ``shape`` declares the state's shape once it holds data, for the checks of a saved state (a resumed
         checkpoint): each dimension a number, ``"D"`` (the width of the layer's vectors), or another name that
         must agree wherever it appears (``"N"`` for the rows of ``cat`` states that grow together)
-        (docs/plugins.md#state-checks)."""
+        (docs/plugins.md#state-checks). ``max_rows``: a ``cat`` state that never holds more rows than this (a number
+        or ``"D"``: a buffer the metric folds into a fixed-size sum), so that its memory does not grow with the data
+        (``repgeom measure --dry-run`` counts it as fixed)."""
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
         if reduce == "cat":
@@ -100,6 +106,8 @@ class Metric:
         self._defaults[name] = default
         self._reductions[name] = reduce
         self._shapes[name] = tuple(shape) if shape is not None else None
+        if max_rows is not None:
+            self._bounds[name] = max_rows
         setattr(self, name, copy.deepcopy(default))
 
     def reset(self) -> None:

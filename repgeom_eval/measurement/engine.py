@@ -375,12 +375,28 @@ class MeasureRun:
         timings = {"load_model_s": t["load_model"], "augment_tokenize_s": t["augment_tokenize"],
                    "preprocess_stats_s": t["preprocess_stats"], "forward_s": t["forward"], "metrics_s": t_metrics,
                    "total_s": time.perf_counter() - t_start,
-                   "sequences_per_s": state.n_sequences / max(t["forward"] + t["metrics"], 1e-9)}
+                   "sequences_per_s": state.n_sequences / max(t["forward"] + t["metrics"], 1e-9),
+                   **memory_used(state, self.loaded.device)}
         if rep is None:
             return MeasureResult(self.loaded.info.to_dict(), data_summary, config, {}, {}, timings, [], {},
                                  is_main=False)
         return MeasureResult(self.loaded.info.to_dict(), data_summary, config, rep.results, rep.diagnostics,
                              timings, rep.per_text, rep.summary, is_main=True)
+
+
+def memory_used(state: RunState, device: Any) -> dict[str, int]:
+    """What the run held: the bytes of its metric states (as ``--dry-run`` estimates them), the process's peak
+    resident memory, and on a GPU the peak allocated by torch."""
+    import resource
+
+    import torch
+
+    tensors = [t for ms in state.states.values() for _, m in ms for t in m.state_dict().values()]
+    out = {"state_bytes": int(sum(t.numel() * t.element_size() for t in tensors)),
+           "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+    if getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
+        out["cuda_max_memory_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out
 
 
 class _MeasureSink:

@@ -1,0 +1,190 @@
+"""What a ``measure`` run will hold in memory, from the model's config alone (no weights read): ``--dry-run``.
+
+Every metric state is declared with its shape (``Metric.add_state(..., shape=...)``: ``"D"`` the layer's width,
+``"N"`` one row per text, ``max_rows`` for a buffer folded into a fixed-size sum), so the memory of a run's states is
+known before it starts:
+
+* **fixed**: the ``sum`` states (a D×D Gram is 8·D² bytes in float64) and bounded buffers, per address and metric;
+* **per 1,000 texts**: the ``cat`` states that keep a row per text (the pooled vectors of ``dataset_entropy``'s
+  default global centring, the views of InfoNCE and DiME, per-text scores);
+* the **device** each state lives on (``Metric.state_device``: the model's, or host memory);
+* the model's weights (parameters counted on the meta device, in the run's dtype) and the hidden states one batch
+  captures (batch × tokens × width × addresses, float32).
+
+The widths are the config's hidden size for every address (a model whose sub-layers are wider is measured at its
+real widths when it loads). The number of hidden states is the config's layer count + 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from repgeom_eval.errors import RepgeomError
+
+FLOAT64 = 8
+
+
+@dataclass
+class StateEstimate:
+    metric: str
+    fixed_bytes: int
+    per_1000_texts_bytes: int
+    device: str
+
+
+@dataclass
+class MemoryEstimate:
+    model: str
+    model_type: str
+    n_layers: int
+    width: int
+    dtype: str
+    device: str
+    n_addresses: int
+    addresses: list[str]
+    per_address: dict[str, list[StateEstimate]]
+    weights_bytes: int | None
+    batch_hidden_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.fixed_bytes for states in self.per_address.values() for s in states)
+
+    @property
+    def per_1000_texts_bytes(self) -> int:
+        return sum(s.per_1000_texts_bytes for states in self.per_address.values() for s in states)
+
+    def for_texts(self, n_texts: int) -> int:
+        """State bytes of a run over ``n_texts`` texts."""
+        return self.state_bytes + self.per_1000_texts_bytes * n_texts // 1000
+
+    def to_dict(self) -> dict[str, Any]:
+        by_metric: dict[str, dict[str, Any]] = {}
+        for states in self.per_address.values():
+            for s in states:
+                row = by_metric.setdefault(s.metric, {"fixed_bytes_per_address": s.fixed_bytes,
+                                                      "per_1000_texts_bytes_per_address": s.per_1000_texts_bytes,
+                                                      "device": s.device, "addresses": 0})
+                row["addresses"] += 1
+        return {"model": self.model, "model_type": self.model_type, "n_layers": self.n_layers, "width": self.width,
+                "dtype": self.dtype, "device": self.device, "addresses": self.addresses,
+                "metrics": by_metric, "state_bytes": self.state_bytes,
+                "per_1000_texts_bytes": self.per_1000_texts_bytes, "weights_bytes": self.weights_bytes,
+                "batch_hidden_bytes": self.batch_hidden_bytes, "notes": self.notes}
+
+
+def _bytes(shape: tuple, width: int, itemsize: int, skip_rows: bool = False) -> int:
+    dims = list(shape[1:] if skip_rows else shape)
+    out = itemsize
+    for d in dims:
+        out *= width if d == "D" else d if isinstance(d, int) else 1
+    return out
+
+
+def metric_memory(metric: Any, width: int, device: str) -> StateEstimate:
+    """The memory of one metric instance's states at a layer of ``width``, from their declared shapes."""
+    fixed = per_text = 0
+    for name, reduce in metric._reductions.items():
+        default = metric._defaults[name]
+        itemsize = default.element_size() if hasattr(default, "element_size") else FLOAT64
+        shape = metric._shapes.get(name) or (tuple(default.shape) if hasattr(default, "shape") else ())
+        if reduce == "cat":
+            bound = metric._bounds.get(name)
+            row = _bytes(shape, width, itemsize, skip_rows=True)
+            if bound is not None:
+                fixed += row * (width if bound == "D" else int(bound))
+            else:
+                per_text += row * 1000
+        else:
+            fixed += _bytes(shape, width, itemsize)
+    where = "cpu" if getattr(metric, "state_device", "input") == "cpu" else device
+    return StateEstimate(metric.name, fixed, per_text, where)
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _first(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_size: int | None = None,
+             max_length: int | None = None) -> MemoryEstimate:
+    """The memory of ``measure(model, ..., run)`` (a :class:`~repgeom_eval.measurement.config.RunConfig`) from the
+    model's config: no weights are read."""
+    import torch
+    from transformers import AutoConfig
+
+    from repgeom_eval.measurement.metric_specs import instantiate_metrics
+    from repgeom_eval.measurement.states import ENERGY_TOP, energy_metric
+    from repgeom_eval.modeling.addresses import parse_request
+    from repgeom_eval.modeling.loading import (ModelInfo, auto_class, loading_policy, locate_model, resolve_device,
+                                               resolve_dtype)
+    from repgeom_eval.plugin_system.host import get_host
+
+    host = host or get_host()
+    opts = (options or loading_policy()).replace(dtype=run.dtype, device=run.device)
+    device = resolve_device(opts.device_map and "cpu" or opts.device)
+    dtype = resolve_dtype(opts.dtype, device)
+    target, extra, source = locate_model(str(model))
+    try:
+        config = AutoConfig.from_pretrained(target, **extra, trust_remote_code=opts.trust_remote_code,
+                                            **({"revision": opts.revision} if opts.revision else {}))
+    except Exception as exc:  # noqa: BLE001 - the same errors the load reports, in one line
+        raise RepgeomError(f"--dry-run: cannot read the config of {model!r}: {str(exc).splitlines()[0][:200]}") from None
+    text = _text_config(config)
+    width = _first(text, "hidden_size", "n_embd", "d_model", "dim")
+    n_layers = _first(text, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    if width is None or n_layers is None:
+        raise RepgeomError(f"--dry-run: the config of {model!r} names no hidden size or layer count")
+    info = ModelInfo(name=str(model), model_type=getattr(config, "model_type", "?"), architecture="?",
+                     n_layers=n_layers, hidden_size=width, dtype=str(dtype).removeprefix("torch."), n_parameters=0,
+                     vocab_size=getattr(text, "vocab_size", None), max_positions=None, source=source,
+                     n_hidden_states=n_layers + 1)
+    addresses = [str(a) for a in parse_request(run.layers, info, host)]
+    specs = instantiate_metrics(run.metrics, host, run.metric_params, run.per_text, run.pooling)
+    energy_cls = energy_metric(host)
+    per_address: dict[str, list[StateEstimate]] = {}
+    for addr in addresses:
+        states = [metric_memory(spec.new(), width, device.type) for spec in specs]
+        if energy_cls is not None:
+            energy = metric_memory(energy_cls(top_k=ENERGY_TOP), width, device.type)
+            energy.metric = "(energy diagnostic)"
+            states.append(energy)
+        if run.per_text:  # one float64 score per text, metric and address
+            states.append(StateEstimate("(per-text scores)", 0, 1000 * FLOAT64 * max(len(specs), 1), "cpu"))
+        per_address[addr] = states
+    weights = None
+    notes = [f"every address at the config's width {width}; hidden states = layers + 1 = {n_layers + 1}"]
+    try:
+        with torch.device("meta"):
+            shell = auto_class(config, host).from_config(config, trust_remote_code=opts.trust_remote_code)
+        weights = sum(p.numel() for p in shell.parameters()) * torch.tensor([], dtype=dtype).element_size()
+    except Exception as exc:  # noqa: BLE001 - an architecture that cannot be built on the meta device
+        notes.append(f"weights not estimated ({type(exc).__name__})")
+    tokens = max_length or _first(text, "max_position_embeddings", "n_positions") or 512
+    tokens = min(tokens, run.max_length or tokens)
+    batch = batch_size or run.batch_size
+    hidden = batch * tokens * width * len(addresses) * 4
+    notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} × "
+                 f"{len(addresses)} addresses in float32")
+    return MemoryEstimate(str(model), info.model_type, n_layers, width, info.dtype, device.type, len(addresses),
+                          addresses, per_address, weights, hidden, notes)
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "?"
+    if n < 1024:
+        return f"{n} B"
+    units = ["KiB", "MiB", "GiB", "TiB"]
+    k = min(int(math.log(n, 1024)), len(units))
+    return f"{n / 1024 ** k:.1f} {units[k - 1]}"

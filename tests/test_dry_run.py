@@ -1,0 +1,67 @@
+"""``repgeom measure --dry-run``: the memory a run will hold, from the model's config alone (no weights read), and
+the run's own record of what it held (``timings.state_bytes``, ``peak_rss_bytes``)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import repgeom_eval as rg
+from repgeom_eval.entrypoints.cli import main
+from repgeom_eval.measurement.config import RunConfig
+from repgeom_eval.measurement.estimate import estimate
+
+METRICS = ["dispersion", "dataset_entropy", "effective_rank", "vendi", "token_dispersion"]
+
+
+def texts(n: int) -> list[str]:
+    words = "rivers hills numbers code music weather stones letters trees ships".split()
+    return [" ".join(words[(i * 7 + k) % 10] for k in range(3 + i % 5)) + f" {i}" for i in range(n)]
+
+
+@pytest.mark.parametrize("n_texts", [12, 80])  # fewer and more texts than the tiny model's width (32)
+def test_the_estimate_bounds_what_the_run_holds(tiny_model_dir, n_texts):
+    model = tiny_model_dir("llama")
+    run = RunConfig(layers="all", metrics=METRICS, progress=False)
+    est = estimate(model, run)
+    assert est.width == 32 and est.n_addresses == 3 and est.weights_bytes > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rg.measure(model, texts(n_texts), config=run)
+    held = result.timings["state_bytes"]
+    metric_states = sum(s.fixed_bytes + s.per_1000_texts_bytes * n_texts // 1000
+                        for states in est.per_address.values() for s in states if not s.metric.startswith("("))
+    # an upper bound: a Gram metric holds its rows until there are more than D, then a D×D sum and a buffer of 0 to
+    # D rows; with more texts than the width the estimate is within a factor 2 (half of it is the buffer)
+    assert held <= metric_states, (held, metric_states)
+    if n_texts > est.width:
+        assert held >= 0.5 * metric_states, (held, metric_states)
+    assert result.timings["peak_rss_bytes"] > held
+
+
+def test_dry_run_reads_the_config_alone_at_a_real_shape(tmp_path, capsys):
+    """A Llama-3-8B-shaped config with no weight file at all: the estimate says what three Gram metrics at every
+    hidden state hold (256 MiB each per address, 33 addresses) and what the weights need in bfloat16."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path / "llama-8b")
+    assert main(["measure", "-m", str(tmp_path / "llama-8b"), "-d", "unread.txt", "--layers", "all", "--metrics",
+                 "effective_rank", "vendi", "dataset_entropy", "--dtype", "bfloat16", "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["width"] == 4096 and len(doc["addresses"]) == 33 and doc["dtype"] == "bfloat16"
+    # the Gram, its fold buffer (up to D rows) and two counts, in float64
+    assert doc["metrics"]["effective_rank"]["fixed_bytes_per_address"] == 2 * 4096 * 4096 * 8 + 2 * 8
+    assert doc["metrics"]["dataset_entropy"]["per_1000_texts_bytes_per_address"] == 1000 * (4096 + 1) * 8
+    assert 14e9 < doc["weights_bytes"] < 18e9  # about 8 billion parameters in bfloat16
+    assert not list(tmp_path.glob("llama-8b/*.safetensors"))
+
+
+def test_dry_run_table_and_errors(tiny_model_dir, capsys):
+    assert main(["measure", "-m", tiny_model_dir("gpt2"), "-d", "unread.txt", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "dispersion" in out and "per 1,000 texts" in out and "weights" in out
+    assert main(["measure", "-m", "./no-such-model", "-d", "x.txt", "--dry-run"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
