@@ -16,8 +16,8 @@ class CompareCommand(Options):
     results: tuple[str, ...] = option(MISSING, "RESULT", nargs="+", from_cli=tuple,
                                       help="repgeom measure result .json files, lm-eval --output_path folders (or "
                                            "their results_*.json) and repgeom mteb run --output-folder folders")
-    csv: str | None = option(None, "--csv", metavar="PATH", help="write the long table (one row per value) as CSV")
-    plot: str | None = option(None, "--plot", metavar="PATH",
+    csv: str | None = option(None, "--csv", writes="file", metavar="PATH", help="write the long table (one row per value) as CSV")
+    plot: str | None = option(None, "--plot", writes="file", metavar="PATH",
                               help="PNG: depth profiles overlaid, one panel per metric, one line per model")
     x: str = option("relative", "--x", choices=["relative", "layer"],
                     help="x axis of --plot: relative depth (default; models of different depth line up) or layer")

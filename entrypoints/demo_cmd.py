@@ -20,7 +20,7 @@ from repgeom_eval.option_groups import ChunksGroup, RunGroup
 class DemoCommand(Options):
     """Every option of ``repgeom demo`` (all have defaults: the demo runs without arguments)."""
 
-    output_dir: str = option("repgeom-demo", "--output-dir",
+    output_dir: str = option("repgeom-demo", "--output-dir", writes="folder",
                              help="where results.json and the plot go (default: ./{default})")
     n_texts: int = option(96, "--n-texts", type=int, check=positive,
                           help="paragraphs of pydoc_data.topics (default {default})")

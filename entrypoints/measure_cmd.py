@@ -23,7 +23,7 @@ class MeasureCommand(ModelGroup, DataGroup, RunConfig, OutputGroup, JsonGroup):
     data: str = option_like(DataGroup, "data", help=".jsonl with a text field per line, .txt with one text per line, "
                             "or a Hugging Face datasets stream hf:NAME?split=train (e.g. "
                             "hf:json?data_files=big.jsonl); read in shards")
-    per_text_path: str | None = option(None, "--per-text", metavar="OUT.jsonl", key=False, config=False,
+    per_text_path: str | None = option(None, "--per-text", writes="file", metavar="OUT.jsonl", key=False, config=False,
                                        help="also write per-text scores (c_i, token dispersion) to this JSONL file")
     dry_run: bool = option(False, "--dry-run", action="store_true", key=False, config=False,
                            help="print the memory the run will hold (every metric state per address, per 1,000 "

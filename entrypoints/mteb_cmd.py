@@ -110,12 +110,12 @@ class MtebRunCommand(ModelGroup):
     benchmarks: tuple[str, ...] | None = option(None, "--benchmarks", "-b", nargs="+", help="MTEB benchmark names")
     eval_splits: tuple[str, ...] | None = option(None, "--eval-splits", nargs="+", help="evaluation splits to run")
     batch_size: int = option_like(RunGroup, "batch_size", 32, flags=("--batch-size",))
-    output_folder: str = option("results", "--output-folder", help="mteb result cache folder (default: {default})")
+    output_folder: str = option("results", "--output-folder", writes="folder", help="mteb result cache folder (default: {default})")
     overwrite_strategy: str = option("only-missing", "--overwrite-strategy",
                                      choices=["always", "never", "only-missing", "only-cache"],
                                      help="mteb's: only-missing (default) resumes, always re-runs, only-cache only "
                                           "reads")
-    prediction_folder: str | None = option(None, "--prediction-folder",
+    prediction_folder: str | None = option(None, "--prediction-folder", writes="folder",
                                            help="also save mteb's per-task predictions here")
     num_proc: int | None = option(None, "--num-proc", type=int, help="processes for dataset loading")
     co2_tracker: bool = option(False, "--co2-tracker", action="store_true",
@@ -131,7 +131,7 @@ class MtebSummaryCommand(Options):
     """Every option of ``repgeom mteb summary``."""
 
     folder: str = option(MISSING, "FOLDER", help="the --output-folder of `repgeom mteb run` (an mteb cache folder)")
-    output_dir: str | None = option(None, "--output-dir", "-o", help="where to write (default: FOLDER)")
+    output_dir: str | None = option(None, "--output-dir", "-o", writes="folder", help="where to write (default: FOLDER)")
     prefix: str = option("repgeom_summary", "--prefix", help="file name prefix (default: {default})")
     plots: bool = option(True, "--no-plot", action="store_false", help="tables only")
 

@@ -16,7 +16,7 @@ class ReportCommand(Options):
                                       help="results .json files written with --output by measure, gap, ppl-bins, "
                                            "knn-keys, knnlm, condensation, clusters, perturb, ...; a directory "
                                            "stands for its *.json files")
-    output: str = option("report.html", "--output", "-o", help="the HTML page (default: {default})")
+    output: str = option("report.html", "--output", "-o", writes="file", help="the HTML page (default: {default})")
     title: str = option("repgeom-eval report", "--title", help="page title")
 
 

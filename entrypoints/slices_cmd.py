@@ -41,7 +41,7 @@ class SlicesCommand(SlicesConfig, OutputGroup, JsonGroup):
                              help="also predict slice accuracy from slice dispersion: 20/10/70 %% calibration/"
                                   "validation/test split, 2 %% slices, isotonic/linear/polynomial chosen on "
                                   "validation; prints the test MAE")
-    plot: str | None = option(None, "--plot", metavar="PNG", config=False, help="plot of the slice curves")
+    plot: str | None = option(None, "--plot", writes="file", metavar="PNG", config=False, help="plot of the slice curves")
 
 
 def configure(p: argparse.ArgumentParser) -> None:

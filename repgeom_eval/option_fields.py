@@ -39,12 +39,13 @@ CONFIG_HELP = ("read option values from this YAML file (keys are the option name
 
 def option(default: Any = MISSING, *flags: str, key: bool = True, config: bool = True, from_cli: Any = None,
            default_factory: Any = MISSING, check: Callable[[Any], str | None] | None = None,
-           config_name: str | None = None, **cli: Any) -> Any:
+           config_name: str | None = None, writes: str | None = None, **cli: Any) -> Any:
     """A configuration field: its default, command-line flags, check and where it is recorded (module docstring).
 
-    No default (``MISSING``) makes the option required."""
+    No default (``MISSING``) makes the option required. ``writes``: ``"file"`` or ``"folder"`` for an option that
+    names an output (every one goes through the output guard of repgeom_eval/output/files.py; tests enumerate them)."""
     meta = {"flags": flags, "cli": cli, "key": key, "config": config, "from_cli": from_cli, "check": check,
-            "config_name": config_name}
+            "config_name": config_name, "writes": writes}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)

@@ -132,7 +132,7 @@ class OutputGroup(Options):
     """Where the results go."""
 
     group_title = "output"
-    output: str | None = option(None, "--output", "-o", key=False, config=False,
+    output: str | None = option(None, "--output", "-o", writes="file", key=False, config=False,
                                 help="results JSON (written atomically)")
 
 
@@ -142,7 +142,7 @@ class PlotsGroup(OutputGroup):
 
     group_title = "output"
 
-    plot_dir: str | None = option(None, "--plot-dir", key=False, config=False,
+    plot_dir: str | None = option(None, "--plot-dir", writes="folder", key=False, config=False,
                                   help="write the figures (PNG) here; default: next to --output, none without it")
 
 

@@ -64,7 +64,7 @@ class PplBinsConfig(TextsGroup, ChunksGroup, LayersGroup, RunGroup):
     confound_ratio: float = option(2.0, "--confound-ratio", type=float,
                                    help="flag pooling sources whose median perplexities differ by this factor "
                                         "(default: {default})")
-    per_chunk_path: str | None = option(None, "--per-chunk", metavar="OUT.jsonl", key=False, config=False,
+    per_chunk_path: str | None = option(None, "--per-chunk", writes="file", metavar="OUT.jsonl", key=False, config=False,
                                         help="also write every chunk's perplexity and dispersions")
 
     def __post_init__(self) -> None:
@@ -111,7 +111,7 @@ class KnnlmConfig(TextsGroup, ChunksGroup, RunGroup):
     ivf_threshold: int = option(100_000, check=positive)
     fp16: bool = option(False, "--fp16", action="store_true",
                         help="store keys and index codes in float16 (half the memory)")
-    store_dir: str | None = option(None, "--store-dir", key=False,
+    store_dir: str | None = option(None, "--store-dir", writes="folder", key=False,
                                    help="keep the keys (.npy), values and faiss indexes here (default: a temporary "
                                         "directory)")
     overwrite: bool = option(False, "--overwrite", action="store_true", key=False,

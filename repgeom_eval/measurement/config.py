@@ -82,7 +82,7 @@ class RunConfig(TextsGroup, LayersGroup, RunGroup):
         None, "--preprocess-stats", metavar="FILE", config=False,
         help="reference statistics written earlier with --save-preprocess-stats")
     save_preprocess_stats: str | None = option(
-        None, "--save-preprocess-stats", metavar="FILE", key=False, config=False,
+        None, "--save-preprocess-stats", metavar="FILE", key=False, config=False, writes="file",
         help="write the preprocessing statistics of this run (safetensors) for reuse")
     allow_other_stats: bool = option(
         False, "--allow-other-stats", action="store_true",
@@ -97,7 +97,7 @@ class RunConfig(TextsGroup, LayersGroup, RunGroup):
         DEFAULT_SHARD_SIZE, "--shard-size", type=int, check=positive,
         help="texts read, batched and checkpointed together (memory: one shard + metric states)")
     run_dir: str | None = option(
-        None, "--run-dir", metavar="DIR", key=False,
+        None, "--run-dir", metavar="DIR", key=False, writes="folder",
         help="checkpoint the metric states here after every shard, so a killed run can --resume")
     resume: bool = option(False, "--resume", action="store_true", key=False, config=False,
                           help="continue the run checkpointed in --run-dir (same model, data and options)")
