@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.measurement.config import RunConfig
+from repgeom_eval.measurement.estimate import parse_size
 from repgeom_eval.option_fields import option, option_like
 from repgeom_eval.option_groups import DataGroup, JsonGroup, ModelGroup, OutputGroup
 
@@ -28,6 +29,9 @@ class MeasureCommand(ModelGroup, DataGroup, RunConfig, OutputGroup, JsonGroup):
     dry_run: bool = option(False, "--dry-run", action="store_true", key=False, config=False,
                            help="print the memory the run will hold (every metric state per address, per 1,000 "
                                 "texts, the device of each, the weights) from the model's config alone, and stop")
+    state_memory: int | None = option(None, "--state-memory", type=parse_size, metavar="SIZE", key=False,
+                                      help="refuse to start when the metric states would need more than SIZE (e.g. "
+                                           "8GB, 512MiB), estimated as --dry-run does, naming what to drop")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -86,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
         for one in runs:
             dry_run(one)
         return 0
-    for one in runs:  # every check (outputs, inputs) before the first forward pass
+    for one in runs:  # every check (outputs, inputs, the memory budget) before the first forward pass
         _check(one)
+        if one.state_memory is not None:
+            _check_budget(one)
     documents = []
     for one in runs:
         doc = _measure_one(one, print_json=len(runs) == 1)
@@ -133,6 +139,13 @@ def dry_run(cfg: MeasureCommand) -> None:
                   f"{human(est.batch_hidden_bytes)}")
     for note in est.notes:
         console.print(f"note: {note}")
+
+
+def _check_budget(cfg: MeasureCommand) -> None:
+    from repgeom_eval.measurement.estimate import check_budget, count_texts, estimate
+
+    est = estimate(cfg.model, RunConfig.of(cfg, per_text=bool(cfg.per_text_path)))
+    check_budget(est, int(cfg.state_memory or 0), count_texts(cfg.data))
 
 
 def _check(cfg: MeasureCommand) -> None:

@@ -27,31 +27,27 @@ class Dispersion(Metric):
     def __init__(self, per_text: bool = False):
         super().__init__()
         self.per_text = per_text
-        self.add_state("sum_u", torch.zeros(0, dtype=torch.float64), "sum", shape=("D",))
-        self.add_state("sum_sq", torch.zeros((), dtype=torch.float64), "sum", shape=())
-        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum", shape=())
-        self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum", shape=())
         if per_text:
             self.add_state("units", [], "cat", shape=("N", "D"))
             self.add_state("index", [], "cat", shape=("N",))
 
+    def statistics(self):
+        from repgeom_eval.statistics import UnitSums
+
+        return {"sums": UnitSums()}
+
     def update(self, batch: LayerBatch) -> None:
         assert batch.pooled is not None
-        u = unit(batch.pooled.double())
-        s = u.sum(0)
-        self.sum_u = s if self.sum_u.numel() == 0 else self.sum_u + s
-        sq = (u * u).sum(-1)
-        self.sum_sq = self.sum_sq + sq.sum()
-        self.n = self.n + u.shape[0]
-        self.n_zero = self.n_zero + (sq == 0).sum()
+        super().update(batch)  # the shared sums
         if self.per_text:
-            self.units.append(u)
+            self.units.append(unit(batch.pooled.double()))
             self.index.append(batch.index.to(torch.float64))
 
     def compute(self) -> float:
-        if self.sum_u.numel() == 0:
+        s = self.stat("sums")
+        if s.sum_u.numel() == 0:
             return float("nan")
-        return float(dispersion_from_sums(self.sum_u, self.sum_sq, self.n))
+        return float(dispersion_from_sums(s.sum_u, s.sum_sq, s.n))
 
     def per_text_results(self):
         if not self.per_text or not self.units:
@@ -62,7 +58,7 @@ class Dispersion(Metric):
         if n < 2:
             c = torch.full((n,), float("nan"), dtype=torch.float64)
         else:
-            c = 1.0 - (u @ self.sum_u - (u * u).sum(-1)) / (n - 1)
+            c = 1.0 - (u @ self.stat("sums").sum_u - (u * u).sum(-1)) / (n - 1)
         texts, owner = torch.unique(idx, return_inverse=True)
         if texts.numel() != n:  # several vectors per text (tokens pooling): average c over each text's tokens
             total = torch.zeros(texts.numel(), dtype=torch.float64).index_add_(0, owner, c)
@@ -72,19 +68,14 @@ class Dispersion(Metric):
         return {"dispersion": (idx, c)}
 
     def diagnostics(self):
-        return {"n_vectors": int(self.n), "n_zero_vectors": int(self.n_zero)}
+        s = self.stat("sums")
+        return {"n_vectors": int(s.n), "n_zero_vectors": int(s.n_zero)}
 
     def check_state(self, state, width=None):
-        problems = super().check_state(state, width)
-        n, n_zero, sq, s = state["n"], state["n_zero"], state["sum_sq"], state["sum_u"]
-        if not (self.is_count(n) and self.is_count(n_zero) and n_zero <= n):
-            return problems + [f"counts n={float(n)}, n_zero={float(n_zero)} are not whole numbers with n_zero ≤ n"]
-        tol = 1e-6 * max(float(n), 1.0)
-        if abs(float(sq) - float(n - n_zero)) > tol:  # every non-zero unit vector adds exactly 1
-            problems.append(f"sum_sq = {float(sq)} but n − n_zero = {float(n - n_zero)} unit vectors were added")
-        if s.numel() and float(torch.linalg.vector_norm(s)) > float(sq) + tol:
-            problems.append("sum_u is longer than the number of unit vectors summed")
-        if self.per_text and "units" in state and state["units"].shape[0] != int(n):
+        problems = super().check_state(state, width)  # the sums' own checks included, where this metric owns them
+        n = state.get("n")
+        if (self.per_text and "units" in state and isinstance(n, torch.Tensor) and self.is_count(n)
+                and state["units"].shape[0] != int(n)):
             problems.append(f"{state['units'].shape[0]} per-text vectors for n = {int(n)}")
         return problems
 

@@ -21,7 +21,6 @@ from repgeom_eval.plugin_system.lazy import lazy
 torch = lazy("torch")
 CURVATURE_VARIANTS = lazy("repgeom_eval.functional.curvature:VARIANTS")
 curvature = lazy("repgeom_eval.functional.curvature:curvature")
-unit = lazy("repgeom_eval.functional.dispersion:unit")
 CENTERINGS = lazy("repgeom_eval.functional.entropy:CENTERINGS")
 VARIANTS = lazy("repgeom_eval.functional.entropy:VARIANTS")
 dataset_entropy = lazy("repgeom_eval.functional.entropy:dataset_entropy")
@@ -51,49 +50,25 @@ def _check_alpha(metric: str, alpha) -> float:
     return alpha
 
 
-class _GramAccumulator(Metric):
-    """Shared state for pooled metrics that only need the linear Gram of (transformed) rows.
+class _GramMetric(Metric):
+    """A pooled metric that reads only the linear Gram of its rows: the shared
+    :class:`~repgeom_eval.statistics.PooledGram` (unit rows with ``unit_rows = True``), so two such metrics of the
+    same pooling keep one Gram between them (docs/plugins.md#shared-statistics)."""
 
-    States: ``gram`` ("sum", D×D float64, Σ zzᵀ of the rows folded so far), ``rows`` ("cat", rows not folded yet),
-    ``n`` and ``n_zero`` (zero rows). Rows are kept as they come while there are at most D of them, and folded into
-    ``gram`` as soon as there are more: memory is at most ~2·D² floats whatever the number of texts, and for
-    N ≤ D it stays N·D. At compute time the Gram is therefore Z Zᵀ (N×N) when N ≤ D and Zᵀ Z (D×D) otherwise: the
-    smaller form, and also paper B's branch rule (``ZᵀZ if N > D else ZZᵀ``). Shards merge exactly (sums add, row
-    lists concatenate).
-    """
+    unit_rows = False
 
-    state_device = "cpu"  # the rows and the Gram are kept in host memory
+    def statistics(self):
+        from repgeom_eval.statistics import PooledGram
 
-    def _init_gram_state(self) -> None:
-        self.add_state("gram", torch.zeros(0, dtype=torch.float64), "sum", shape=("D", "D"))
-        self.add_state("rows", [], "cat", shape=("N", "D"), max_rows="D")  # folded into gram past D rows
-        self.add_state("n", torch.zeros((), dtype=torch.float64), "sum", shape=())
-        self.add_state("n_zero", torch.zeros((), dtype=torch.float64), "sum", shape=())
+        return {"gram": PooledGram(unit=self.unit_rows)}
 
-    def _add_rows(self, z: torch.Tensor) -> None:
-        z = z.double().cpu()
-        self.n = self.n + z.shape[0]
-        self.n_zero = self.n_zero + ((z * z).sum(-1) == 0).sum()
-        self.rows.append(z)
-        held = sum(r.shape[0] for r in self.rows)
-        if held > z.shape[1]:
-            r = torch.cat(self.rows)
-            g = r.T @ r
-            self.gram = g if self.gram.numel() == 0 else self.gram + g
-            self.rows = []
-
-    def _gram(self) -> tuple[torch.Tensor, int, int] | None:
+    def _gram(self):
         """(the smaller linear Gram of all rows seen, N, D), or None before any row."""
-        r = torch.cat(self.rows) if self.rows else None
-        if self.gram.numel() == 0:
-            if r is None or r.shape[0] == 0:
-                return None
-            return linear_gram(r), r.shape[0], r.shape[1]
-        g = self.gram if r is None else self.gram + r.T @ r
-        return g, int(self.n), g.shape[0]
+        return self.stat("gram").gram_matrix()
 
     def diagnostics(self):
-        return {"n_vectors": int(self.n), "n_zero_vectors": int(self.n_zero)}
+        g = self.stat("gram")
+        return {"n_vectors": int(g.n), "n_zero_vectors": int(g.n_zero)}
 
 
 class PromptEntropy(Metric):
@@ -165,7 +140,7 @@ class PromptEntropy(Metric):
         return {"n_texts": int(self.count), "n_skipped": int(self.skipped)}
 
 
-class DatasetEntropy(_GramAccumulator):
+class DatasetEntropy(_GramMetric):
     """Dataset entropy (paper B; docs/metrics.md#dataset_entropy): S_α of the Gram of one pooled vector per prompt.
 
     Default pooling ``mean`` (attention-masked). ``centering``:
@@ -177,7 +152,7 @@ class DatasetEntropy(_GramAccumulator):
       batches the pipeline used), default 2 (B's final setting; it turns each pair into antipodal vectors).
       Same ``"cat"`` state.
     * ``"none"``: unit rows only. Then the Gram Σ uuᵀ *is* sufficient, and the metric streams it (at most ~2·D²
-      floats, see the shared Gram state) and diagonalises the smaller form at compute.
+      floats, the shared ``PooledGram`` statistic) and diagonalises the smaller form at compute.
 
     ``variant`` and ``alpha`` as for ``prompt_entropy``. Reports ``raw``, ``normalized`` (= raw / log min(N, D),
     B's ``maxEntropy``), ``logN`` and ``logD``; NaN for fewer than 2 prompts.
@@ -195,16 +170,20 @@ class DatasetEntropy(_GramAccumulator):
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise RepgeomError(f"{self.name}: batch_size must be a positive integer, got {batch_size!r}")
         self.variant, self.centering, self.batch_size = variant, centering, batch_size
-        if centering == "none":
-            self._init_gram_state()
-        else:
+        if centering != "none":
             self.add_state("vectors", [], "cat", shape=("N", "D"))
             self.add_state("index", [], "cat", shape=("N",))
+
+    unit_rows = True
+
+    def statistics(self):
+        # Only without centring is the Gram of the unit rows sufficient (shared with vendi at the same pooling).
+        return super().statistics() if self.centering == "none" else {}
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.pooled is not None
         if self.centering == "none":
-            self._add_rows(unit(batch.pooled.double()))
+            super().update(batch)
         else:
             self.vectors.append(batch.pooled.double().cpu())
             self.index.append(batch.index.to(torch.float64).cpu())
@@ -217,7 +196,7 @@ class DatasetEntropy(_GramAccumulator):
             order = torch.argsort(torch.cat(self.index), stable=True)
             return dataset_entropy(x[order], self.alpha, self.centering, self.batch_size, self.variant)
         found = self._gram()
-        if found is None or int(self.n) < 2:
+        if found is None or found[1] < 2:
             return {k: _NAN for k in ENTROPY_KEYS}
         g, n, d = found
         return entropy_result(float(gram_entropy(g, self.alpha, self.variant)), n, d)
@@ -228,7 +207,7 @@ class DatasetEntropy(_GramAccumulator):
         return {"n_vectors": sum(int(v.shape[0]) for v in self.vectors)}
 
 
-class EffectiveRank(_GramAccumulator):
+class EffectiveRank(_GramMetric):
     """Effective rank of the pooled matrix Z (N texts × D), no centring (docs/metrics.md#effective_rank).
 
     Reports three numbers under their own names, because two different quantities are called "effective rank":
@@ -239,21 +218,13 @@ class EffectiveRank(_GramAccumulator):
     * ``exp_entropy``: exp(S₁(ZZᵀ)), the exponential of paper B's von Neumann entropy, which uses σ² (not σ).
 
     Default pooling ``mean``. Only the singular values are needed and σ² are the eigenvalues of ZᵀZ, so the state
-    is the streamed Gram (at most ~2·D² floats, see the shared Gram state); eigenvalues below the solver's
+    is the streamed Gram (at most ~2·D² floats, the shared ``PooledGram`` statistic); eigenvalues below the solver's
     round-off floor count as zero. A zero matrix gives 0.0 for all three; no data gives NaN.
     """
 
     name = "effective_rank"
     consumes = Consumes.POOLED
     default_pooling = "mean"
-
-    def __init__(self):
-        super().__init__()
-        self._init_gram_state()
-
-    def update(self, batch: LayerBatch) -> None:
-        assert batch.pooled is not None
-        self._add_rows(batch.pooled)
 
     def compute(self) -> dict[str, float]:
         found = self._gram()
@@ -330,13 +301,13 @@ class Curvature(Metric):
         return {"n_texts": int(self.count), "n_skipped_short": int(self.skipped)}
 
 
-class Vendi(_GramAccumulator):
+class Vendi(_GramMetric):
     """Vendi score of the pooled vectors with cosine similarity (Friedman & Dieng 2023; paper A, appendix A.5).
 
     U = unit rows (one pooled vector per text; default pooling ``last``, like ``dispersion``), K = UUᵀ,
     Vendi = exp(−Σ λ log λ) over the eigenvalues λ of K/N = exp(S₁(K)). It is an "effective number of distinct
     texts": 1 when all vectors are parallel, N when they are mutually orthogonal. UUᵀ and UᵀU share their non-zero
-    spectrum, so the state is the streamed Gram (at most ~2·D² floats, see the shared Gram state). Zero vectors
+    spectrum, so the state is the streamed Gram (at most ~2·D² floats, the shared ``PooledGram`` statistic). Zero vectors
     have no direction and are ignored (counted in ``n_zero_vectors``). No data, or only zero vectors, gives NaN.
     """
 
@@ -344,13 +315,7 @@ class Vendi(_GramAccumulator):
     consumes = Consumes.POOLED
     default_pooling = "last"
 
-    def __init__(self):
-        super().__init__()
-        self._init_gram_state()
-
-    def update(self, batch: LayerBatch) -> None:
-        assert batch.pooled is not None
-        self._add_rows(unit(batch.pooled.double()))
+    unit_rows = True
 
     def compute(self) -> float:
         from repgeom_eval.functional.entropy import serial_eigvalsh

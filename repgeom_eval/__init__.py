@@ -20,7 +20,8 @@ from .modeling.architectures import ArchitectureSpec, post_ln_encoder, pre_ln_de
 from .modeling.hook_point import HookPoint  # noqa: E402
 from .errors import (ParameterError, PluginError, RepgeomError, UnknownNameError, check_param,  # noqa: E402
                      is_count, is_real)
-from .metric import Consumes, LayerBatch, Metric  # noqa: E402
+from .metric import Consumes, LayerBatch, Metric, Statistic  # noqa: E402
+from .statistics import PooledGram, UnitSums  # noqa: E402
 from .plugin_system.kinds import Command  # noqa: E402
 
 # Heavy pieces (torch, transformers) load on first access, so `import repgeom_eval` in a plugin stays cheap.
@@ -53,7 +54,7 @@ def __getattr__(name: str):
 
 __all__ = [
     # plugin author's API (light)
-    "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "HookPoint", "pre_ln_decoder",
+    "hookimpl", "Metric", "Statistic", "UnitSums", "PooledGram", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "HookPoint", "pre_ln_decoder",
     "post_ln_encoder", "AuxLoss", "build_aux_loss",
     # errors and parameter checks
     "RepgeomError", "ParameterError", "PluginError", "UnknownNameError", "check_param", "is_real", "is_count",

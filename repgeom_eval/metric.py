@@ -5,6 +5,10 @@ A metric keeps *mergeable state*: tensors declared with :meth:`Metric.add_state`
 into this one (so shards from several processes combine exactly), ``compute`` turns the state into results.
 States are float64 whatever the model's dtype. There are no ``"mean"`` states on purpose: a mean of means over
 uneven shards is wrong; keep a ``"sum"`` and a count.
+
+Metrics that need the same sufficient statistic of the same vectors share it: a metric names the
+:class:`Statistic` objects it reads in :meth:`Metric.statistics`, and a run keeps one state per distinct statistic,
+address and pooling, fed once, however many metrics read it (docs/plugins.md#shared-statistics).
 """
 
 from __future__ import annotations
@@ -54,29 +58,11 @@ class LayerBatch:
             yield h[m]
 
 
-class Metric:
-    """Base class of every metric. Subclass it, declare states in ``__init__``, implement ``update``/``compute``.
-
-    Class attributes:
-        name: registry name, e.g. ``"dispersion"``.
-        consumes: what ``update`` reads (:class:`Consumes`).
-        full_state_update: always ``False`` here: ``update`` only ever needs the batch and the running state.
-        default_pooling: how token vectors become one vector per text for this metric, unless overridden.
-        state_device: where the states live: ``"input"`` (the device of the vectors fed in, the model's) or
-            ``"cpu"`` (the metric moves what it keeps to host memory); ``repgeom measure --dry-run`` reports it.
-
-    A ``VIEWS`` metric must have an ``n_views`` attribute (usually a constructor parameter): the pipeline makes
-    that many augmented views of every text and hands them over pooled, as ``batch.views`` [B, n_views, D].
-
-    Constructor keyword arguments are the metric's parameters; :meth:`config` reads them back (by attribute of
-    the same name) so every run records the values actually used.
-    """
+class Stateful:
+    """Mergeable state: tensors declared with :meth:`add_state`, saved, checked, loaded and merged. The base of
+    :class:`Metric` and :class:`Statistic`."""
 
     name: ClassVar[str] = ""
-    consumes: ClassVar[Consumes] = Consumes.POOLED
-    full_state_update: ClassVar[bool] = False
-    #: pooling used for POOLED/VIEWS metrics unless the user sets one (``--pooling`` or ``METRIC.pooling``).
-    default_pooling: ClassVar[str] = "last"
     state_device: ClassVar[str] = "input"
 
     def __init__(self) -> None:
@@ -109,6 +95,11 @@ class Metric:
         if max_rows is not None:
             self._bounds[name] = max_rows
         setattr(self, name, copy.deepcopy(default))
+
+    def declared_states(self) -> Iterator[tuple[str, str, Any, tuple | None, int | str | None, str]]:
+        """(name, reduction, default, shape, max_rows, state_device) of every declared state."""
+        for name, reduce in self._reductions.items():
+            yield name, reduce, self._defaults[name], self._shapes.get(name), self._bounds.get(name), self.state_device
 
     def reset(self) -> None:
         for name, default in self._defaults.items():
@@ -182,9 +173,177 @@ class Metric:
                 setattr(self, name, torch.minimum(mine, theirs))
         return self
 
-    # -- interface -----------------------------------------------------------------------------------------------
+    # -- parameters ----------------------------------------------------------------------------------------------
+    @classmethod
+    def parameter_names(cls) -> list[str]:
+        sig = inspect.signature(cls.__init__)
+        return [p.name for p in list(sig.parameters.values())[1:]
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    def config(self) -> dict[str, Any]:
+        """The parameters this instance was built with (read back by attribute name)."""
+        return {n: getattr(self, n) for n in self.parameter_names() if hasattr(self, n)}
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({params})"
+
+
+class Statistic(Stateful):
+    """A sufficient statistic of the vectors a metric reads, that several metrics can share
+    (docs/plugins.md#shared-statistics).
+
+    Declare states with :meth:`add_state` in ``__init__`` and fold a batch in :meth:`update`, as for a metric; the
+    constructor's keyword arguments are its parameters. Two statistics of the same class and parameters, read at the
+    same address with the same pooling, are one state in a run: the first metric that declares it feeds it, every
+    other reads it. ``update`` must therefore depend only on ``batch.pooled`` (the vectors all those metrics see).
+    """
+
     def update(self, batch: LayerBatch) -> None:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement update()")
+
+    def key(self) -> tuple:
+        """What makes two statistics the same: class and parameters."""
+        return (type(self).__module__, type(self).__qualname__, tuple(sorted(self.config().items())))
+
+    def label(self) -> str:
+        params = ",".join(f"{k}={v}" for k, v in sorted(self.config().items()))
+        return f"{self.name or type(self).__name__}({params})"
+
+
+class Metric(Stateful):
+    """Base class of every metric. Subclass it, declare states in ``__init__``, implement ``update``/``compute``.
+
+    Class attributes:
+        name: registry name, e.g. ``"dispersion"``.
+        consumes: what ``update`` reads (:class:`Consumes`).
+        full_state_update: always ``False`` here: ``update`` only ever needs the batch and the running state.
+        default_pooling: how token vectors become one vector per text for this metric, unless overridden.
+        state_device: where the states live: ``"input"`` (the device of the vectors fed in, the model's) or
+            ``"cpu"`` (the metric moves what it keeps to host memory); ``repgeom measure --dry-run`` reports it.
+
+    A metric whose state is a statistic other metrics need too (a Gram, sums of unit vectors) returns it from
+    :meth:`statistics` instead of declaring it with ``add_state``, and reads it with :meth:`stat`; its default
+    ``update`` feeds it (docs/plugins.md#shared-statistics).
+
+    A ``VIEWS`` metric must have an ``n_views`` attribute (usually a constructor parameter): the pipeline makes
+    that many augmented views of every text and hands them over pooled, as ``batch.views`` [B, n_views, D].
+
+    Constructor keyword arguments are the metric's parameters; :meth:`config` reads them back (by attribute of
+    the same name) so every run records the values actually used.
+    """
+
+    name: ClassVar[str] = ""
+    consumes: ClassVar[Consumes] = Consumes.POOLED
+    full_state_update: ClassVar[bool] = False
+    #: pooling used for POOLED/VIEWS metrics unless the user sets one (``--pooling`` or ``METRIC.pooling``).
+    default_pooling: ClassVar[str] = "last"
+    state_device: ClassVar[str] = "input"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stats: dict[str, Statistic] | None = None  # slot → statistic, made on first use (after __init__)
+        self._owned: set[str] = set()  # the slots this metric feeds, saves and merges (not borrowed from another)
+
+    # -- shared statistics ---------------------------------------------------------------------------------------
+    def statistics(self) -> dict[str, Statistic]:
+        """The statistics this metric reads, by slot name (e.g. ``{"gram": PooledGram(unit=True)}``); called once,
+        after ``__init__``, so it may depend on the parameters. Default: none."""
+        return {}
+
+    def _slots(self) -> dict[str, Statistic]:
+        if self._stats is None:
+            self._stats = dict(self.statistics())
+            self._owned = set(self._stats)
+        return self._stats
+
+    def stat(self, slot: str) -> Statistic:
+        """The statistic in ``slot`` (this metric's own, or the one it shares with another metric of the run)."""
+        return self._slots()[slot]
+
+    def share(self, slot: str, statistic: Statistic) -> None:
+        """Read ``statistic`` (fed, saved and merged by the metric that owns it) in ``slot`` from now on."""
+        mine = self._slots()[slot]
+        if mine.key() != statistic.key():
+            raise ValueError(f"{self.name}: cannot share {statistic.label()} in slot {slot!r} of {mine.label()}")
+        self._stats[slot] = statistic  # type: ignore[index]
+        self._owned.discard(slot)
+
+    def owned_statistics(self) -> dict[str, Statistic]:
+        return {slot: st for slot, st in self._slots().items() if slot in self._owned}
+
+    def declared_states(self) -> Iterator[tuple[str, str, Any, tuple | None, int | str | None, str]]:
+        """(name, reduction, default, shape, max_rows, state_device) of every state this metric keeps: its own and
+        those of the statistics it owns (``slot.name``); for the memory estimate."""
+        yield from super().declared_states()
+        keys = self._keys()
+        for slot, st in sorted(self.owned_statistics().items()):
+            for name, *rest in st.declared_states():
+                yield (keys[slot, name], *rest)
+
+    def reset(self) -> None:
+        super().reset()
+        for st in self.owned_statistics().values():
+            st.reset()
+
+    def _keys(self) -> dict[tuple[str, str], str]:
+        """(slot, state name) → the key under which an owned statistic's state is saved: its own name, or
+        ``slot.name`` where that would clash with another state of this metric."""
+        names = [(slot, n) for slot, st in sorted(self.owned_statistics().items()) for n in st._reductions]
+        seen = list(self._reductions) + [n for _, n in names]
+        return {(slot, n): n if seen.count(n) == 1 else f"{slot}.{n}" for slot, n in names}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = super().state_dict()
+        keys = self._keys()
+        for slot, st in sorted(self.owned_statistics().items()):
+            out.update({keys[slot, k]: v for k, v in st.state_dict().items()})
+        return out
+
+    def _split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """A saved state's own part, and each owned statistic's part under the statistic's own names."""
+        keys = self._keys()
+        parts: dict[str, dict] = {slot: {} for slot in self.owned_statistics()}
+        theirs = {key: (slot, n) for (slot, n), key in keys.items()}
+        own = {}
+        for k, v in state.items():
+            if k in theirs:
+                parts[theirs[k][0]][theirs[k][1]] = v
+            else:
+                own[k] = v
+        return own, parts
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        own, parts = self._split(state)
+        super().load_state_dict(own)
+        for slot, st in self.owned_statistics().items():
+            st.load_state_dict(parts[slot])
+
+    def check_state(self, state: dict[str, torch.Tensor], width: int | None = None) -> list[str]:
+        own, parts = self._split(state)
+        problems = super().check_state(own, width)
+        for slot, st in self.owned_statistics().items():
+            problems += st.check_state(parts[slot], width)
+        return problems
+
+    def merge(self, other: "Metric") -> "Metric":
+        super().merge(other)
+        theirs = other.owned_statistics()
+        for slot, st in self.owned_statistics().items():
+            if slot not in theirs:
+                raise ValueError(f"{self.name}: the other shard does not hold its {slot!r} statistic")
+            st.merge(theirs[slot])
+        return self
+
+    # -- interface -----------------------------------------------------------------------------------------------
+    def update(self, batch: LayerBatch) -> None:
+        """Fold one batch into the state. The default feeds the statistics this metric owns (a metric with states
+        of its own overrides it and calls ``super().update(batch)``)."""
+        owned = self.owned_statistics()
+        if not self._slots():
+            raise NotImplementedError(f"{type(self).__name__} must implement update()")
+        for st in owned.values():
+            st.update(batch)
 
     def compute(self) -> float | dict[str, Any]:  # pragma: no cover - abstract
         """A float (written as a JSON number) or a dict of JSON-serialisable values."""
@@ -208,18 +367,3 @@ class Metric:
         Returns a JSON-serialisable dict written to ``result.summary[metric]``, or ``None``.
         """
         return None
-
-    # -- parameters ----------------------------------------------------------------------------------------------
-    @classmethod
-    def parameter_names(cls) -> list[str]:
-        sig = inspect.signature(cls.__init__)
-        return [p.name for p in list(sig.parameters.values())[1:]
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-    def config(self) -> dict[str, Any]:
-        """The parameters this instance was built with (read back by attribute name)."""
-        return {n: getattr(self, n) for n in self.parameter_names() if hasattr(self, n)}
-
-    def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"{type(self).__name__}({params})"

@@ -65,3 +65,28 @@ def test_dry_run_table_and_errors(tiny_model_dir, capsys):
     assert "dispersion" in out and "per 1,000 texts" in out and "weights" in out
     assert main(["measure", "-m", "./no-such-model", "-d", "x.txt", "--dry-run"]) == 2
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_a_state_memory_budget_refuses_before_loading(tiny_model_dir, tmp_path, capsys):
+    """--state-memory: an estimate above the budget is one line naming what to drop, before any weight is read;
+    within the budget the run goes on."""
+    model = tiny_model_dir("llama")
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(texts(20)) + "\n")
+    out = tmp_path / "out.json"
+    args = ["measure", "-m", model, "-d", str(data), "--layers", "all", "--metrics", "dispersion", "effective_rank",
+            "vendi", "-o", str(out)]
+    assert main(args + ["--state-memory", "10KB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "--state-memory 9.8 KiB" in err and "effective_rank" in err and "--layers final" in err
+    assert not out.exists()
+    assert main(args + ["--state-memory", "1GB"]) == 0 and out.exists()
+
+
+@pytest.mark.parametrize("text, expected", [("8GB", 8 * 10 ** 9), ("512MiB", 512 * 2 ** 20), ("2.5g", 25 * 10 ** 8),
+                                            ("1000", 1000)])
+def test_sizes_parse(text, expected):
+    from repgeom_eval.measurement.estimate import parse_size
+
+    assert parse_size(text) == expected

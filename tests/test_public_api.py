@@ -13,7 +13,8 @@ import pytest
 import repgeom_eval
 
 PUBLIC = {
-    "hookimpl", "Metric", "LayerBatch", "Consumes", "Command", "ArchitectureSpec", "HookPoint", "pre_ln_decoder",
+    "hookimpl", "Metric", "Statistic", "UnitSums", "PooledGram", "LayerBatch", "Consumes", "Command", "ArchitectureSpec",
+    "HookPoint", "pre_ln_decoder",
     "post_ln_encoder", "AuxLoss", "build_aux_loss",
     "RepgeomError", "ParameterError", "PluginError", "UnknownNameError", "check_param", "is_real", "is_count",
     "measure", "MeasureResult", "RunConfig", "load_model", "LoadedModel", "ModelInfo", "ModelOptions", "get_host",
@@ -31,7 +32,7 @@ def test_the_public_names_are_pinned():
 
 def test_what_a_plugin_imports_first_is_light():
     code = ("import sys, repgeom_eval\n"
-            "from repgeom_eval import hookimpl, Metric, LayerBatch, Consumes, ParameterError, check_param\n"
+            "from repgeom_eval import hookimpl, Metric, LayerBatch, Consumes, ParameterError, check_param, UnitSums\n"
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -22,7 +22,7 @@ import torch
 
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.measurement.feed import Feeder
-from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics
+from repgeom_eval.measurement.metric_specs import MetricSpec, fresh_metrics, instantiate_metrics
 from repgeom_eval.measurement.plan import Item
 from repgeom_eval.measurement.preprocess import Preprocessor
 from repgeom_eval.metric import Consumes, Metric
@@ -112,7 +112,7 @@ class MetricBank:
         self.addresses = list(addresses)
         self.per_text = per_text
         self.states: dict[Address, list[tuple[MetricSpec, Metric]]] = {
-            a: [(spec, spec.new()) for spec in self.specs] for a in self.addresses}
+            a: fresh_metrics(self.specs, a) for a in self.addresses}
         first = next(iter(self.states.values()), [])
         self.n_views = max([int(m.n_views) for s, m in first if s.consumes == Consumes.VIEWS] or [0])  # type: ignore
         self.feeder = Feeder(self.specs, self.n_views, prep or Preprocessor())
@@ -137,8 +137,7 @@ class MetricBank:
     def merge_state(self, state: Mapping[str, Mapping[str, Mapping[str, torch.Tensor]]]) -> None:
         """Fold another process's :meth:`state` into this bank."""
         for addr, ms in self.states.items():
-            for spec, m in ms:
-                other = spec.new()
+            for (spec, m), (_, other) in zip(ms, fresh_metrics(self.specs, addr)):
                 with spec.guard("merge", addr):
                     other.load_state_dict(dict(state[str(addr)][spec.name]))
                     m.merge(other)

@@ -85,14 +85,14 @@ def _bytes(shape: tuple, width: int, itemsize: int, skip_rows: bool = False) -> 
 
 
 def metric_memory(metric: Any, width: int, device: str) -> StateEstimate:
-    """The memory of one metric instance's states at a layer of ``width``, from their declared shapes."""
+    """The memory of one metric instance's states at a layer of ``width``, from their declared shapes: its own
+    states and those of the statistics it owns (a statistic it shares with another metric is counted there)."""
     fixed = per_text = 0
-    for name, reduce in metric._reductions.items():
-        default = metric._defaults[name]
+    devices = set()
+    for _name, reduce, default, shape, bound, state_device in metric.declared_states():
         itemsize = default.element_size() if hasattr(default, "element_size") else FLOAT64
-        shape = metric._shapes.get(name) or (tuple(default.shape) if hasattr(default, "shape") else ())
+        shape = shape or (tuple(default.shape) if hasattr(default, "shape") else ())
         if reduce == "cat":
-            bound = metric._bounds.get(name)
             row = _bytes(shape, width, itemsize, skip_rows=True)
             if bound is not None:
                 fixed += row * (width if bound == "D" else int(bound))
@@ -100,8 +100,10 @@ def metric_memory(metric: Any, width: int, device: str) -> StateEstimate:
                 per_text += row * 1000
         else:
             fixed += _bytes(shape, width, itemsize)
-    where = "cpu" if getattr(metric, "state_device", "input") == "cpu" else device
-    return StateEstimate(metric.name, fixed, per_text, where)
+        devices.add("cpu" if state_device == "cpu" else device)
+    if not devices:
+        devices.add("cpu" if getattr(metric, "state_device", "input") == "cpu" else device)
+    return StateEstimate(metric.name, fixed, per_text, "+".join(sorted(devices)))
 
 
 def _text_config(config: Any) -> Any:
@@ -123,7 +125,7 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
     import torch
     from transformers import AutoConfig
 
-    from repgeom_eval.measurement.metric_specs import instantiate_metrics
+    from repgeom_eval.measurement.metric_specs import instantiate_metrics, share_statistics
     from repgeom_eval.measurement.states import ENERGY_TOP, energy_metric
     from repgeom_eval.modeling.addresses import parse_request
     from repgeom_eval.modeling.loading import (ModelInfo, auto_class, loading_policy, locate_model, resolve_device,
@@ -153,8 +155,14 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
     specs = instantiate_metrics(run.metrics, host, run.metric_params, run.per_text, run.pooling)
     energy_cls = energy_metric(host)
     per_address: dict[str, list[StateEstimate]] = {}
+    notes = [f"every address at the config's width {width}; hidden states = layers + 1 = {n_layers + 1}"]
+    pairs = [(spec, spec.new()) for spec in specs]
+    shared = share_statistics(pairs)
+    if shared:
+        notes.append("shared statistics (kept once, counted under the first metric): "
+                     + ", ".join(f"{k} ← {v}" for k, v in sorted(shared.items())))
     for addr in addresses:
-        states = [metric_memory(spec.new(), width, device.type) for spec in specs]
+        states = [metric_memory(m, width, device.type) for _, m in pairs]
         if energy_cls is not None:
             energy = metric_memory(energy_cls(top_k=ENERGY_TOP), width, device.type)
             energy.metric = "(energy diagnostic)"
@@ -163,7 +171,6 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
             states.append(StateEstimate("(per-text scores)", 0, 1000 * FLOAT64 * max(len(specs), 1), "cpu"))
         per_address[addr] = states
     weights = None
-    notes = [f"every address at the config's width {width}; hidden states = layers + 1 = {n_layers + 1}"]
     try:
         with torch.device("meta"):
             shell = auto_class(config, host).from_config(config, trust_remote_code=opts.trust_remote_code)
@@ -178,6 +185,56 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
                  f"{len(addresses)} addresses in float32")
     return MemoryEstimate(str(model), info.model_type, n_layers, width, info.dtype, device.type, len(addresses),
                           addresses, per_address, weights, hidden, notes)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
+
+
+def parse_size(text: str) -> int:
+    """``--state-memory SIZE``: bytes from ``8GB``, ``512MiB``, ``2.5G``, ``1000000``."""
+    import argparse
+    import re
+
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = found.group(2).lower() if found else None
+    if not found or unit not in _UNITS or float(found.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give a number with a unit, e.g. 8GB, 512MiB or "
+                                         "2.5G")
+    return int(float(found.group(1)) * _UNITS[unit])
+
+
+def check_budget(est: MemoryEstimate, budget: int, n_texts: int | None, per_text_flag: str = "--per-text") -> None:
+    """Refuse, in one line, a run whose metric states would exceed ``budget`` bytes, naming what to drop: the
+    metrics that hold the most, the layers (the cost of one address), the per-text states."""
+    need = est.for_texts(n_texts) if n_texts is not None else est.state_bytes
+    if need <= budget:
+        return
+    by_metric: dict[str, int] = {}
+    for states in est.per_address.values():
+        for s in states:
+            by_metric[s.metric] = by_metric.get(s.metric, 0) + s.fixed_bytes + s.per_1000_texts_bytes * (
+                n_texts or 0) // 1000
+    biggest = sorted(((b, m) for m, b in by_metric.items() if b > 0 and not m.startswith("(")), reverse=True)[:3]
+    per_address = need // max(est.n_addresses, 1)
+    texts = f" for {n_texts:,} texts" if n_texts is not None else " (fixed part; the per-text part grows with the data)"
+    drop = [f"metrics ({', '.join(f'{m} {human(b)}' for b, m in biggest)})" if biggest else "",
+            f"layers (each of the {est.n_addresses} addresses holds about {human(per_address)}; e.g. --layers final)"]
+    per_text = sum(b for m, b in by_metric.items() if m == "(per-text scores)")
+    if per_text:
+        drop.append(f"per-text states ({per_text_flag}, {human(per_text)})")
+    raise RepgeomError(f"--state-memory {human(budget)}: the metric states need about {human(need)}{texts}; drop "
+                       + ", ".join(d for d in drop if d) + " (repgeom measure --dry-run shows each)")
+
+
+def count_texts(data: str) -> int | None:
+    """The number of lines of a local .txt/.jsonl data file (an upper bound on its texts), None for a stream."""
+    import os
+
+    if not os.path.isfile(data):
+        return None
+    with open(data, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
 
 
 def human(n: int | None) -> str:

@@ -137,6 +137,42 @@ def instantiate_metrics(
     return out
 
 
+def fresh_metrics(specs: Sequence[MetricSpec], address: object = None) -> list[tuple[MetricSpec, Metric]]:
+    """A fresh state of every requested metric for one address, where metrics that read the same statistic of the
+    same vectors share one (:func:`share_statistics`)."""
+    pairs = [(spec, spec.new()) for spec in specs]
+    share_statistics(pairs, address)
+    return pairs
+
+
+def share_statistics(pairs: Sequence[tuple[MetricSpec, Metric]], address: object = None) -> dict[str, str]:
+    """Bind the statistics of ``pairs`` (the metrics of one address) so that each distinct one is kept once: two
+    pooled metrics whose ``statistics()`` hold statistics of the same class and parameters, read with the same
+    pooling, read the first metric's (docs/plugins.md#shared-statistics). The same binding is made for every
+    address, process and resumed state, so states save and merge alike. Returns ``{"metric.slot": owner metric}``
+    for the statistics shared."""
+    owners: dict[tuple, tuple[str, Any]] = {}
+    shared: dict[str, str] = {}
+    for spec, metric in pairs:
+        if spec.consumes != Consumes.POOLED:
+            continue
+        with spec.guard("statistics", address):
+            slots = dict(metric.owned_statistics())
+            keys = {slot: (spec.pooling, st.key()) for slot, st in slots.items()}
+        for slot, key in keys.items():
+            try:
+                hash(key)
+            except TypeError:  # parameters that cannot be compared: kept apart
+                continue
+            if key in owners:
+                owner, statistic = owners[key]
+                metric.share(slot, statistic)
+                shared[f"{spec.name}.{slot}"] = owner
+            else:
+                owners[key] = (spec.name, slots[slot])
+    return shared
+
+
 def check_parameter_types(name: str, cls: type[Metric], kwargs: Mapping[str, Any]) -> None:
     """Refuse a parameter whose value does not fit the simple type its constructor declares (``bool``, ``int``,
     ``float``, ``str``, a ``Literal`` or a union of these, e.g. ``per_text: bool``): ``--metric-param

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from repgeom_eval.measurement.distributed import Distributed
-from repgeom_eval.measurement.metric_specs import MetricSpec
+from repgeom_eval.measurement.metric_specs import MetricSpec, fresh_metrics
 from repgeom_eval.measurement.plan import ShardPlan
 from repgeom_eval.measurement.pooling import pool64
 from repgeom_eval.metric import Metric
@@ -36,7 +36,7 @@ class RunState:
                  energy_cls: type[Metric] | None):
         self.addresses, self.specs, self.per_text, self.context = addresses, specs, per_text, context
         self.states: dict[Address, list[tuple[MetricSpec, Metric]]] = {
-            addr: [(spec, spec.new()) for spec in specs] for addr in addresses}
+            addr: fresh_metrics(specs, addr) for addr in addresses}
         self._energy_cls = energy_cls
         self.energy: dict[Address, Metric] = (
             {addr: energy_cls(top_k=ENERGY_TOP) for addr in addresses} if energy_cls is not None else {})
@@ -166,8 +166,7 @@ class RunState:
         self.processed_by_rank = [part["processed"] for part in parts]
         for part in parts[1:]:
             for addr, ms in self.states.items():
-                for spec, m in ms:
-                    other = spec.new()
+                for (spec, m), (_, other) in zip(ms, fresh_metrics(self.specs, addr)):
                     with spec.guard("merge", addr):
                         other.load_state_dict(part["metrics"][str(addr)][spec.name])
                         m.merge(other)

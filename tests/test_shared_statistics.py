@@ -1,0 +1,162 @@
+"""Shared statistics (docs/plugins.md#shared-statistics): metrics that read the same statistic of the same vectors
+keep one state between them, fed once, saved once, merged once, and give the values they give alone."""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+
+import pytest
+import torch
+
+import repgeom_eval as rg
+from repgeom_eval import Consumes, LayerBatch, Metric
+from repgeom_eval.measurement.bank import MetricBank
+from repgeom_eval.measurement.config import RunConfig
+from repgeom_eval.measurement.estimate import estimate
+from repgeom_eval.measurement.metric_specs import fresh_metrics, instantiate_metrics
+from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.plugin_system.host import get_host
+from repgeom_eval.statistics import PooledGram, UnitSums
+
+GRAM_METRICS = ["vendi", "dataset_entropy", "effective_rank"]
+NONE = {"dataset_entropy": {"centering": "none"}}
+
+
+def texts(n: int) -> list[str]:
+    words = "rivers hills numbers code music weather stones letters trees ships".split()
+    return [" ".join(words[(i * 3 + k) % 10] for k in range(2 + i % 6)) + f" {i}" for i in range(n)]
+
+
+def run(model, metrics, n, **kw):
+    config = RunConfig(layers="all", metrics=tuple(metrics), progress=False, pooling="mean",
+                       metric_params={k: v for k, v in NONE.items() if k in metrics}, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return rg.measure(model, texts(n), config=config)
+
+
+def values(result, metric):
+    return {addr: res[metric] for addr, res in result.results.items()}
+
+
+def flat(value):
+    return value.values() if isinstance(value, dict) else [value]
+
+
+@pytest.mark.parametrize("n_texts", [10, 70])  # fewer and more texts than the tiny model's width (32)
+def test_values_together_equal_values_alone(tiny_model_dir, n_texts):
+    model = tiny_model_dir("llama")
+    together = run(model, GRAM_METRICS + ["dispersion"], n_texts, batch_size=7)
+    for metric in GRAM_METRICS + ["dispersion"]:
+        alone = run(model, [metric], n_texts, batch_size=7)
+        for addr, value in values(alone, metric).items():
+            for a, b in zip(flat(value), flat(together.results[addr][metric])):
+                assert math.isfinite(a) and abs(a - b) <= 1e-12, (metric, addr, a, b)
+
+
+def test_one_gram_per_distinct_statistic(host):
+    specs = instantiate_metrics(GRAM_METRICS, host, NONE, per_text=False, pooling="mean")
+    pairs = dict((spec.name, m) for spec, m in fresh_metrics(specs))
+    # vendi and dataset_entropy without centring read the Gram of the unit rows: one object, owned by vendi
+    assert pairs["dataset_entropy"].stat("gram") is pairs["vendi"].stat("gram")
+    assert "gram" in pairs["vendi"].owned_statistics() and not pairs["dataset_entropy"].owned_statistics()
+    # effective_rank reads the Gram of the raw rows, another statistic
+    assert pairs["effective_rank"].stat("gram") is not pairs["vendi"].stat("gram")
+    # a different pooling means different vectors: nothing shared
+    specs = instantiate_metrics(GRAM_METRICS, host, {"dataset_entropy": {"centering": "none", "pooling": "last"}},
+                                per_text=False, pooling="mean")
+    pairs = dict((spec.name, m) for spec, m in fresh_metrics(specs))
+    assert pairs["dataset_entropy"].stat("gram") is not pairs["vendi"].stat("gram")
+
+
+def test_the_shared_state_is_held_and_estimated_once(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    one = run(model, ["vendi"], 70).timings["state_bytes"]
+    two = run(model, ["vendi", "dataset_entropy"], 70).timings["state_bytes"]
+    assert two == one  # the second metric adds nothing: it reads vendi's Gram
+    config = RunConfig(layers="all", metrics=("vendi", "dataset_entropy"), metric_params=NONE, pooling="mean")
+    est = estimate(model, config)
+    per_metric = {s.metric: s.fixed_bytes for s in est.per_address["final"]}
+    assert per_metric["dataset_entropy"] == 0 and per_metric["vendi"] > 0
+    assert any("dataset_entropy.gram ← vendi" in note for note in est.notes)
+
+
+def test_shards_merge_with_shared_state():
+    host = get_host()
+    addr = [Address("final")]
+    x = torch.randn(50, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    whole = MetricBank(GRAM_METRICS + ["dispersion"], addr, params=NONE, pooling="mean", host=host)
+    parts = [MetricBank(GRAM_METRICS + ["dispersion"], addr, params=NONE, pooling="mean", host=host)
+             for _ in range(3)]
+
+    def feed(bank, rows):
+        mask = torch.ones(len(rows), 1, dtype=torch.bool)
+        bank.update(addr[0], x[rows].unsqueeze(1), mask, list(rows))
+
+    for start in range(0, 50, 8):
+        feed(whole, range(start, min(start + 8, 50)))
+        feed(parts[(start // 8) % 3], range(start, min(start + 8, 50)))
+    # the saved state of a shard holds the unit Gram once (under vendi), none under dataset_entropy
+    state = parts[0].state()["final"]
+    assert "gram" in state["vendi"] and state["dataset_entropy"] == {}
+    for other in parts[1:]:
+        parts[0].merge_state(other.state())
+    for metric, value in whole.compute()["final"].items():
+        for a, b in zip(flat(value), flat(parts[0].compute()["final"][metric])):
+            assert abs(a - b) <= 1e-12, (metric, a, b)
+
+
+def test_a_resumed_run_with_shared_state_equals_a_single_pass(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    single = run(model, GRAM_METRICS, 40, shard_size=16)
+    cut = run(model, GRAM_METRICS, 40, shard_size=16, run_dir=str(tmp_path / "run"))
+    resumed = run(model, GRAM_METRICS, 40, shard_size=16, run_dir=str(tmp_path / "run"), resume=True)
+    for metric in GRAM_METRICS:
+        for addr, value in values(single, metric).items():
+            for r in (cut, resumed):
+                for a, b in zip(flat(value), flat(r.results[addr][metric])):
+                    assert abs(a - b) <= 1e-12, (metric, addr)
+
+
+class MeanResultantLength(Metric):
+    """A third-party metric that shares dispersion's sums: ‖Σu‖ / n."""
+
+    name = "mean_resultant_length"
+    consumes = Consumes.POOLED
+
+    def statistics(self):
+        return {"sums": UnitSums()}
+
+    def compute(self):
+        s = self.stat("sums")
+        return float(torch.linalg.vector_norm(s.sum_u) / s.n)
+
+
+def test_a_plugin_metric_shares_a_built_in_statistic():
+    @rg.hookimpl
+    def repgeom_register_metrics(registry):
+        registry.add(MeanResultantLength)
+
+    module = types.ModuleType("mrl_plugin")
+    module.repgeom_register_metrics = repgeom_register_metrics
+    host = rg.PluginHost(extra_plugins=[("mrl", module)])
+    specs = instantiate_metrics(["dispersion", "mean_resultant_length"], host, None, per_text=False, pooling="mean")
+    (d_spec, disp), (_, mrl) = fresh_metrics(specs)
+    assert mrl.stat("sums") is disp.stat("sums") and not mrl.owned_statistics()
+    u = torch.randn(9, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    batch = LayerBatch("final", torch.arange(9), pooled=u)
+    disp.update(batch)
+    mrl.update(batch)  # a borrower feeds nothing: the owner's update did
+    units = u / u.norm(dim=1, keepdim=True)
+    assert mrl.compute() == pytest.approx(float(units.sum(0).norm() / 9), abs=1e-12)
+    assert disp.stat("sums").n == 9
+
+
+def test_a_statistic_of_other_parameters_is_not_shared():
+    assert PooledGram(unit=True).key() != PooledGram(unit=False).key()
+    assert PooledGram(unit=True).key() == PooledGram(unit=True).key()
+    metric = rg.get_host().metrics.get("vendi")()
+    with pytest.raises(ValueError, match="cannot share"):
+        metric.share("gram", PooledGram(unit=False))
