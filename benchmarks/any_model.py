@@ -7,7 +7,8 @@ counted as **measured wrong** (the goal is 0).
 
 Each type runs in a worker process with a memory limit and a time limit, so one runaway config cannot take the
 sweep down. ``python benchmarks/any_model.py`` prints the table; ``--write`` also writes
-benchmarks/results/any_model.json and the coverage section of README.md (between its any-model markers), both
+benchmarks/results/any_model.json and the coverage section of docs/how-to/own-model.md (between its any-model
+markers), both
 from this run; ``--types opt falcon`` runs a few.
 """
 
@@ -30,7 +31,7 @@ from repgeom_eval.coverage import check_type, markdown, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "any_model.json"
-README = ROOT / "README.md"
+COVERAGE_PAGE = ROOT / "docs" / "how-to" / "own-model.md"  # its coverage section, between the markers
 START, END = "<!-- any-model:start -->", "<!-- any-model:end -->"
 
 
@@ -122,13 +123,13 @@ def _progress(row: dict, done: int, total: int) -> None:
           file=sys.stderr, flush=True)
 
 
-def write_readme(text: str) -> None:
-    readme = README.read_text(encoding="utf-8")
+def write_coverage_page(text: str) -> None:
+    readme = COVERAGE_PAGE.read_text(encoding="utf-8")
     if START not in readme or END not in readme:
-        raise SystemExit(f"README.md has no {START} ... {END} section")
+        raise SystemExit(f"{COVERAGE_PAGE.relative_to(ROOT)} has no {START} ... {END} section")
     head, rest = readme.split(START, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{START}\n{text}\n{END}{tail}", encoding="utf-8")
+    COVERAGE_PAGE.write_text(f"{head}{START}\n{text}\n{END}{tail}", encoding="utf-8")
 
 
 def main() -> int:
@@ -138,7 +139,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per type")
     ap.add_argument("--memory-gb", type=float, default=10.0, help="address-space limit of each worker")
-    ap.add_argument("--write", action="store_true", help="write the JSON results and the README section")
+    ap.add_argument("--write", action="store_true", help="write the JSON results and the coverage section of docs/how-to/own-model.md")
     args = ap.parse_args()
     import transformers
 
@@ -162,7 +163,7 @@ def main() -> int:
         tmp = RESULTS.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
         os.replace(tmp, RESULTS)
-        write_readme(text)
+        write_coverage_page(text)
     return 0
 
 

@@ -16,8 +16,8 @@ class TrainCommand:
 
     config: str = option(None, "--config", "-c", required=True, metavar="FILE.yaml",
                          help="training config: model or from_scratch, data.domains, aux_losses, training "
-                              "(transformers.TrainingArguments), evaluate_at, output_dir (keys below; README, "
-                              "'Training with auxiliary losses')")
+                              "(transformers.TrainingArguments), evaluate_at, output_dir (keys below; "
+                              "docs/how-to/training.md)")
     overrides: tuple[str, ...] = option((), "--set", action="append", cli_default=[], metavar="KEY=VALUE",
                                         from_cli=tuple,
                                         help="override a config value, e.g. --set training.max_steps=50 --set "

@@ -11,7 +11,7 @@ compares:
   parallel: resid_post = resid_pre + attn_out + mlp_out; every block: resid_pre = the previous resid_post).
 
 A failure of either is **measured wrong**. :func:`summarize` and :func:`markdown` make the coverage table that
-``make any-model`` (benchmarks/any_model.py) writes into the README; the test suite runs the same check.
+``make any-model`` (benchmarks/any_model.py) writes into docs/how-to/own-model.md (its coverage section); the test suite runs the same check.
 """
 
 from __future__ import annotations

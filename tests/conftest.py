@@ -91,7 +91,7 @@ def example_plugin_site(tmp_path_factory) -> Path:
     return site
 
 
-# -- the fault-injection count (tests marked @pytest.mark.fault(category); README, "No output replaces an input") -
+# -- the fault-injection count (tests marked @pytest.mark.fault(category); docs/reference/outputs.md) -
 
 FAULT_CATEGORIES = ("clean", "refused", "exact")
 

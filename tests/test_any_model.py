@@ -1,7 +1,7 @@
 """Every model type of the installed transformers that can be built at tiny size is measured right, or refused in one
 line (repgeom_eval.coverage.check_type: every hidden state through Forward equals the model's own
-output_hidden_states; the verified sub-layers satisfy the residual identities on real texts). The README's coverage
-table is the committed sweep, written by benchmarks/any_model.py."""
+output_hidden_states; the verified sub-layers satisfy the residual identities on real texts). The coverage
+table of docs/how-to/own-model.md is the committed sweep, written by benchmarks/any_model.py."""
 
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ def test_every_buildable_type_is_measured_right_or_refused_in_one_line(kind, tmp
     assert len(verified) >= 0.8 * len(built)
 
 
-def test_readme_coverage_table_is_the_committed_sweep():
+def test_coverage_table_is_the_committed_sweep():
     doc = json.loads((ROOT / "benchmarks" / "results" / "any_model.json").read_text(encoding="utf-8"))
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("<!-- any-model:start -->\n", 1)[1].split("\n<!-- any-model:end -->", 1)[0]
-    assert section == markdown(doc), "README's coverage table differs from benchmarks/results/any_model.json: " \
-                                     "rerun `make any-model`"
+    page = (ROOT / "docs" / "how-to" / "own-model.md").read_text(encoding="utf-8")
+    section = page.split("<!-- any-model:start -->\n", 1)[1].split("\n<!-- any-model:end -->", 1)[0]
+    assert section == markdown(doc), "the coverage table of docs/how-to/own-model.md differs from " \
+                                     "benchmarks/results/any_model.json: rerun `make any-model`"
     assert doc["summary"]["causal"]["measured_wrong"] == doc["summary"]["encoder"]["measured_wrong"] == 0

@@ -1,4 +1,5 @@
-"""Docs that are tested: every ```bash and ```python block of README.md and docs/*.md runs here.
+"""Docs that are tested: every ```bash and ```python block of README.md and of every page of the documentation site
+(docs/**/*.md and the pages it publishes from elsewhere: scripts/docs_site.py) runs here.
 
 Plain ``` blocks (make, pip, sample output) and other languages are not run. A block of any language whose info
 string names a file (```` ```yaml file=my_tasks/quiz.yaml ````) is written to that path, relative to the working
@@ -39,7 +40,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "repgeom-example-metric"
 EXAMPLE_MODULE = "repgeom_example_metric"
-DOC_FILES = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if p.is_file()]
+
+
+def _site_sources() -> list[Path]:
+    """The Markdown files the documentation site is built from (scripts/docs_site.py, which mkdocs.yml hooks in)."""
+    spec = importlib.util.spec_from_file_location("repgeom_docs_site", ROOT / "scripts" / "docs_site.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.site_sources(ROOT)
+
+
+DOC_FILES = [p for p in [ROOT / "README.md", *_site_sources()] if p.is_file()]
 RUN_LANGUAGES = ("bash", "python")
 DOCS_MODULE = "repgeom_docs_block"  # the module a python block runs as
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
@@ -288,6 +299,9 @@ def test_doc_block(block: Block, request, monkeypatch, tmp_path):
 def test_docs_found():
     names = {b.path.name for b in BLOCKS}
     assert "README.md" in names and "plugins.md" in names, f"runnable blocks found only in {sorted(names)}"
+    pages = {p.relative_to(ROOT).as_posix() for p in DOC_FILES}
+    assert {"docs/index.md", "docs/getting-started.md", "docs/how-to/own-model.md", "docs/reference/cli.md",
+            "experiments/README.md"} <= pages, f"site pages missing from the docs tests: {sorted(pages)}"
 
 
 def test_tutorial_module_is_the_example():

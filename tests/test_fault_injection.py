@@ -1,6 +1,6 @@
 """Fault injection, side by side: the model, the data, the outputs and a resumed run, each broken on purpose.
 
-Every case asserts the same four things (README.md#no-output-replaces-an-input):
+Every case asserts the same four things (docs/reference/outputs.md#no-output-replaces-an-input):
 
 * a non-zero exit;
 * exactly one line on stderr (warnings aside), the CLI's error line, naming the culprit (a regex per case);

@@ -1,5 +1,5 @@
 """Every declared output option (``option(..., writes="file"|"folder")``) of every command with a good invocation,
-pointed at three things it must never destroy (README.md#no-output-replaces-an-input):
+pointed at three things it must never destroy (docs/reference/outputs.md#no-output-replaces-an-input):
 
 * **a device**, through a link to ``/dev/null``: a file output is written through it, the link stays a link and the
   device stays a device; a folder output refuses it in one line;

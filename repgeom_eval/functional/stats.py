@@ -23,8 +23,8 @@ One policy for every statistic:
    among the complete pairs the AUROC is undefined: NaN.
 
 Degenerate inputs give NaN and never raise; only malformed input (unequal lengths, labels not 0/1) raises.
-Correlations are clipped to [−1, 1] against rounding. The policy is restated for users in the README section
-"Statistics and missing values".
+Correlations are clipped to [−1, 1] against rounding. The policy is restated for users in
+docs/reference/outputs.md#statistics-and-missing-values.
 """
 
 from __future__ import annotations

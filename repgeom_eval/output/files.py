@@ -115,7 +115,7 @@ def _inside(path: str, folder: str) -> bool:
 
 def check_outputs(outputs: Mapping[str, PathsArg], inputs: Mapping[str, PathsArg] | None = None,
                   folders: Mapping[str, PathsArg] | None = None) -> None:
-    """Refuse, before any compute, an output that would destroy an input (README.md#no-output-replaces-an-input).
+    """Refuse, before any compute, an output that would destroy an input (docs/reference/outputs.md#no-output-replaces-an-input).
 
     ``outputs``: label (the option, e.g. ``"--per-text"``) → the path(s) the run writes: files, or folders the run
     creates or replaces whole (``train``'s ``output_dir/model``). For a folder the run only adds files to (a kNN
