@@ -14,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 # Converted GGUF models are cached outside the user's ~/.cache, shared by the test processes of a run.
+# The load check's disk cache is tested on its own (tests/test_layout_cache.py); elsewhere every load probes, so that
+# a test's deliberately broken model is never served a layout found on another one.
+os.environ.setdefault("REPGEOM_LAYOUT_CACHE", "0")
 os.environ.setdefault("REPGEOM_CACHE", str(Path(tempfile.gettempdir()) / f"repgeom-test-cache-{os.getuid()}"))
 
 

@@ -12,6 +12,7 @@ only their pooled vectors, never hidden states.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,12 @@ class Distributed:
         if threading.current_thread() is not threading.main_thread():
             return
 
+        fired: list[bool] = []
+
         def stop(signum: int, frame: Any) -> None:
+            if fired or sys.is_finalizing():  # a second signal, or one during shutdown: the line is already out
+                os._exit(2)
+            fired.append(True)
             raise RankStopped(f"rank {self.rank} of {self.world}: stopped by the launcher, after another rank ended "
                               f"(see its message); with --run-dir, every finished shard is kept: run the same "
                               f"command with --resume and the same number of processes")

@@ -372,7 +372,9 @@ class MeasureRun:
         data_summary = counts | {"n_tokens": state.n_tokens, "n_truncated": state.n_truncated,
                                  "n_views_per_text": self.n_views, "n_skipped_no_tokens": state.n_empty}
         t = self.timer
-        timings = {"load_model_s": t["load_model"], "augment_tokenize_s": t["augment_tokenize"],
+        timings = {"load_model_s": t["load_model"],
+                   **{f"load_model_{k}": v for k, v in getattr(self.loaded, "timings", {}).items()},
+                   "augment_tokenize_s": t["augment_tokenize"],
                    "preprocess_stats_s": t["preprocess_stats"], "forward_s": t["forward"], "metrics_s": t_metrics,
                    "total_s": time.perf_counter() - t_start,
                    "sequences_per_s": state.n_sequences / max(t["forward"] + t["metrics"], 1e-9),

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from repgeom_eval.errors import RepgeomError, first_line
+from repgeom_eval.modeling import layout_cache
 from repgeom_eval.modeling.architectures import SITES, ArchitectureSpec
 from repgeom_eval.modeling.blocks import analyze_block
 from repgeom_eval.modeling.hooks import HookPoint
@@ -67,6 +68,11 @@ def discover(model: nn.Module, table: ArchitectureSpec | None = None, table_name
     restored afterwards."""
     if cache and model in _CACHE and _CACHE[model].table == table_name:
         return _CACHE[model]
+    disk_key = layout_cache.key(model, table_name, upcast) if cache and layout_cache.enabled() else None
+    found = layout_cache.load(disk_key) if disk_key else None
+    if found is not None:  # this checkpoint was probed before (repgeom_eval/modeling/layout_cache.py)
+        _CACHE[model] = found
+        return found
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
@@ -79,6 +85,8 @@ def discover(model: nn.Module, table: ArchitectureSpec | None = None, table_name
         layout.notes.append(how)
     if cache:
         _CACHE[model] = layout
+    if disk_key:
+        layout_cache.save(disk_key, layout)
     return layout
 
 

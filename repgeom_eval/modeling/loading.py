@@ -6,6 +6,7 @@ import contextlib
 import os
 import pickle
 import re
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -65,6 +66,8 @@ class LoadedModel:
     layout: Layout  # every layer-address site, found and checked when the model loaded
     info: ModelInfo
     device: torch.device
+    #: where ``load_model`` spent its time: reading the files, the load check (layer discovery), the weights check
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def runner(self) -> Any:
@@ -202,6 +205,7 @@ def load_model(
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
+    t_read = time.perf_counter()
     opts = (options or loading_policy()).replace(dtype=dtype, device=device)
     dev = resolve_device(opts.device)
     torch_dtype = resolve_dtype(opts.dtype, dev)
@@ -277,8 +281,12 @@ def load_model(
                            "different lengths cannot be batched; name one in its tokenizer_config.json (e.g. "
                            "\"pad_token\": \"<pad>\")")
     check_tokenizer(tokenizer, name)
+    t_check = time.perf_counter()
     loaded = wrap_model(model, tokenizer, name=name, source=source, host=host)
+    t_weights = time.perf_counter()
     random_init, unused = check_loading_report(name, report, opts, model, loaded.layout)
+    loaded.timings = {"read_s": t_check - t_read, "load_check_s": t_weights - t_check,
+                      "weights_check_s": time.perf_counter() - t_weights}
     loaded.info.random_init_tensors = random_init
     loaded.info.unused_random_tensors = unused
     loaded.info.options = opts.non_default()

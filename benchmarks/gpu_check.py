@@ -1,0 +1,152 @@
+"""The GPU check: one prepared script for the lent GPU machine (torch, transformers, accelerate; no lm-eval, no mteb).
+
+1. **Values on the device equal the CPU's**: tiny random models of several types, every metric of the layer-wise
+   suite and dispersion at every address, measured on the CPU and on ``--device`` in float32 (|Δ| ≤ 1e-5), and in
+   bfloat16 on the device against float32 on the CPU (within docs/metrics.md#precision's 0.02).
+2. **The 8B shape, all 32 blocks, in bfloat16** (random init, Llama-3-8B's widths, the byte-level test tokenizer's
+   vocabulary): ``measure --layers all`` with dispersion alone and with the layer-wise suite, timed against a
+   forward-only loop over the same batches (benchmarks/bench_scale.py does the timing), per context length.
+3. **Peak GPU memory against the ``--dry-run`` estimate**: ``torch.cuda.max_memory_allocated`` of each run beside
+   the estimate of the weights, one batch's captured hidden states and the states that live on the device.
+
+It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
+CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine).
+
+    python benchmarks/gpu_check.py --out $OUT/gpu_check.json              # on the GPU machine
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+NEEDED = ("torch", "transformers", "pluggy", "yaml", "rich", "tqdm", "safetensors")
+TINY_TYPES = ("gpt2", "llama", "qwen2", "opt", "gpt_neox", "bert")
+METRICS = ["dispersion", "token_dispersion", "prompt_entropy", "dataset_entropy", "effective_rank", "curvature",
+           "vendi"]
+BF16_TOLERANCE = 0.02  # docs/metrics.md#precision
+
+
+def flat(results: dict) -> dict[str, float]:
+    out = {}
+    for addr, metrics in results.items():
+        for name, value in metrics.items():
+            if isinstance(value, dict):
+                out.update({f"{addr}/{name}.{k}": v for k, v in value.items() if isinstance(v, (int, float))})
+            elif isinstance(value, (int, float)):
+                out[f"{addr}/{name}"] = value
+    return out
+
+
+def values_check(device: str, types: tuple[str, ...], n_texts: int) -> dict:
+    import repgeom_eval as rg
+    from repgeom_eval.demo import python_doc_paragraphs
+
+    texts = python_doc_paragraphs(n_texts)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type in types:
+            kind = "encoder" if model_type == "bert" else "causal"
+            path = rg.save_tiny(model_type, Path(tmp) / model_type, kind=kind)
+            runs = {}
+            for where, dtype in (("cpu", "float32"), (device, "float32"), (device, "bfloat16")):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    result = rg.measure(str(path), texts, layers="all", metrics=METRICS, device=where, dtype=dtype,
+                                        max_length=64, batch_size=4, progress=False)
+                runs[(where, dtype)] = flat(result.results)
+            base = runs[("cpu", "float32")]
+
+            def worst(other):
+                return max(abs(other[k] - v) for k, v in base.items() if v == v and other[k] == other[k])
+
+            f32, bf16 = worst(runs[(device, "float32")]), worst(runs[(device, "bfloat16")])
+            rows[model_type] = {"float32_max_abs_diff": f32, "bfloat16_max_abs_diff": bf16,
+                                "ok": f32 <= 1e-5 and bf16 <= BF16_TOLERANCE, "n_values": len(base)}
+            print(f"values {model_type}: {device} float32 vs cpu {f32:.2e}, bfloat16 {bf16:.2e}", flush=True)
+    return rows
+
+
+def memory_check(scale: dict, shape: str, device: str, dtype: str, tokens: int, batch: int) -> dict:
+    """Peak GPU memory of each run against the estimate of what lives on the device."""
+    from transformers import LlamaConfig
+
+    from bench_scale import SHAPES
+    from repgeom_eval.measurement.config import RunConfig
+    from repgeom_eval.measurement.estimate import estimate
+
+    spec = {k: v for k, v in SHAPES[shape].items() if k not in ("full_depth", "name")}
+    out = {}
+    for suite, row in scale["suites"].items():
+        with tempfile.TemporaryDirectory() as tmp:
+            LlamaConfig(**spec, num_hidden_layers=scale["blocks_built"], vocab_size=scale["vocab"]).save_pretrained(tmp)
+            est = estimate(tmp, RunConfig(layers="all", metrics=tuple(row["metrics"]), pooling="mean", dtype=dtype,
+                                          device=device, batch_size=batch, max_length=tokens))
+        on_device = sum(s.fixed_bytes for states in est.per_address.values() for s in states
+                        if "cpu" not in s.device)
+        estimated = (est.weights_bytes or 0) + est.batch_hidden_bytes + on_device
+        peak = row.get("cuda_max_memory_allocated_bytes")
+        out[suite] = {"estimate_bytes": estimated, "weights_bytes": est.weights_bytes,
+                      "batch_hidden_bytes": est.batch_hidden_bytes, "device_state_bytes": on_device,
+                      "cuda_peak_bytes": peak, "peak_over_estimate": peak / estimated if peak else None}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script (e.g. with --device cpu)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"gpu_check: missing packages {', '.join(missing)}: pip install {' '.join(missing)}", file=sys.stderr)
+        return 2
+    import torch
+
+    import bench_scale
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run with --device cpu --quick to check the script", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    doc = {"check": "gpu_check", "machine": bench_scale.machine(), "device": args.device, "quick": args.quick}
+    doc["values"] = values_check(args.device, TINY_TYPES[:2] if args.quick else TINY_TYPES, 12 if args.quick else 24)
+    shape, blocks = ("quick", 2) if args.quick else ("8b", 32)
+    tokens, texts, batch = (32, 6, 3) if args.quick else (512, 32, 8)
+    contexts = [32, 64] if args.quick else [128, 1024, 4096]
+    dtype = "float32" if args.quick else "bfloat16"
+    scale_args = argparse.Namespace(blocks=blocks, texts=texts, tokens=tokens, batch=batch, repeats=1,
+                                    contexts=contexts, context_texts=2 if args.quick else 8, context_batch=2,
+                                    load=False, shapes=[shape])
+    from repgeom_eval.testing import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.model_max_length = 1 << 20
+    tokenizer.pad_token = tokenizer.eos_token
+    scale = bench_scale.per_shape(shape, scale_args, tokenizer, torch.device(args.device), getattr(torch, dtype))
+    doc["scale"] = scale
+    doc["memory"] = memory_check(scale, shape, args.device, dtype, tokens, batch)
+    doc["wall_s"] = time.perf_counter() - t0
+    doc["ok"] = all(r["ok"] for r in doc["values"].values())
+    print(json.dumps({"values_ok": doc["ok"], "wall_s": round(doc["wall_s"], 1),
+                      "layerwise_metrics_over_forward": scale["suites"]["layerwise"]["metrics_over_forward"],
+                      "dispersion_metrics_over_forward": scale["suites"]["dispersion"]["metrics_over_forward"]}))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

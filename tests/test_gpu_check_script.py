@@ -1,0 +1,37 @@
+"""benchmarks/gpu_check.py, the one script prepared for a lent GPU machine, run here on the CPU at tiny size
+(``--device cpu --quick``): it must run end to end and write its JSON, so the device minutes are not spent on a
+broken script. It drives benchmarks/bench_scale.py's measurement code too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["ok"] and set(doc["values"]) == {"gpt2", "llama"}
+    for row in doc["values"].values():
+        assert row["float32_max_abs_diff"] <= 1e-5 and row["bfloat16_max_abs_diff"] <= 0.02
+    suites = doc["scale"]["suites"]
+    assert set(suites) == {"dispersion", "layerwise"} and suites["layerwise"]["metrics_over_forward"] > 0
+    assert [row["tokens"] for row in doc["scale"]["contexts"]] == [32, 64]
+    assert doc["memory"]["layerwise"]["estimate_bytes"] > 0
+
+
+def test_gpu_check_refuses_without_cuda_in_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--device cpu" in proc.stderr
