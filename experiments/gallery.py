@@ -307,22 +307,416 @@ def save_figure(fig: Any, path: Path) -> Path:
     return path
 
 
-# -- intervals and verdicts (issue 25) --------------------------------------------------------------------------------
+# -- intervals, tests and verdicts (issues 25 and 35) ----------------------------------------------------------------
+#
+# One decision rule for every finding of the gallery. A test is formed from the unit-level data (the paired
+# differences over the units, x and y over the groups of a correlation, the scores and 0/1 labels of an AUROC), and
+# its interval and p value are chosen by the number of units:
+#
+# * at most SMALL (10) units: no bootstrap (a percentile bootstrap of a handful of units is too narrow and takes only
+#   a few values). A mean gets the t-interval and the exact two-sided sign-flip permutation p (all 2^n sign
+#   patterns); a correlation gets the Fisher-z interval (Pearson: se 1/sqrt(n - 3); Spearman: sqrt(1.06 / (n - 3)),
+#   Fieller, Hartley and Pearson 1957) and the exact two-sided permutation p (all n! pairings);
+# * more units: the seeded percentile bootstrap (over the units, or over a finer unit when the caller passes the
+#   resampled values), used only when it holds its own estimate. When it does not (the resampling biases the
+#   statistic), a mean falls back to the t-interval, a correlation to Fisher z, any other statistic to the normal
+#   interval centred on the estimate with the bootstrap's standard deviation. The p value: Student's t for a mean,
+#   the t test of r (Pearson exact under normality, Spearman's usual approximation) for a correlation,
+#   Mann-Whitney U for an AUROC, and for any other statistic the bootstrap's own (twice the share of resamples on
+#   the far side of the null; normal from the bootstrap s.d. when the normal interval is used).
+#
+# A finding names one primary test and the family of tests it is judged with; ``decide`` applies Holm's step-down
+# correction over that family and gives each member a verdict from its Holm-adjusted p: "follows" when p_Holm is
+# below ALPHA and the estimate lies on the side of the null the paper predicts, "opposite" when below ALPHA on the
+# other side, "cannot tell at this size" otherwise. Every other test is exploratory: its verdict comes from its own
+# unadjusted p and it is labelled so wherever it is shown.
 
 FOLLOWS, OPPOSITE, CANNOT_TELL = "follows", "opposite", "cannot tell at this size"
+PRIMARY, FAMILY, EXPLORATORY = "primary", "family", "exploratory"
 FROM_RAW = "--from-raw"
+ALPHA = 0.05
+LEVEL = 0.95
+SMALL = 10  # at most this many units: exact tests, t and Fisher-z intervals, no bootstrap
+SPEARMAN_VAR = 1.06  # Fieller, Hartley and Pearson (1957): var(atanh ρ_s) ≈ 1.06 / (n - 3)
 
 
-def decide(low: float, high: float, null: float = 0.0, expect: str = "below") -> str:
-    """A verdict decided by the 95 % interval, not by the sign: ``follows`` when the interval lies wholly on the
-    side of ``null`` the paper predicts (``expect`` ``below`` or ``above``), ``opposite`` when wholly on the other
-    side, ``cannot tell at this size`` when it holds ``null`` (or is undefined)."""
-    if not (math.isfinite(low) and math.isfinite(high)):
+@dataclass(frozen=True)
+class StatTest:
+    """One test of one statistic against its null: estimate, 95 % interval, two-sided p and how each was formed.
+
+    ``role``, ``family``, ``p_holm`` and ``verdict`` are filled in by :func:`decide` (family members) or
+    :func:`explore` (exploratory tests)."""
+    name: str
+    statistic: str
+    estimate: float
+    low: float
+    high: float
+    p: float
+    n: int
+    interval: str
+    test: str
+    null: float = 0.0
+    expect: str = "below"
+    role: str = EXPLORATORY
+    family: str = ""
+    p_holm: float | None = None
+    verdict: str = CANNOT_TELL
+
+    def as_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _finite(*xs: float) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+def t_interval(values: Sequence[float], level: float = LEVEL) -> tuple[float, float]:
+    """Student's t interval of the mean (NaN below 2 values; a point when every value is the same)."""
+    from scipy.stats import t
+
+    n = len(values)
+    if n < 2:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def t_test_p(values: Sequence[float], null: float = 0.0) -> float:
+    """Two-sided one-sample t test of the mean against ``null`` (NaN when the values do not vary)."""
+    from scipy.stats import t
+
+    n = len(values)
+    if n < 2:
+        return math.nan
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    if not sd > 0:
+        return math.nan if mean == null else 0.0
+    return float(2 * t.sf(abs(mean - null) / (sd / math.sqrt(n)), n - 1))
+
+
+def sign_flip_p(values: Sequence[float], null: float = 0.0) -> float:
+    """Exact two-sided permutation p of the mean of ``values - null`` under symmetry about 0: every one of the 2^n
+    sign patterns is enumerated; p is the share with |mean| at least the observed one (the observed pattern
+    included, so never 0)."""
+    import itertools
+
+    import numpy as np
+
+    d = np.asarray(values, float) - null
+    n = d.size
+    if n == 0:
+        return math.nan
+    signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))
+    means = np.abs(signs @ d) / n
+    observed = abs(d.sum()) / n
+    return float(np.mean(means >= observed * (1 - 1e-12) - 1e-15))
+
+
+def _corr(x: Any, y: Any, kind: str) -> Any:
+    from repgeom_eval.functional.bootstrap import rowwise_pearson, rowwise_ranks
+
+    if kind == "spearman":
+        x, y = rowwise_ranks(x), rowwise_ranks(y)
+    return rowwise_pearson(x, y)
+
+
+def correlation(x: Sequence[float], y: Sequence[float], kind: str = "pearson") -> float:
+    """Pearson's r or Spearman's ρ (average ranks for ties) of two paired sequences; NaN when one is constant."""
+    return float(_corr([list(x)], [list(y)], kind)[0])
+
+
+def permutation_correlation_p(x: Sequence[float], y: Sequence[float], kind: str = "pearson") -> float:
+    """Exact two-sided permutation p of a correlation: every one of the n! pairings of ``y`` with ``x`` is
+    enumerated; p is twice the smaller share at or beyond the observed r on either side (scipy's permutation_test
+    convention), at most 1. For n up to SMALL (10! pairings, in blocks)."""
+    import itertools
+
+    import numpy as np
+
+    xs, ys = np.asarray(x, float), np.asarray(y, float)
+    n = xs.size
+    if n > SMALL:
+        raise ValueError(f"exact permutation over {n}! pairings: use at most {SMALL} units")
+    observed = correlation(xs, ys, kind)
+    if not math.isfinite(observed):
+        return math.nan
+    tol = 1e-12 * max(1.0, abs(observed))
+    above = below = total = 0
+    perms = itertools.permutations(range(n))
+    while True:
+        block = np.array(list(itertools.islice(perms, 200_000)))
+        if block.size == 0:
+            break
+        r = _corr(np.broadcast_to(xs, block.shape), ys[block], kind)
+        above += int(np.sum(r >= observed - tol))
+        below += int(np.sum(r <= observed + tol))
+        total += len(block)
+    return min(1.0, 2 * min(above, below) / total)
+
+
+def fisher_z_interval(r: float, n: int, kind: str = "pearson", controls: int = 0,
+                      level: float = LEVEL) -> tuple[float, float]:
+    """The Fisher-z interval of a correlation over ``n`` pairs (``controls`` variables partialled out): tanh(atanh r
+    ± z · se), se = sqrt(c / (n - 3 - controls)), c = 1 for Pearson, 1.06 for Spearman. Always holds r; NaN for
+    |r| = 1 (no interval)."""
+    from scipy.stats import norm
+
+    df = n - 3 - controls
+    if not math.isfinite(r) or df < 1:
+        return math.nan, math.nan
+    if abs(r) >= 1.0:  # atanh(±1) is infinite: Fisher z gives no interval for a perfect correlation
+        return math.nan, math.nan
+    se = math.sqrt((SPEARMAN_VAR if kind == "spearman" else 1.0) / df)
+    z, q = math.atanh(r), float(norm.ppf(0.5 + level / 2))
+    return math.tanh(z - q * se), math.tanh(z + q * se)
+
+
+def correlation_t_p(r: float, n: int, controls: int = 0) -> float:
+    """Two-sided t test of a correlation: t = r sqrt(df / (1 - r²)), df = n - 2 - controls (scipy's pearsonr p for
+    Pearson, spearmanr's p for Spearman when ``controls`` is 0)."""
+    from scipy.stats import t
+
+    df = n - 2 - controls
+    if not math.isfinite(r) or df < 1:
+        return math.nan
+    if abs(r) >= 1.0:
+        return 0.0
+    return float(2 * t.sf(abs(r) * math.sqrt(df / (1 - r * r)), df))
+
+
+def _bootstrap(estimate: float, draws: Any) -> tuple[float, float, str] | None:
+    """The percentile interval of ``draws`` when it holds ``estimate``; else None (the caller falls back)."""
+    from repgeom_eval.functional.bootstrap import percentile_interval
+
+    low, high, valid = percentile_interval(draws, LEVEL)
+    if _finite(low, high, estimate) and low <= estimate <= high:
+        return low, high, f"percentile bootstrap ({valid} resamples)"
+    return None
+
+
+def _fallback_note(draws: Any) -> str:
+    return " (the percentile bootstrap left out its own estimate)" if draws is not None else ""
+
+
+def mean_test(name: str, values: Sequence[float], null: float = 0.0, expect: str = "below", draws: Any = None,
+              seed: int = 0) -> StatTest:
+    """The mean of ``values`` (one per unit: paired differences, per-seed changes, per-task gains) against ``null``.
+    Up to SMALL units: t-interval and exact sign-flip p; more: percentile bootstrap of the mean over the units (or of
+    ``draws``, resampled means over a finer unit) when it holds the mean, else the t-interval; Student's t p."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import bootstrap_indices
+
+    v = [float(x) for x in values]
+    n = len(v)
+    est = sum(v) / n if n else math.nan
+    if n <= SMALL:
+        low, high = t_interval(v)
+        return StatTest(name, "mean", est, low, high, sign_flip_p(v, null), n, f"t-interval ({n} units)",
+                    f"exact sign-flip permutation ({2 ** n} sign patterns)", null, expect)
+    if draws is None:
+        draws = np.asarray(v)[bootstrap_indices(n, 2000, seed)].mean(axis=1)
+    boot = _bootstrap(est, draws)
+    if boot is None:
+        low, high = t_interval(v)
+        method = f"t-interval ({n} units){_fallback_note(draws)}"
+    else:
+        low, high, method = boot
+    return StatTest(name, "mean", est, low, high, t_test_p(v, null), n, method, "Student's t", null, expect)
+
+
+def correlation_test(name: str, x: Sequence[float], y: Sequence[float], kind: str = "pearson", expect: str = "below",
+                     draws: Any = None, controls: int = 0, seed: int = 0, estimate: float | None = None) -> StatTest:
+    """A correlation (``kind`` pearson or spearman) of the paired ``x`` and ``y`` (one pair per unit) against 0.
+
+    Up to SMALL pairs: Fisher-z interval and exact permutation p. More: percentile bootstrap over the pairs (or of
+    ``draws``, the correlation recomputed on resamples of a finer unit) when it holds the estimate, else Fisher z;
+    the t test of r. ``controls``: variables already partialled out of x and y (a partial correlation: ``x`` and
+    ``y`` are then the residuals, and ``estimate`` may be passed), which lowers the degrees of freedom."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import bootstrap_indices
+
+    xs, ys = np.asarray(x, float), np.asarray(y, float)
+    n = int(xs.size)
+    est = correlation(xs, ys, kind) if estimate is None else float(estimate)
+    label = "Spearman ρ" if kind == "spearman" else "Pearson r"
+    if n <= SMALL:
+        low, high = fisher_z_interval(est, n, kind, controls)
+        p = permutation_correlation_p(xs, ys, kind) if not controls else correlation_t_p(est, n, controls)
+        test = (f"exact permutation ({math.factorial(n)} pairings)" if not controls
+                else f"t test of the partial correlation (df {n - 2 - controls})")
+        return StatTest(name, kind, est, low, high, p, n, f"Fisher z ({n} pairs)", test, 0.0, expect)
+    if draws is None:
+        idx = bootstrap_indices(n, 2000, seed)
+        draws = _corr(xs[idx], ys[idx], kind)
+    boot = _bootstrap(est, draws)
+    if boot is None:
+        low, high = fisher_z_interval(est, n, kind, controls)
+        method = f"Fisher z ({n} pairs){_fallback_note(draws)}"
+    else:
+        low, high, method = boot
+    return StatTest(name, kind, est, low, high, correlation_t_p(est, n, controls), n, method,
+                f"t test of {label} (df {n - 2 - controls})", 0.0, expect)
+
+
+def auroc_test(name: str, scores: Sequence[float], labels: Sequence[float], expect: str = "above",
+               draws: Any = None) -> StatTest:
+    """AUROC of ``scores`` for the 0/1 ``labels`` against 0.5: the percentile bootstrap over the units (``draws``)
+    when it holds the estimate, else the normal interval from its s.d.; the two-sided Mann-Whitney U p (the AUROC
+    is U / (n1 n0))."""
+    import numpy as np
+    from scipy.stats import mannwhitneyu
+
+    s, y = np.asarray(scores, float), np.asarray(labels, float)
+    pos, neg = s[y == 1], s[y == 0]
+    u = mannwhitneyu(pos, neg, alternative="two-sided")
+    est = float(u.statistic) / (pos.size * neg.size)
+    return _from_draws(name, "AUROC", est, draws, int(s.size), float(u.pvalue), "Mann-Whitney U", 0.5, expect)
+
+
+def statistic_test(name: str, statistic: str, estimate: float, draws: Any, n: int, null: float = 0.0,
+                   expect: str = "below") -> StatTest:
+    """Any other statistic, from its bootstrap ``draws`` alone (more than SMALL units): the percentile interval and
+    twice the share of draws on the far side of ``null`` when the interval holds the estimate; else the normal
+    interval and p from the draws' s.d."""
+    return _from_draws(name, statistic, estimate, draws, n, None, "", null, expect)
+
+
+def _from_draws(name: str, statistic: str, est: float, draws: Any, n: int, p: float | None, test: str,
+                null: float, expect: str) -> StatTest:
+    import numpy as np
+    from scipy.stats import norm
+
+    d = np.asarray(draws, float)
+    d = d[np.isfinite(d)]
+    boot = _bootstrap(est, d) if d.size else None
+    if boot is not None:
+        low, high, method = boot
+        if p is None:
+            p = float(min(1.0, 2 * min(np.mean(d <= null), np.mean(d >= null))))
+            test = "bootstrap (share of resamples past the null, twice)"
+    else:
+        sd = float(d.std(ddof=1)) if d.size > 1 else math.nan
+        q = float(norm.ppf(0.5 + LEVEL / 2))
+        low, high = est - q * sd, est + q * sd
+        method = "normal, bootstrap s.d." + (" (the percentile bootstrap left out its own estimate)" if d.size else "")
+        if p is None:
+            p = float(2 * norm.sf(abs(est - null) / sd)) if sd > 0 else math.nan
+            test = "normal, bootstrap s.d."
+    return StatTest(name, statistic, est, low, high, p, n, method, test, null, expect)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p values, in the input order: the i-th smallest p times (m - i + 1), made
+    non-decreasing, capped at 1. A NaN p (an undefined test) counts in m, ranked last, and stays NaN."""
+    m = len(pvalues)
+    order = sorted((i for i in range(m) if math.isfinite(pvalues[i])), key=lambda i: pvalues[i])
+    out = [math.nan] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def verdict_of(p: float, estimate: float, null: float, expect: str, alpha: float = ALPHA) -> str:
+    """follows / opposite / cannot tell, from a (Holm-adjusted or exploratory) p and the estimate's side."""
+    if not _finite(p, estimate) or p >= alpha or estimate == null:
         return CANNOT_TELL
-    below, above = high < null, low > null
-    if not (below or above):
-        return CANNOT_TELL
-    return FOLLOWS if (below if expect == "below" else above) else OPPOSITE
+    below = estimate < null
+    return FOLLOWS if below == (expect == "below") else OPPOSITE
+
+
+def decide(family: Sequence[StatTest], primary: str, name: str, alpha: float = ALPHA) -> dict[str, Any]:
+    """A finding: Holm over its ``family`` of tests (the primary one among them), a verdict for every member from
+    its Holm-adjusted p, roles ``primary`` and ``family``. Returns ``{"finding", "primary", "family", "alpha",
+    "verdict", "tests": {name: test}}``."""
+    from dataclasses import replace
+
+    names = [t.name for t in family]
+    if primary not in names or len(set(names)) != len(names):
+        raise ValueError(f"finding {name!r}: the primary test {primary!r} must be one of its distinct family {names}")
+    adjusted = holm([t.p for t in family])
+    tests = {t.name: replace(t, role=PRIMARY if t.name == primary else FAMILY, family=name, p_holm=q,
+                             verdict=verdict_of(q, t.estimate, t.null, t.expect, alpha))
+             for t, q in zip(family, adjusted)}
+    return {"finding": name, "primary": primary, "family": names, "alpha": alpha,
+            "correction": f"Holm over the {len(names)} tests of the family", "verdict": tests[primary].verdict,
+            "tests": {k: t.as_dict() for k, t in tests.items()}}
+
+
+def explore(test: StatTest, alpha: float = ALPHA) -> StatTest:
+    """An exploratory test: its verdict from its own unadjusted p, labelled exploratory."""
+    from dataclasses import replace
+
+    return replace(test, role=EXPLORATORY, p_holm=None,
+                   verdict=verdict_of(test.p, test.estimate, test.null, test.expect, alpha))
+
+
+def p_text(p: float) -> str:
+    return "p n/a" if not _finite(p) else (f"p {p:.2g}" if p >= 0.001 else "p < 0.001")
+
+
+def show_test(t: dict[str, Any], digits: int = 2, signed: bool = True) -> str:
+    """``+0.12 (95 % CI -0.03 to +0.27, t-interval; p 0.03 exact sign-flip, Holm 0.12)``: one test, as a
+    sentence fragment."""
+    f = f"{{:+.{digits}f}}" if signed else f"{{:.{digits}f}}"
+    iv = (f"95 % CI {f.format(t['low'])} to {f.format(t['high'])}" if _finite(t["low"], t["high"])
+          else "no interval")
+    holm_part = f", Holm {t['p_holm']:.2g}" if t.get("p_holm") is not None and _finite(t["p_holm"]) else ""
+    return f"{f.format(t['estimate'])} ({iv}, {short_method(t['interval'])}; {p_text(t['p'])}{holm_part})"
+
+
+def short_method(method: str) -> str:
+    return method.split(" (")[0]
+
+
+def finding_text(finding: dict[str, Any]) -> str:
+    """The sentence that names a finding's primary test, its family and the verdict."""
+    t = finding["tests"][finding["primary"]]
+    return (f"Primary test: {finding['primary']} ({t['statistic']}; interval {t['interval']}; p {t['test']}); "
+            f"family: {finding['correction']} ({', '.join(finding['family'])}); verdict "
+            f"{SAID[finding['verdict']]}")
+
+
+SAID = {FOLLOWS: "follows", OPPOSITE: "the opposite", CANNOT_TELL: "cannot tell at this size"}
+
+RULE_NOTE = (
+    "Decision rule (experiments/gallery.py, issue 35): each finding names one primary test and the family of tests "
+    f"it is judged with; Holm's step-down correction runs over that family, and a verdict is \"follows\" when the "
+    f"Holm-adjusted two-sided p is below {ALPHA} with the estimate on the paper's side, \"the opposite\" when below "
+    f"{ALPHA} on the other side, \"cannot tell at this size\" otherwise. Every other test is exploratory: its "
+    "verdict uses its own unadjusted p and is labelled exploratory. Intervals are 95 %: with at most "
+    f"{SMALL} units, a t-interval for a mean (p: exact sign-flip permutation) and a Fisher-z interval for a "
+    "correlation (p: exact permutation over all pairings); with more, the seeded percentile bootstrap where it holds "
+    "its own estimate, otherwise the t-interval, Fisher z or the normal interval from the bootstrap s.d. (the table "
+    "says which).")
+
+
+def finding_table(finding: dict[str, Any], what: str) -> dict[str, Any]:
+    """A finding's family as a result table: each test's role, estimate, interval, p, Holm-adjusted p, verdict."""
+    rows = []
+    for name in finding["family"]:
+        t = finding["tests"][name]
+        rows.append([name, t["role"], t["statistic"], t["n"], t["estimate"],
+                     f"{t['low']:+.3f} to {t['high']:+.3f}" if _finite(t["low"], t["high"]) else "n/a",
+                     t["interval"], t["p"], t["test"], t["p_holm"], SAID[t["verdict"]]])
+    return {"title": f"Finding: {what}. Primary test: {finding['primary']}; Holm over the family of "
+                     f"{len(finding['family'])} tests",
+            "header": ["test", "role", "statistic", "units", "estimate", "95 % CI", "interval", "p", "p from",
+                       "p (Holm)", "verdict"], "rows": rows}
+
+
+def exploratory_cell(t: StatTest | dict[str, Any]) -> str:
+    """An exploratory test's verdict, labelled so."""
+    v = t.verdict if isinstance(t, StatTest) else t["verdict"]
+    return f"{SAID[v]} (exploratory)"
 
 
 def ci_text(low: float, high: float, digits: int = 2, signed: bool = True) -> str:

@@ -158,13 +158,44 @@ def test_committed_results_are_what_the_code_writes_from_their_raw_data(name):
         assert (result.parent / fig["file"]).is_file(), fig
 
 
-def test_verdicts_are_decided_by_the_interval_not_the_sign():
-    assert gallery.decide(-0.9, -0.1) == gallery.FOLLOWS
-    assert gallery.decide(-0.9, 0.1) == gallery.CANNOT_TELL  # a negative estimate is not enough
-    assert gallery.decide(0.1, 0.9) == gallery.OPPOSITE
-    assert gallery.decide(0.52, 0.6, null=0.5, expect="above") == gallery.FOLLOWS
-    assert gallery.decide(0.43, 0.53, null=0.5, expect="above") == gallery.CANNOT_TELL
-    assert gallery.decide(float("nan"), 0.3) == gallery.CANNOT_TELL
+def _tests_in(value):
+    """Every test record (a dict with estimate, low, high, p and interval) anywhere in a result's data."""
+    if isinstance(value, dict):
+        if {"estimate", "low", "high", "p", "interval", "verdict"} <= set(value):
+            yield value
+        else:
+            for v in value.values():
+                yield from _tests_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _tests_in(v)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_each_finding_names_one_primary_test_and_its_holm_family(name):
+    """Issue 35: one primary test per finding, Holm over its stated family, verdicts from the adjusted p; every other
+    test exploratory; no interval that leaves out its own estimate."""
+    doc = json.loads((EXPERIMENTS / name / "results" / "result.json").read_text(encoding="utf-8"))
+    findings = doc["data"]["findings"]
+    assert findings
+    for f in findings.values():
+        tests = f["tests"]
+        assert [t["role"] for t in tests.values()].count(gallery.PRIMARY) == 1
+        assert tests[f["primary"]]["role"] == gallery.PRIMARY and f["verdict"] == tests[f["primary"]]["verdict"]
+        adjusted = gallery.holm([tests[n]["p"] for n in f["family"]])
+        for n, q in zip(f["family"], adjusted):
+            assert tests[n]["p_holm"] == pytest.approx(q, rel=1e-9, abs=1e-15)
+            assert tests[n]["verdict"] == gallery.verdict_of(q, tests[n]["estimate"], tests[n]["null"],
+                                                             tests[n]["expect"])
+        assert any(t["title"].startswith("Finding:") and f"Primary test: {f['primary']};" in t["title"]
+                   for t in doc["tables"]), f"no finding table for {f['primary']}"
+    assert " ".join(doc["summary"]).lower().count("primary test") >= len(findings)  # the summary names them
+    for t in _tests_in(doc["data"]):
+        if t["low"] is not None and t["high"] is not None and t["estimate"] is not None:
+            assert t["low"] - 1e-12 <= t["estimate"] <= t["high"] + 1e-12, t
+        assert t["role"] in (gallery.PRIMARY, gallery.FAMILY, gallery.EXPLORATORY)
+        if t["n"] <= gallery.SMALL:
+            assert "bootstrap" not in t["interval"], t
 
 
 def test_docs_picks_quotes_the_gallery_hit_rates_as_result_json_holds_them():
@@ -178,6 +209,10 @@ def test_docs_picks_quotes_the_gallery_hit_rates_as_result_json_holds_them():
     assert block, "docs/picks.md lost its hit-rates block"
     quoted = [line[2:] for line in block.group(1).splitlines() if line.startswith("- ")]
     assert quoted == doc["data"]["label_free_pick"]["quotes"]
+    block = re.search(r"<!-- rules:start[^>]*-->\n(.*?)<!-- rules:end -->", text, re.S)
+    assert block, "docs/picks.md lost its label-free rules block"
+    quoted = [line[2:] for line in block.group(1).splitlines() if line.startswith("- ")]
+    assert quoted == doc["data"]["label_free_rules"]["quotes"]
     flat = " ".join(text.split())
     for table in doc["tables"]:
         if table["title"].startswith("Label-free"):

@@ -48,6 +48,7 @@ import shutil
 import sys
 import tokenize
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -446,18 +447,56 @@ def series(f: dict[str, Any], key: str) -> list[float]:
 
 
 def family_intervals(f: dict[str, Any]) -> dict[str, Any]:
-    from repgeom_eval.functional.bootstrap import rowwise_spearman
-    from repgeom_eval.functional.stats import spearman
-
+    """Every pair's Spearman ρ over the family's checkpoints (gallery.correlation_test: percentile bootstrap over the
+    checkpoints where it holds its estimate, else Fisher z; the t test of ρ), as StatTest objects."""
     out = {}
     pairs = dict(PAIRS)
     for d in DISTANCES:
         for c in COMPONENTS:
             pairs[f"{d[:3]}_{c}_ppl"] = (f"{d}:{c}", "ppl", None)
-    for name, (x, y, _) in pairs.items():
-        iv = gallery.interval(rowwise_spearman, series(f, x), series(f, y))
-        iv["estimate"] = spearman(series(f, x), series(f, y))
-        out[name] = iv
+    for name, (x, y, expect) in pairs.items():
+        out[name] = gallery.correlation_test(name, series(f, x), series(f, y), "spearman", expect or "below")
+    return out
+
+
+def detrended(f: dict[str, Any]) -> dict[str, Any]:
+    """Beside each paper-predicted raw ρ: Spearman ρ of the first differences (each checkpoint's change from the one
+    before: a shared trend over the steps drops out) and the partial Spearman ρ on the step (the ranks of G and of the
+    outcome with the step's rank regressed out of both; undefined where G or the outcome is a monotone function of
+    the step). Both through gallery.correlation_test; the partial one's resamples recompute the ranks."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import bootstrap_indices, rowwise_pearson, rowwise_ranks
+
+    steps = np.asarray(f["steps"], float)
+    out: dict[str, Any] = {}
+    for name, (x, y, expect) in PAIRS.items():
+        if not expect:
+            continue
+        gx, gy = np.asarray(series(f, x), float), np.asarray(series(f, y), float)
+        diff = gallery.correlation_test(f"{name} first differences", np.diff(gx), np.diff(gy), "spearman", expect)
+
+        def partial(a, b, z):
+            ra, rb, rz = rowwise_ranks(a), rowwise_ranks(b), rowwise_ranks(z)
+            r_ab, r_az, r_bz = rowwise_pearson(ra, rb), rowwise_pearson(ra, rz), rowwise_pearson(rb, rz)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                den = np.sqrt((1 - r_az ** 2) * (1 - r_bz ** 2))
+                return np.where(den > 1e-9, (r_ab - r_az * r_bz) / np.where(den > 1e-9, den, 1.0), np.nan)
+
+        est = float(partial(gx[None], gy[None], steps[None])[0])
+        idx = bootstrap_indices(len(steps), 2000, 0)
+        draws = partial(gx[idx], gy[idx], steps[idx])
+        rz = rowwise_ranks(steps[None])[0]
+        resid = lambda v: v - np.polyval(np.polyfit(rz, v, 1), rz)  # noqa: E731
+        rx, ry = rowwise_ranks(gx[None])[0], rowwise_ranks(gy[None])[0]
+        if math.isfinite(est):
+            part = gallery.correlation_test(f"{name} partial on step", resid(rx), resid(ry), "pearson", expect,
+                                            draws, controls=1, estimate=est)
+        else:
+            part = gallery.StatTest(f"{name} partial on step", "partial Spearman", est, math.nan, math.nan, math.nan,
+                                    len(steps), "undefined (a monotone function of the step)", "none", 0.0, expect)
+        out[name] = {"first_differences": gallery.explore(diff).as_dict(),
+                     "partial_on_step": gallery.explore(part).as_dict()}
     return out
 
 
@@ -465,9 +504,16 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     """result.json with the summary, tables, notes, intervals and verdicts recomputed from its per-variant values."""
     d = doc["data"]
     fams = d["families"]
-    intervals = {fam: family_intervals(f) for fam, f in fams.items()}
-    verdict = {fam: {k: gallery.decide(intervals[fam][k]["low"], intervals[fam][k]["high"], 0.0, expect)
-                     for k, (_, _, expect) in PAIRS.items() if expect} for fam in fams}
+    tests = {fam: family_intervals(f) for fam, f in fams.items()}
+    # the finding: one primary test (the from-scratch family, cosine G against perplexity: paper A's setting, a
+    # training run past its burn-in), judged with every paper-predicted pair of both families, Holm over the eight
+    predicted = [k for k, (_, _, expect) in PAIRS.items() if expect]
+    family = [replace(tests[fam][k], name=f"{fam}: {k}") for fam in fams for k in predicted]
+    finding = gallery.decide(family, "scratch: Gcos_ppl", "within a family, higher G marks the better checkpoint")
+    intervals = {fam: {k: (finding["tests"][f"{fam}: {k}"] if k in predicted else gallery.explore(t).as_dict())
+                       for k, t in tests[fam].items()} for fam in fams}
+    verdict = {fam: {k: intervals[fam][k]["verdict"] for k in predicted} for fam in fams}
+    trend = {fam: detrended(f) for fam, f in fams.items()}
 
     def same_as_step(fam: str) -> str:
         same = [name for name, k in (("cosine", "Gcos_step"), ("Euclidean", "Geuc_step"))
@@ -515,17 +561,34 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             f"{span(f['G_cosine']):.2g} % of its value, G euc {span(f['G_euclidean']):.2g} %; screen {w['screen']:.0f} s "
             f"against {w['evaluation']:.0f} s of evaluation ({w['evaluation'] / w['screen']:.0f}×)")
     line2 = ("Spearman ρ within each family with 95 % intervals (percentile bootstrap over the checkpoints, 2000 "
-             "resamples, seed 0): " + "; ".join(parts) + ".")
+             "resamples, seed 0, where it holds its own estimate, else Fisher z): " + "; ".join(parts) + ".")
     vparts = []
+    holm = lambda fam, k: f"Holm p {intervals[fam][k]['p_holm']:.2g}"  # noqa: E731
     for fam in fams:
         v = verdict[fam]
-        vparts.append(f"{fam}: cosine G with perplexity {SAID[v['Gcos_ppl']]}, with completion "
-                      f"{SAID[v['Gcos_acc']]}; Euclidean G with perplexity {SAID[v['Geuc_ppl']]}, with completion "
-                      f"{SAID[v['Geuc_acc']]}; step baseline ρ(step, ppl) = {show(fam, 'step_ppl')}, and ρ(G cos, step) = "
-                      f"{show(fam, 'Gcos_step')}, ρ(G euc, step) = {show(fam, 'Geuc_step')}" + same_as_step(fam))
+        vparts.append(f"{fam}: cosine G with perplexity {SAID[v['Gcos_ppl']]} ({holm(fam, 'Gcos_ppl')}), with "
+                      f"completion {SAID[v['Gcos_acc']]} ({holm(fam, 'Gcos_acc')}); Euclidean G with perplexity "
+                      f"{SAID[v['Geuc_ppl']]} ({holm(fam, 'Geuc_ppl')}), with completion {SAID[v['Geuc_acc']]} "
+                      f"({holm(fam, 'Geuc_acc')}); step baseline ρ(step, ppl) = {show(fam, 'step_ppl')}, and "
+                      f"ρ(G cos, step) = {show(fam, 'Gcos_step')}, ρ(G euc, step) = {show(fam, 'Geuc_step')}"
+                      + same_as_step(fam))
+    tparts = []
+    for fam in fams:
+        fd = [k for k in trend[fam] if trend[fam][k]["first_differences"]["verdict"] == gallery.FOLLOWS]
+        ps = [k for k in trend[fam] if trend[fam][k]["partial_on_step"]["verdict"] == gallery.FOLLOWS]
+        undefined = [k for k in trend[fam] if not math.isfinite(trend[fam][k]["partial_on_step"]["estimate"])]
+        tparts.append(f"{fam}: first differences follow paper A in {len(fd)} of {len(trend[fam])} pairs "
+                      f"({', '.join(fd) or 'none'}; ρ(ΔG cos, Δppl) = "
+                      f"{show_t(trend[fam]['Gcos_ppl']['first_differences'])}), partial on the step in {len(ps)} "
+                      f"({', '.join(ps) or 'none'}; ρ(G cos, ppl | step) = "
+                      f"{show_t(trend[fam]['Gcos_ppl']['partial_on_step'])})"
+                      + (f", undefined for {', '.join(undefined)}" if undefined else ""))
     picks = {fam: checkpoint_pick(f) for fam, f in fams.items()}
-    line3 = (PAPER + " Decided by the intervals — " + "; ".join(vparts) + ". Within a run the training step "
-             "ranks the checkpoints for free, so agreement with the step is not evidence that G beats it. "
+    line3 = (PAPER + f" Primary test: {finding['primary']} (Spearman ρ, "
+             f"{gallery.short_method(intervals['scratch']['Gcos_ppl']['interval'])}, t test of ρ); family: the {len(family)} paper-predicted pairs of both families, Holm. Verdicts — "
+             + "; ".join(vparts) + f"; primary: {SAID[finding['verdict']]}. Within a run the training step "
+             "ranks the checkpoints for free, so agreement with the step is not evidence that G beats it; "
+             "exploratory, with the shared trend taken out (unadjusted p): " + "; ".join(tparts) + ". "
              + pick_sentence(picks))
     summary = [line1, line2, line3]
 
@@ -535,11 +598,25 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         for k, iv in intervals[fam].items():
             x, y, _ = PAIRS.get(k, (None, None, None))
             label = f"ρ({x}, {y})" if x else f"ρ({k.split('_', 1)[1].rsplit('_', 1)[0]} [{k[:3]}], ppl)"
-            rows.append([fam, label, iv["estimate"], f"{iv['low']:+.3f} to {iv['high']:+.3f}", n,
-                         verdict[fam].get(k, "context (no paper prediction)")])
-    tables = [{"title": "Spearman ρ within each family with 95 % intervals (percentile bootstrap over checkpoints); "
-                        "verdicts decided by the interval",
-               "header": ["family", "pair", "ρ", "95 % CI", "n", "verdict"], "rows": rows}]
+            rows.append([fam, label, iv["estimate"], ci_cell(iv), gallery.short_method(iv["interval"]), n, iv["p"],
+                         iv["p_holm"] if iv["p_holm"] is not None else "n/a",
+                         SAID[iv["verdict"]] if k in verdict[fam] else context_cell(iv)])
+    tables = [gallery.finding_table(finding, "within a family, higher G marks the better checkpoint (paper A Fig. 9)"),
+              {"title": "Spearman ρ within each family with 95 % intervals (percentile bootstrap over checkpoints "
+                        "where it holds its estimate, else Fisher z); verdicts from the Holm-adjusted p over the "
+                        "paper-predicted pairs",
+               "header": ["family", "pair", "ρ", "95 % CI", "interval", "n", "p", "p (Holm)", "verdict"],
+               "rows": rows},
+              {"title": "Detrended (first differences) and partial-on-step Spearman ρ beside the raw ones "
+                        "(exploratory, unadjusted p)",
+               "header": ["family", "pair", "raw ρ", "95 % CI", "verdict (Holm)", "ρ of first differences", "95 % CI",
+                          "p", "verdict", "partial ρ on step", "95 % CI", "p", "verdict"],
+               "rows": [[fam, k, intervals[fam][k]["estimate"], ci_cell(intervals[fam][k]),
+                         SAID[intervals[fam][k]["verdict"]],
+                         *[x for part in ("first_differences", "partial_on_step")
+                           for x in (number(t[part]["estimate"]), ci_cell(t[part]), number(t[part]["p"]),
+                                     gallery.exploratory_cell(t[part]))]]
+                        for fam in fams for k, t in trend[fam].items()]}]
     for fam, f in fams.items():
         tables.append({
             "title": f"{fam}: per variant ({f['label']}; G: T = python_keywords, T̄ = frequent English words; ppl: "
@@ -564,6 +641,11 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     tables.append(pick_table(picks))
     tbar = info["tbar"]
     notes = [
+        gallery.RULE_NOTE,
+        "Detrending (exploratory): the first differences correlate each checkpoint's change in G with its change in "
+        "the outcome, so a trend both share over the steps drops out; the partial ρ on the step removes the step's "
+        "rank from the ranks of both (undefined where one of them is a monotone function of the step). Neither is "
+        "part of the finding's family.",
         "Intervals resample the checkpoints of a family (the unit result.json keeps per value): they are successive "
         "states of one run (or one fine-tune), not independent draws, and n is small, so the intervals describe how "
         "stable the ranking is across these checkpoints, not a population of runs. Per-item completion results and "
@@ -610,7 +692,29 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     out = gallery.regenerated(doc, summary, tables, notes, intervals, figures)
     out["data"]["verdicts"] = verdict
     out["data"]["checkpoint_pick"] = picks
+    out["data"]["findings"] = gallery.stable({"screening": finding})
+    out["data"]["detrended"] = gallery.stable(trend)
     return out
+
+
+def ci_cell(t: dict[str, Any]) -> str:
+    return f"{t['low']:+.3f} to {t['high']:+.3f}" if math.isfinite(t["low"]) else "n/a"
+
+
+def show_t(t: dict[str, Any]) -> str:
+    if not math.isfinite(t["estimate"]):
+        return "undefined"
+    return f"{t['estimate']:+.2f} ({t['low']:+.2f} to {t['high']:+.2f}, p {t['p']:.2g})"
+
+
+def number(x: float) -> Any:
+    return x if math.isfinite(x) else "undefined"
+
+
+def context_cell(t: dict[str, Any]) -> str:
+    """A pair without a paper prediction: which side of 0 its unadjusted p puts it on, labelled exploratory."""
+    side = {gallery.FOLLOWS: "below 0", gallery.OPPOSITE: "above 0", gallery.CANNOT_TELL: "holds 0"}[t["verdict"]]
+    return f"context (no paper prediction): {side} (exploratory)"
 
 
 # -- the training callback's label-free pick against the held-out choice (issue 26) ----------------------------------
@@ -627,28 +731,38 @@ def checkpoint_pick(f: dict[str, Any]) -> dict[str, Any]:
     i = steps.index(picked["step"])
     best = min(range(len(steps)), key=lambda j: (ppl[j], steps[j]))
     order = sorted(range(len(steps)), key=lambda j: (ppl[j], steps[j]))
+    last = max(range(len(steps)), key=lambda j: steps[j])  # the last checkpoint, which is also the step rule's pick
     return {"rule": picked["rule"], "first_screened_step": f["first_screened_step"], "n_candidates": len(steps),
             "step": picked["step"], "G_cosine": picked["G_cosine"], "ppl": ppl[i], "completion_acc": acc[i],
             "held_out_step": steps[best], "held_out_ppl": ppl[best], "held_out_completion_acc": acc[best],
-            "ppl_ratio": ppl[i] / ppl[best], "rank_by_ppl": order.index(i) + 1, "is_held_out_choice": i == best}
+            "ppl_ratio": ppl[i] / ppl[best], "rank_by_ppl": order.index(i) + 1, "is_held_out_choice": i == best,
+            "last_step": steps[last], "last_ppl": ppl[last], "last_completion_acc": acc[last],
+            "last_rank_by_ppl": order.index(last) + 1, "pick_vs_last": ("better" if ppl[i] < ppl[last] else
+                                                                        "same" if i == last else "worse")}
 
 
 def pick_sentence(picks: dict[str, dict[str, Any]]) -> str:
     parts = [f"{fam}: step {p['step']} (perplexity {p['ppl']:.2f}, {p['ppl_ratio'] - 1:+.1%} over the held-out "
-             f"choice, step {p['held_out_step']}; rank {p['rank_by_ppl']} of {p['n_candidates']})"
-             for fam, p in picks.items()]
+             f"choice, step {p['held_out_step']}; rank {p['rank_by_ppl']} of {p['n_candidates']}; the last checkpoint, "
+             f"step {p['last_step']}, which the step baseline also picks: rank {p['last_rank_by_ppl']}, so the pick is "
+             f"{p['pick_vs_last']} than the baselines)" for fam, p in picks.items()]
     return ("The training callback's label-free pick (largest cosine G among the screened variants) against the "
-            "held-out choice (lowest perplexity): " + "; ".join(parts) + " (one run each, so no interval).")
+            "held-out choice (lowest perplexity) and the baselines: " + "; ".join(parts)
+            + " (one run each, so no interval).").replace("same than the baselines", "the baselines' own pick")
 
 
 def pick_table(picks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"title": "Label-free checkpoint pick (GeometryCallback's pick_checkpoint over the screened variants) "
-                     "against the held-out choice (lowest perplexity); one run each, no interval",
-            "header": ["family", "picked step", "G (cosine)", "pick ppl", "held-out step", "held-out ppl",
-                       "ppl ratio", "rank by ppl", "pick completion acc", "held-out completion acc"],
-            "rows": [[fam, p["step"], p["G_cosine"], p["ppl"], p["held_out_step"], p["held_out_ppl"],
-                      p["ppl_ratio"], f"{p['rank_by_ppl']}/{p['n_candidates']}", p["completion_acc"],
-                      p["held_out_completion_acc"]] for fam, p in picks.items()]}
+                     "against the held-out choice (lowest perplexity) and the baselines: the last checkpoint, and the "
+                     "step (latest step; the same checkpoint); ranks by held-out perplexity; one run each, no interval",
+            "header": ["family", "picked step", "G (cosine)", "pick ppl", "pick rank by ppl", "last checkpoint = step "
+                       "baseline", "last ppl", "last rank by ppl", "pick vs baselines", "held-out step",
+                       "held-out ppl", "ppl ratio", "pick completion acc", "last completion acc",
+                       "held-out completion acc"],
+            "rows": [[fam, p["step"], p["G_cosine"], p["ppl"], f"{p['rank_by_ppl']}/{p['n_candidates']}",
+                      p["last_step"], p["last_ppl"], f"{p['last_rank_by_ppl']}/{p['n_candidates']}",
+                      p["pick_vs_last"], p["held_out_step"], p["held_out_ppl"], p["ppl_ratio"], p["completion_acc"],
+                      p["last_completion_acc"], p["held_out_completion_acc"]] for fam, p in picks.items()]}
 
 
 def draw(doc: dict[str, Any], out: Path) -> None:

@@ -264,8 +264,8 @@ EXPECTED = {"push_away": ("below", "paper A"), "squeeze": ("above", "paper A's a
 
 def paired_changes(d: dict) -> dict:
     """Per objective and domain: the % change of test perplexity against the baseline at the last step, per seed
-    (paired: same initialisation and batches), with the 95 % percentile-bootstrap interval of the mean over seeds."""
-    from repgeom_eval.functional.bootstrap import rowwise_mean
+    (paired: same initialisation and batches), and the test of its mean over the seeds (gallery.mean_test: with at
+    most 10 seeds the t-interval and the exact sign-flip p)."""
 
     runs = d["runs"]
     keys = list(runs[0]["perplexity"])  # the run's own order of domains
@@ -281,8 +281,10 @@ def paired_changes(d: dict) -> dict:
             pairs = [(r["seed"], 100 * (r["perplexity"][k] / base[r["seed"]]["perplexity"][k] - 1))
                      for r in runs if r["variant"] == v and r["seed"] in base]
             rel = [x for _, x in pairs]
+            test = gallery.mean_test(f"{v}/{dom}", rel, 0.0, EXPECTED[v][0]) if v in EXPECTED and len(rel) > 1 \
+                else None
             out[f"{v}/{dom}"] = {"seeds": [s for s, _ in pairs], "pct": rel, "step": last,
-                                 "ci": gallery.interval(rowwise_mean, rel) if len(rel) > 1 else None}
+                                 "ci": test.as_dict() if test else None}
     return out
 
 
@@ -295,11 +297,18 @@ def summarize(doc: dict) -> dict:
     domains = list(dict.fromkeys(k.split("/")[1] for k in ch))
     last = next(iter(ch.values()))["step"] if ch else 0
 
+    primary_key = next((f"{v}/{dom}" for v in EXPECTED for dom in domains if ch.get(f"{v}/{dom}", {}).get("ci")),
+                       None)
+    family = [gallery.StatTest(**ch[k]["ci"]) for k in ch if ch[k]["ci"]]
+    finding = gallery.decide(family, primary_key, "each objective moves perplexity the way its paper predicts") \
+        if primary_key else None
+    for k in ch:
+        if finding and ch[k]["ci"]:
+            ch[k]["ci"] = finding["tests"][k]
+
     def decide(key: str) -> str:
-        c, v = ch[key]["ci"], key.split("/")[0]
-        if c is None or v not in EXPECTED:
-            return gallery.CANNOT_TELL
-        return gallery.decide(c["low"], c["high"], 0.0, EXPECTED[v][0])
+        c = ch[key]["ci"]
+        return c["verdict"] if c else gallery.CANNOT_TELL
 
     def show(key: str) -> str:
         c = ch[key]["ci"]
@@ -312,37 +321,53 @@ def summarize(doc: dict) -> dict:
     for v in variants:
         if v not in EXPECTED:
             continue
-        words = [f"{dom}: {said[decide(f'{v}/{dom}')]}" for dom in domains]
+        words = [f"{dom}: {said[decide(f'{v}/{dom}')]} (p {ch[f'{v}/{dom}']['ci']['p']:.2g}, Holm "
+                 f"{ch[f'{v}/{dom}']['ci']['p_holm']:.2g})" if ch[f"{v}/{dom}"]["ci"] else f"{dom}: cannot tell"
+                 for dom in domains]
         direction = "lower" if EXPECTED[v][0] == "below" else "higher"
         verdict_parts.append(f"{v} ({EXPECTED[v][1]} predicts {direction} perplexity) — " + ", ".join(words))
+    floor = 2 / 2 ** n_seeds
     summary = [
         f"GPT-2 from scratch ({m['n_layers']} layers, width {m['hidden_size']}, {m['n_parameters']:,} parameters), "
         f"{d['training'].get('max_steps')} steps on Python-doc/fortune prose and stdlib code, {len(variants) + 1} "
         f"objectives × {n_seeds} seed(s) with `repgeom train`. Not covered: longer training, larger models, more "
         "seeds, other loss weights.",
-        f"Test perplexity at step {last} against the baseline, paired by seed, mean % change with 95 % interval "
-        f"(percentile bootstrap over the {n_seeds} seeds, 2000 resamples, seed 0): "
+        f"Test perplexity at step {last} against the baseline, paired by seed, mean % change with 95 % t-interval "
+        f"over the {n_seeds} seeds: "
         + "; ".join(f"{v}: " + ", ".join(show(f"{v}/{dom}") for dom in domains) for v in variants) + ".",
-        "Decided by the intervals (follows: the whole interval on the side the paper predicts; cannot tell: it "
-        "holds 0): " + "; ".join(verdict_parts) + f". With {n_seeds} seeds a percentile bootstrap cannot be wider "
-        "than the seeds' own spread, so \"follows\" here means every seed moved the predicted way, not a "
-        "population-level interval.",
+        (f"Primary test: {primary_key}, the mean paired change over the seeds (t-interval; exact sign-flip p over "
+         f"the {2 ** n_seeds} sign patterns); family: the {len(family)} (objective, domain) changes, Holm. "
+         if finding else "")
+        + "Verdicts: " + "; ".join(verdict_parts)
+        + (f"; primary: {said[finding['verdict']]}" if finding else "")
+        + f". With {n_seeds} seeds the exact test's smallest two-sided p is {floor:.2g}, so no verdict can be "
+        "reached at this size however consistently the seeds move; the intervals assume normal seed-to-seed changes "
+        "and are wide for the same reason.",
     ]
     rows = [[k.split("/")[0], k.split("/")[1], statistics.fmean(x["pct"]),
              f"{x['ci']['low']:+.2f} to {x['ci']['high']:+.2f}" if x["ci"] else "n/a",
-             ", ".join(f"{p:+.2f}" for p in x["pct"]), decide(k)] for k, x in ch.items()]
-    tables = [{"title": f"Perplexity change against the baseline at step {last}, paired by seed, with 95 % intervals "
-                        "(percentile bootstrap over seeds)",
-               "header": ["variant", "domain", "mean %", "95 % CI", "per seed %", "verdict"], "rows": rows}]
-    notes = [f"Intervals resample the seeds (the unit: each seed is one paired initialisation and data order); with "
-             f"{n_seeds} seeds there are only {math.comb(2 * n_seeds - 1, n_seeds)} distinct resamples, so the "
-             "interval is close to the range of the seeds' changes and understates the uncertainty. The as-run "
-             "verdict rule (every seed the same way and |mean| above the sd) is replaced by the interval."]
+             ", ".join(f"{p:+.2f}" for p in x["pct"]), x["ci"]["p"] if x["ci"] else "n/a",
+             x["ci"]["p_holm"] if x["ci"] else "n/a", decide(k)] for k, x in ch.items()]
+    tables = [{"title": f"Perplexity change against the baseline at step {last}, paired by seed, with 95 % t-intervals "
+                        "over the seeds, exact sign-flip p and Holm over the objectives and domains",
+               "header": ["variant", "domain", "mean %", "95 % CI", "per seed %", "p", "p (Holm)", "verdict"],
+               "rows": rows}]
+    if finding:
+        tables.insert(0, gallery.finding_table(finding, "each objective moves test perplexity the way its paper "
+                                                        "predicts"))
+    notes = [gallery.RULE_NOTE,
+             f"Units: the seeds (each seed is one paired initialisation and data order). With {n_seeds} seeds a "
+             f"percentile bootstrap has only {math.comb(2 * n_seeds - 1, n_seeds)} distinct resamples and is never "
+             "wider than the seeds' own range, so none is used: the t-interval and the exact sign-flip test over the "
+             "seeds replace it (and the as-run rule, every seed the same way and |mean| above the sd)."]
     figures = [*[f for f in doc["figures"] if f["file"] != "perplexity_change.png"],
                {"file": "perplexity_change.png", "caption": f"Test perplexity change against the baseline at step "
-                f"{last}, paired by seed: mean with 95 % bootstrap interval over the seeds (bars) and each seed "
+                f"{last}, paired by seed: mean with 95 % t-interval over the seeds (bars) and each seed "
                 "(dots); below 0 is better"}]
-    return gallery.regenerated(doc, summary, tables, notes, ch, figures)
+    out = gallery.regenerated(doc, summary, tables, notes, ch, figures)
+    if finding:
+        out["data"]["findings"] = gallery.stable({"perplexity_change": finding})
+    return out
 
 
 def draw(doc: dict, out: Path) -> None:

@@ -157,33 +157,49 @@ def layer_key(name: str) -> tuple[int, str]:
     return (int(m.group(1)), name) if m else (10**6, name)
 
 
-def auroc_interval(scores, labels, flip: bool = False) -> dict:
-    """AUROC of ``scores`` (negated with ``flip``) for the 0/1 ``labels``, with its 95 % percentile bootstrap
-    interval over the questions (repgeom_eval.functional.bootstrap; resamples with one class only are dropped)."""
+def auroc_draws(scores, labels, seed: int = 0, n: int = BOOTSTRAP):
+    """The AUROC of ``scores`` for the 0/1 ``labels`` on ``n`` resamples of the questions (the library's seeded
+    indices; the Mann-Whitney form with average ranks for ties, as repgeom_eval.functional.stats.auroc; NaN where
+    a resample holds one class only)."""
     import numpy as np
+    from scipy.stats import rankdata
 
-    from repgeom_eval.functional.stats import auroc
+    from repgeom_eval.functional.bootstrap import bootstrap_indices
+
+    s, y = np.asarray(scores, float), np.asarray(labels, float)
+    idx = bootstrap_indices(s.size, n, seed)
+    ranks, pos = rankdata(s[idx], axis=1), y[idx] == 1
+    n_pos = pos.sum(axis=1)
+    n_neg = s.size - n_pos
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ((ranks * pos).sum(axis=1) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def auroc_test(name: str, scores, labels, flip: bool = False):
+    """AUROC of ``scores`` (negated with ``flip``) for correctness against 0.5 (gallery.auroc_test: percentile
+    bootstrap over the questions where it holds its estimate; Mann-Whitney p)."""
+    import numpy as np
 
     s = -np.asarray(scores, float) if flip else np.asarray(scores, float)
-    return gallery.interval(lambda a, y: auroc(a, y), s, np.asarray(labels, float), vectorized=False)
+    return gallery.auroc_test(name, s, labels, "above", auroc_draws(s, labels))
 
 
-def slice_rho_interval(curve: dict, seed: int = 0, n: int = BOOTSTRAP) -> dict:
-    """Spearman ρ(fraction correct, mean slice dispersion) with a 95 % percentile bootstrap interval over the slice
-    seeds: the seeds (one slice per fraction each) are resampled with replacement, each fraction's mean
-    recomputed over the drawn seeds, and ρ recomputed."""
+def per_seed_spearman(curve: dict) -> list[float]:
+    """Each slice seed's Spearman ρ(fraction correct, slice dispersion) over the fractions (each seed draws one slice
+    per fraction)."""
     import numpy as np
 
-    from repgeom_eval.functional.bootstrap import percentile_interval, rowwise_spearman
+    from repgeom_eval.functional.bootstrap import rowwise_spearman
 
-    per_seed = np.asarray(curve["dispersion"], float)  # [fractions, seeds]
-    draws = np.random.default_rng(seed).integers(0, per_seed.shape[1], size=(n, per_seed.shape[1]))
-    means = per_seed[:, draws].mean(axis=2).T  # [n, fractions]
-    xs = np.broadcast_to(np.asarray(curve["fractions"], float), means.shape)
-    lo, hi, valid = percentile_interval(rowwise_spearman(xs, means))
-    return {"estimate": curve["spearman"], "low": lo, "high": hi, "n": int(per_seed.shape[1]), "n_resamples": n,
-            "n_valid": valid, "level": 0.95, "seed": seed,
-            "method": f"percentile bootstrap over the {per_seed.shape[1]} slice seeds"}
+    per_seed = np.asarray(curve["dispersion"], float).T  # [seeds, fractions]
+    xs = np.broadcast_to(np.asarray(curve["fractions"], float), per_seed.shape)
+    return [float(r) for r in rowwise_spearman(xs, per_seed)]
+
+
+def slice_test(name: str, curve: dict):
+    """Paper A's slice curve as a test over the slice seeds (the unit: each seed is one draw of the slices): the mean
+    of the per-seed ρ against 0 (gallery.mean_test; 10 seeds: t-interval and exact sign-flip p)."""
+    return gallery.mean_test(name, per_seed_spearman(curve), 0.0, "above")
 
 
 SAID = {gallery.FOLLOWS: "follows", gallery.OPPOSITE: "the opposite", gallery.CANNOT_TELL: "cannot tell at this size"}
@@ -221,94 +237,122 @@ def summarize(doc: dict) -> dict:
     intervals: dict = {}
     from repgeom_eval.functional.bootstrap import rowwise_mean
 
-    rows, layer_rows, verdict_rho, verdict_auc, at_chance = [], [], {}, {}, []
+    rows, layer_rows, at_chance = [], [], []
+    slice_tests, auc_tests = {}, {}
     for prompt, pd in prompts.items():
         q = pd["per_question"]
         intervals[prompt] = {}
         for scoring in SCORINGS:
             y = np.asarray(q[scoring], float)
             curve = pd["slices"][scoring]
-            a = auroc_interval(q["c"], y)
+            auc_tests[prompt, scoring] = auroc_test(f"AUROC {prompt}/{scoring}", q["c"], y)
             known = [i for i, v in enumerate(q["prompt_ppl"]) if v is not None]
-            pp = auroc_interval([q["prompt_ppl"][i] for i in known], y[known], flip=True)
-            r = slice_rho_interval(curve)
-            acc = gallery.interval(rowwise_mean, y)
-            intervals[prompt][scoring] = {"accuracy": acc, "auroc": a, "auroc_prompt_perplexity": pp,
-                                          "slice_spearman": r}
-            if not acc["low"] > CHANCE:
+            pp = gallery.explore(auroc_test(f"AUROC −(prompt ppl) {prompt}/{scoring}",
+                                            [q["prompt_ppl"][i] for i in known], y[known], flip=True))
+            slice_tests[prompt, scoring] = slice_test(f"slice ρ {prompt}/{scoring}", curve)
+            acc = gallery.explore(gallery.mean_test(f"accuracy {prompt}/{scoring}", list(y), CHANCE, "above"))
+            intervals[prompt][scoring] = {"accuracy": acc.as_dict(), "auroc_prompt_perplexity": pp.as_dict()}
+            if acc.verdict != gallery.FOLLOWS:
                 at_chance.append(f"{prompt}/{scoring}")
-            verdict_auc[prompt, scoring] = gallery.decide(a["low"], a["high"], null=0.5, expect="above")
-            verdict_rho[prompt, scoring] = gallery.decide(r["low"], r["high"], null=0.0, expect="above")
-            rows.append([prompt, scoring, float(y.mean()), ci(acc, 3), a["estimate"], ci(a, 3), SAID[verdict_auc[prompt, scoring]],
-                         curve["spearman"], ci(r), SAID[verdict_rho[prompt, scoring]],
+        y = np.asarray(q["acc"], float)
+        intervals[prompt]["acc_by_layer"] = {
+            k: gallery.explore(auroc_test(f"AUROC {prompt} resid_post:{k}", v, y)).as_dict()
+            for k, v in q["c_by_layer"].items()}
+        for k, v in intervals[prompt]["acc_by_layer"].items():
+            layer_rows.append([prompt, f"resid_post:{k}", v["estimate"], ci(v, 3), v["p"], gallery.exploratory_cell(v)])
+    main = (main_prompt, main_scoring)
+    slice_finding = gallery.decide(list(slice_tests.values()), slice_tests[main].name,
+                                   "slices of lower dispersion are less accurate")
+    auc_finding = gallery.decide(list(auc_tests.values()), auc_tests[main].name,
+                                 "lower-dispersion questions are harder")
+    for (prompt, scoring), t in slice_tests.items():
+        intervals[prompt][scoring]["slice_spearman"] = slice_finding["tests"][t.name]
+        intervals[prompt][scoring]["auroc"] = auc_finding["tests"][auc_tests[prompt, scoring].name]
+    verdict_rho = {k: slice_finding["tests"][t.name]["verdict"] for k, t in slice_tests.items()}
+    verdict_auc = {k: auc_finding["tests"][t.name]["verdict"] for k, t in auc_tests.items()}
+    for prompt, pd in prompts.items():
+        q = pd["per_question"]
+        for scoring in SCORINGS:
+            curve, iv_ = pd["slices"][scoring], intervals[prompt][scoring]
+            a, r, acc, pp = iv_["auroc"], iv_["slice_spearman"], iv_["accuracy"], iv_["auroc_prompt_perplexity"]
+            rows.append([prompt, scoring, float(np.mean(q[scoring])), ci(acc, 3), a["estimate"], ci(a, 3),
+                         a["p_holm"], SAID[verdict_auc[prompt, scoring]], curve["spearman"], r["estimate"], ci(r),
+                         r["p_holm"], SAID[verdict_rho[prompt, scoring]],
                          f"{curve['dispersion_mean'][0]:.4f} → {curve['dispersion_mean'][-1]:.4f}",
                          curve["size"], pp["estimate"]])
-        y = np.asarray(q["acc"], float)
-        intervals[prompt]["acc_by_layer"] = {k: auroc_interval(v, y) for k, v in q["c_by_layer"].items()}
-        for k, v in intervals[prompt]["acc_by_layer"].items():
-            layer_rows.append([prompt, f"resid_post:{k}", v["estimate"], ci(v, 3),
-                               SAID[gallery.decide(v["low"], v["high"], null=0.5, expect="above")]])
     keys = list(verdict_rho)
     count = lambda verdicts, v: sum(verdicts[k] == v for k in keys)  # noqa: E731
     tally = lambda verdicts: ", ".join(f"{SAID[v]} in {count(verdicts, v)}" for v in  # noqa: E731
                                        (gallery.FOLLOWS, gallery.OPPOSITE, gallery.CANNOT_TELL) if count(verdicts, v))
     iv = intervals
     row_text = lambda p, s, what: (  # noqa: E731
-        f"{p}/{s} {iv[p][s][what]['estimate']:.2f} ({ci(iv[p][s][what], 2)})")
+        f"{p}/{s} {gallery.show_test(iv[p][s][what], 2, what != 'auroc')}")
     cal = d.get("calibration") or {}
     side = (f" Side observation, not counted against paper A (which does not offer dispersion as a calibrated accuracy "
             f"predictor): on the {main_prompt} prompt with {main_scoring}, `repgeom slices --calibrate` predicts slice "
             f"accuracy with test MAE {cal['mae_mean']:.3f} ± {cal['mae_se']:.3f} (s.e. over {cal['seeds']} seeds) "
             f"against {d['calibration_mae_constant']:.3f} for always predicting 0.5." if cal.get("mae_mean") is not None
             and d.get("calibration_mae_constant") is not None else "")
+    n_seeds = slice_finding["tests"][slice_tests[main].name]["n"]
     summary = [
         f"SmolLM2-135M-Instruct (GGUF) answered the same {d['questions']} WordNet questions (definition → word, 3 "
         f"distractors from the same lexicographer file) under {len(prompts)} prompts ({', '.join(prompts)}) in one "
         "`lm_eval --include_path` command with repgeom hardness YAMLs, each scored with acc and acc_norm, then "
         f"`repgeom slices` on each of the {len(keys)} (prompt, scoring) pairs. Not covered: other quizzes, larger "
         "models.",
-        "Paper A's slice curve (main verdict): slices of lower dispersion are less accurate, i.e. Spearman ρ(fraction "
-        "correct, slice dispersion) above 0. Decided by the 95 % interval (bootstrap over the slice seeds): "
+        "Paper A's slice curve (main finding): slices of lower dispersion are less accurate, i.e. Spearman ρ(fraction "
+        f"correct, slice dispersion) above 0. Primary test: {main_prompt}/{main_scoring}, the mean over the "
+        f"{n_seeds} slice seeds of each seed's ρ (t-interval, exact sign-flip p over the seeds); family: the "
+        f"{len(keys)} (prompt, scoring) pairs, Holm: "
         + "; ".join(f"{row_text(p, s, 'slice_spearman')} {SAID[verdict_rho[p, s]]}" for p, s in keys)
-        + f" — {tally(verdict_rho)} of {len(keys)}. " + flips(verdict_rho)
+        + f" — {tally(verdict_rho)} of {len(keys)}; primary: {SAID[slice_finding['verdict']]}. " + flips(verdict_rho)
         + (f" Under {', '.join(at_chance)} the accuracy is not above chance, so there the curve sorts questions by "
            "which choice the model favours rather than by what it knows." if at_chance else ""),
-        "Question ranking (AUROC of c_i for correctness above 0.5: lower-dispersion questions are harder), decided by "
-        "the 95 % interval (bootstrap over the questions): "
+        "Question ranking (AUROC of c_i for correctness above 0.5: lower-dispersion questions are harder). Primary "
+        f"test: {main_prompt}/{main_scoring} (percentile bootstrap over the {d['questions']} questions, Mann-Whitney "
+        f"p); family: the {len(keys)} pairs, Holm: "
         + "; ".join(f"{row_text(p, s, 'auroc')} {SAID[verdict_auc[p, s]]}" for p, s in keys)
-        + f" — {tally(verdict_auc)} of {len(keys)}. Accuracies: "
+        + f" — {tally(verdict_auc)} of {len(keys)}; primary: {SAID[auc_finding['verdict']]}. Accuracies: "
         + ", ".join(f"{p}/{s} {np.mean(prompts[p]['per_question'][s]):.3f}" for p, s in keys)
-        + (f" ({', '.join(at_chance)}: not above chance, {CHANCE:.2f}, by the 95 % interval, so correctness there "
+        + (f" ({', '.join(at_chance)}: not above chance, {CHANCE:.2f}, exploratory t test, so correctness there "
            "is mostly which choice the model favours, not what it knows)" if at_chance else "")
-        + ". The label-free prompt perplexity ranks them with AUROC "
+        + ". Exploratory: the label-free prompt perplexity ranks them with AUROC "
         + ", ".join(f"{p}/{s} {iv[p][s]['auroc_prompt_perplexity']['estimate']:.2f}" for p, s in keys) + "." + side,
     ]
     tables = [
+        gallery.finding_table(slice_finding, "slices of lower dispersion are less accurate (paper A's slice curve; "
+                                             "mean per-seed Spearman ρ above 0)"),
+        gallery.finding_table(auc_finding, "lower-dispersion questions are harder (AUROC of c_i above 0.5)"),
         {"title": "One row per (prompt, scoring): accuracy, AUROC of c_i for correctness and the slice curve, with 95 % "
-                  "intervals and verdicts (follows: interval beyond the paper's null on its side; cannot tell: it "
-                  "holds the null)",
-         "header": ["prompt", "scoring", "accuracy", "95 % interval", "AUROC c_i", "95 % interval", "verdict", "slice ρ",
-                    "95 % interval", "verdict", "slice D at 0 % → 100 % correct", "slice size",
-                    "AUROC −(prompt ppl)"], "rows": rows},
-        {"title": "AUROC of c_i for correctness (acc) at every block output read, per prompt (same forward pass)",
-         "header": ["prompt", "layer", "AUROC", "95 % interval", "verdict"], "rows": layer_rows},
+                  "intervals, Holm-adjusted p and verdicts (each family: the six pairs)",
+         "header": ["prompt", "scoring", "accuracy", "95 % interval", "AUROC c_i", "95 % interval", "p (Holm)",
+                    "verdict", "slice ρ (seed-mean curve)", "mean per-seed ρ", "95 % interval", "p (Holm)", "verdict",
+                    "slice D at 0 % → 100 % correct", "slice size", "AUROC −(prompt ppl)"], "rows": rows},
+        {"title": "AUROC of c_i for correctness (acc) at every block output read, per prompt (same forward pass; "
+                  "exploratory, unadjusted Mann-Whitney p)",
+         "header": ["prompt", "layer", "AUROC", "95 % interval", "p", "verdict"], "rows": layer_rows},
         {"title": "Prompts", "header": ["name", "prompt → continuation"],
          "rows": [[p, pd["prompt"]] for p, pd in prompts.items()]},
     ]
-    notes = ["Intervals: AUROCs by a percentile bootstrap over the questions (2000 resamples, seed 0); the slice "
-             "curve's ρ by a percentile bootstrap over the slice seeds (each seed draws one slice per fraction from "
-             "the same questions, so this interval covers the slice draws, not the choice of questions). A verdict "
-             "is decided by the interval, never by the sign alone.",
+    notes = [gallery.RULE_NOTE,
+             "Units: the slice curve's unit is the slice seed (each seed draws one slice per fraction from the same "
+             f"questions), so its test is over the {n_seeds} seeds' own ρ, not a bootstrap of {n_seeds} units; it "
+             "covers the slice draws, not the choice of questions. The ρ of the seed-mean curve (what `repgeom "
+             "slices` prints) is shown beside it. AUROCs: the questions are the unit (percentile bootstrap, 2000 "
+             "resamples, seed 0, where it holds its estimate; Mann-Whitney U p).",
              "The calibration MAE is a side observation and does not enter a verdict: paper A does not present "
              "dispersion as a calibrated accuracy predictor. The calibration figure is the run's own (its test "
              "slices are not kept in result.json) and is not redrawn."]
     figures = [{"file": "slices.png", "caption": "Controlled slices, one panel per prompt (columns) and scoring (rows): "
                 "slice dispersion against the fraction of correctly answered questions (mean ± s.e. over seeds), "
-                "SmolLM2-135M-Instruct on the WordNet quiz; titles give ρ with its 95 % interval"},
+                "SmolLM2-135M-Instruct on the WordNet quiz; titles give ρ of the seed-mean curve and the mean per-seed ρ with its 95 % "
+                "t-interval over the seeds"},
                {"file": "auroc_by_layer.png", "caption": "AUROC of c_i for correctness (acc) at each block output, "
                 "per prompt, with 95 % intervals (bootstrap over questions); dashed: chance"}]
     figures += [f for f in doc["figures"] if f["file"] == "calibration.png"]
-    return gallery.regenerated(doc, summary, tables, notes, intervals, figures)
+    out = gallery.regenerated(doc, summary, tables, notes, intervals, figures)
+    out["data"]["findings"] = gallery.stable({"slice_curve": slice_finding, "question_ranking": auc_finding})
+    return out
 
 
 # -- figures --------------------------------------------------------------------------------------------------------
@@ -327,7 +371,8 @@ def slices_figure(prompts: dict, intervals: dict):
             ax = axes[row][col]
             ax.errorbar([100 * f for f in curve["fractions"]], curve["dispersion_mean"], yerr=curve["dispersion_se"],
                         marker="o", ms=3, capsize=2, color=f"C{col}")
-            ax.set_title(f"{prompt}, {scoring}: ρ = {curve['spearman']:.2f}\n({ci(r)})", fontsize=8)
+            ax.set_title(f"{prompt}, {scoring}: ρ = {curve['spearman']:.2f}; per seed {r['estimate']:.2f}\n"
+                         f"({ci(r)})", fontsize=8)
             ax.grid(alpha=0.3)
             ax.tick_params(labelsize=7)
             if row == len(SCORINGS) - 1:

@@ -202,13 +202,14 @@ def regrouped(data: dict[str, Any], pop: str, size: int) -> dict[str, Any]:
 
 
 def chunk_bootstrap(data: dict[str, Any], pop: str, size: int, n: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """95 % percentile-bootstrap intervals of Pearson r and Spearman ρ(group perplexity, group dispersion) at every
-    layer, resampling the population's chunks (the sampled unit) with replacement and forming the groups anew on
-    each resample, as Algorithm 1 does: sort by perplexity, consecutive groups of ``size``, incomplete tail dropped."""
+    """Pearson r and Spearman ρ(group perplexity, group dispersion) at every layer recomputed on ``n`` resamples of
+    the population's chunks (the sampled unit, with replacement), the groups formed anew on each resample as
+    Algorithm 1 does (sort by perplexity, consecutive groups of ``size``, incomplete tail dropped). Returns the
+    resampled correlations per layer and kind, and the resampled group means at the final layer (``final``: perplexity
+    and dispersion, [n, groups] each) for the within-domain test."""
     import numpy as np
 
-    from repgeom_eval.functional.bootstrap import (bootstrap_indices, percentile_interval, rowwise_pearson,
-                                                   rowwise_ranks)
+    from repgeom_eval.functional.bootstrap import bootstrap_indices, rowwise_pearson, rowwise_ranks
 
     ppl, disp = population(data, pop)
     n_chunks, n_layers = disp.shape
@@ -217,28 +218,64 @@ def chunk_bootstrap(data: dict[str, Any], pop: str, size: int, n: int = 2000, se
         raise SystemExit(f"{pop}: {groups} groups of {size} exceed n_bins; the bootstrap here keeps every group")
     idx = bootstrap_indices(n_chunks, n, seed)
     values = {"pearson": np.empty((n, n_layers)), "spearman": np.empty((n, n_layers))}
+    j_final = data["layers"].index(data["final"])
+    final = {"ppl": np.empty((n, groups)), "dispersion": np.empty((n, groups))}
     for lo in range(0, n, BLOCK):
         pick = idx[lo:lo + BLOCK]
         order = np.argsort(ppl[pick], axis=1, kind="stable")[:, :groups * size]
         rows = np.take_along_axis(pick, order, axis=1)  # chunk ids in perplexity order
         g_ppl = ppl[rows].reshape(len(pick), groups, size).mean(-1)  # [b, groups]
         g_disp = disp[rows].reshape(len(pick), groups, size, n_layers).mean(2).transpose(0, 2, 1)  # [b, L, G]
+        final["ppl"][lo:lo + len(pick)] = g_ppl
+        final["dispersion"][lo:lo + len(pick)] = g_disp[:, j_final]
         x = np.broadcast_to(g_ppl[:, None, :], g_disp.shape).reshape(-1, groups)
         y = g_disp.reshape(-1, groups)
         values["pearson"][lo:lo + len(pick)] = rowwise_pearson(x, y).reshape(len(pick), n_layers)
         rx = np.broadcast_to(rowwise_ranks(g_ppl)[:, None, :], g_disp.shape).reshape(-1, groups)
         values["spearman"][lo:lo + len(pick)] = rowwise_pearson(rx, rowwise_ranks(y)).reshape(len(pick), n_layers)
+    return {"draws": values, "final": final, "groups": groups, "n_chunks": int(n_chunks)}
+
+
+def population_tests(data: dict[str, Any], pop: str, size: int, boot: dict[str, Any]) -> dict[str, Any]:
+    """Every layer's Pearson and Spearman test of the population's group means (gallery.correlation_test: up to
+    gallery.SMALL groups Fisher z and the exact permutation p; more, the chunk bootstrap where it holds its own
+    estimate, else Fisher z, and the t test of r)."""
     point = regrouped(data, pop, size)
+    xs = [g["mean_ppl"] for g in point["groups"]]
     out: dict[str, Any] = {}
     for j, layer in enumerate(data["layers"]):
+        ys = [g["dispersion"][layer] for g in point["groups"]]
         out[layer] = {}
         for kind in ("pearson", "spearman"):
-            low, high, valid = percentile_interval(values[kind][:, j])
-            out[layer][kind] = {"estimate": finite(point["correlation"][layer][kind]), "low": low, "high": high,
-                                "median": float(np.nanmedian(values[kind][:, j])),
-                                "n": int(n_chunks), "groups": groups, "n_resamples": n, "n_valid": valid,
-                                "level": 0.95, "seed": seed, "method": "percentile bootstrap over chunks, regrouped"}
+            draws = boot["draws"][kind][:, j] if len(xs) > gallery.SMALL else None
+            label = "Spearman ρ" if kind == "spearman" else "Pearson r"
+            out[layer][kind] = gallery.correlation_test(f"{pop}: {label}, {layer}, groups of {size}", xs, ys, kind,
+                                                        "below", draws)
     return out
+
+
+def within_domain_test(data: dict[str, Any], sources: list[str], size: int, boots: dict[str, Any]) -> Any:
+    """Pearson r of group perplexity and group dispersion at the final layer over the groups of every source, each
+    source's means removed from both (the within-domain correlation, source as a fixed effect: len(sources) - 1
+    controls). Its resamples come from the same chunk resamples as the per-source tests."""
+    import numpy as np
+
+    final = data["final"]
+    xs, ys, bx, by_ = [], [], [], []
+    for s in sources:
+        point = regrouped(data, s, size)
+        x = np.asarray([g["mean_ppl"] for g in point["groups"]])
+        y = np.asarray([g["dispersion"][final] for g in point["groups"]])
+        xs.append(x - x.mean())
+        ys.append(y - y.mean())
+        f = boots[s]["final"]
+        bx.append(f["ppl"] - f["ppl"].mean(axis=1, keepdims=True))
+        by_.append(f["dispersion"] - f["dispersion"].mean(axis=1, keepdims=True))
+    from repgeom_eval.functional.bootstrap import rowwise_pearson
+
+    draws = rowwise_pearson(np.concatenate(bx, axis=1), np.concatenate(by_, axis=1))
+    return gallery.correlation_test(f"within-domain Pearson r, final layer, groups of {size}", np.concatenate(xs),
+                                    np.concatenate(ys), "pearson", "below", draws, controls=len(sources) - 1)
 
 
 def check_regrouping(data: dict[str, Any], pops: list[str]) -> float:
@@ -268,18 +305,39 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     # the paper's size only where every source makes enough groups for a correlation (not at smoke size)
     sizes = [g for g in dict.fromkeys([cfg["group_size"], PAPER_GROUP_SIZE]) if n_chunks // g >= MIN_GROUPS]
     worst = check_regrouping(data, pops)
-    ci = {str(g): {p: chunk_bootstrap(data, p, g) for p in pops} for g in sizes}
+    g5, g20 = sizes[0], sizes[-1]
+    boots = {g: {p: chunk_bootstrap(data, p, g) for p in pops} for g in sizes}
+    tests = {g: {p: population_tests(data, p, g, boots[g][p]) for p in pops} for g in sizes}
+    within = {g: within_domain_test(data, sources, g, boots[g]) for g in sizes}
+    # the finding: one primary test (the within-domain r at the run's group size), judged with each source's r at the
+    # final layer and that size, Holm over the six; everything else is exploratory
+    family = [within[g5], *[tests[g5][s][final]["pearson"] for s in sources]]
+    finding = gallery.decide(family, within[g5].name, "within each domain, lower-perplexity groups are more dispersed")
+    held = finding["tests"]
+    ci: dict[str, Any] = {}
+    for g in sizes:
+        ci[str(g)] = {}
+        for p in pops:
+            ci[str(g)][p] = {}
+            for a in layers:
+                ci[str(g)][p][a] = {}
+                for kind, t in tests[g][p][a].items():
+                    d = held.get(t.name) or gallery.explore(t).as_dict()
+                    ci[str(g)][p][a][kind] = {**d, "groups": t.n, "chunks": boots[g][p]["n_chunks"]}
+    ci["within_domain"] = {str(g): held.get(within[g].name) or gallery.explore(within[g]).as_dict() for g in sizes}
 
     def iv(g: int, pop: str, layer: str, kind: str = "pearson") -> dict[str, Any]:
         return ci[str(g)][pop][layer][kind]
 
     def verdict(g: int, pop: str, layer: str, kind: str = "pearson") -> str:
-        c = iv(g, pop, layer, kind)
-        return gallery.decide(c["low"], c["high"], null=0.0, expect="below")
+        return iv(g, pop, layer, kind)["verdict"]
 
     def fmt(g: int, pop: str, layer: str, kind: str) -> str:
         c = iv(g, pop, layer, kind)
-        return f"{pop} {c['estimate']:+.2f} ({c['low']:+.2f} to {c['high']:+.2f})"
+        mark = "" if c["interval"].startswith("percentile") else "*"
+        if not math.isfinite(c["low"]):
+            return f"{pop} {c['estimate']:+.2f} (no interval){mark}"
+        return f"{pop} {c['estimate']:+.2f} ({c['low']:+.2f} to {c['high']:+.2f}){mark}"
 
     show = lambda xs: ", ".join(xs[:6]) + (" …" if len(xs) > 6 else "") if xs else "none"  # noqa: E731
     fired = bool(data["confound"].get("flagged"))
@@ -293,94 +351,129 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         + ("" if PAPER_GROUP_SIZE in sizes else f"; too few for a correlation at size {PAPER_GROUP_SIZE}, which is "
            "left out") + "). Not covered: larger models, more chunks.",
     ]
-    values, verdicts = [], []
+    values = []
     for g in sizes:
-        follow = {v: [s for s in sources if verdict(g, s, final) == v]
-                  for v in (gallery.FOLLOWS, gallery.CANNOT_TELL, gallery.OPPOSITE)}
-        spearman_follow = [s for s in sources if verdict(g, s, final, "spearman") == gallery.FOLLOWS]
-        all_follow = [a for a in layers if all(verdict(g, s, a) == gallery.FOLLOWS for s in sources)]
-        any_follow = [a for a in layers if any(verdict(g, s, a) == gallery.FOLLOWS for s in sources)]
-        all_opposite = [a for a in layers if all(verdict(g, s, a) == gallery.OPPOSITE for s in sources)]
         values.append(
             f"groups of {g} ({n_chunks // g} a source): Pearson "
             + ", ".join(fmt(g, s, final, "pearson") for s in sources)
             + f", pooled {fmt(g, 'pooled', final, 'pearson').split(' ', 1)[1]}; Spearman "
             + ", ".join(fmt(g, s, final, "spearman") for s in sources))
-        verdicts.append(
-            f"groups of {g}: paper A's sign in {len(follow[gallery.FOLLOWS])} of {len(sources)} sources "
-            f"({show(follow[gallery.FOLLOWS])})"
-            + (f", cannot tell at this size in {show(follow[gallery.CANNOT_TELL])}" if follow[gallery.CANNOT_TELL]
-               else "")
-            + (f", the opposite in {show(follow[gallery.OPPOSITE])}" if follow[gallery.OPPOSITE] else "")
-            + f" (Spearman: {len(spearman_follow)} of {len(sources)}); by depth every source follows at "
-            f"{len(all_follow)} of {len(layers)} hidden states ({show(all_follow)}), at least one at {len(any_follow)}, "
-            f"every source the opposite at {len(all_opposite)} ({show(all_opposite)})")
-    summary.append("Final layer, 95 % intervals (percentile bootstrap over the chunks, regrouped on every resample; "
-                   "2000 resamples, seed 0): " + "; ".join(values) + ".")
-    g5, g20 = sizes[0], sizes[-1]
-    changed = [s for s in sources if verdict(g5, s, final) != verdict(g20, s, final)]
+    summary.append(f"Final layer, 95 % intervals (over more than {gallery.SMALL} groups: percentile bootstrap over the "
+                   "chunks, regrouped on every resample, 2000 resamples, seed 0, where it holds its own estimate; "
+                   f"* Fisher z, used with at most {gallery.SMALL} groups and where the bootstrap left out its "
+                   "estimate; none for a perfect correlation): " + "; ".join(values) + ".")
+    w = held[within[g5].name]
+    fam_said = ", ".join(f"{s} {gallery.SAID[held[tests[g5][s][final]['pearson'].name]['verdict']]} "
+                         f"(Holm p {held[tests[g5][s][final]['pearson'].name]['p_holm']:.2g})" for s in sources)
+    explored = []
+    for g in sizes:
+        ok = [s for s in sources if verdict(g, s, final) == gallery.FOLLOWS]
+        sp = [s for s in sources if verdict(g, s, final, "spearman") == gallery.FOLLOWS]
+        all_follow = [a for a in layers if all(verdict(g, s, a) == gallery.FOLLOWS for s in sources)]
+        any_follow = [a for a in layers if any(verdict(g, s, a) == gallery.FOLLOWS for s in sources)]
+        all_opposite = [a for a in layers if all(verdict(g, s, a) == gallery.OPPOSITE for s in sources)]
+        wg = ci["within_domain"][str(g)]
+        explored.append(
+            f"groups of {g}: " + (f"within-domain r {gallery.show_test(wg)}, " if g != g5 else "")
+            + f"sources below 0 at p < {gallery.ALPHA} unadjusted, Pearson {len(ok)} of {len(sources)} ({show(ok)}), "
+            f"Spearman {len(sp)} ({show(sp)}); by depth every source at {len(all_follow)} of {len(layers)} hidden "
+            f"states ({show(all_follow)}), at least one at {len(any_follow)}, every source above 0 at "
+            f"{len(all_opposite)} ({show(all_opposite)})")
     summary.append(
-        "Paper A finds the correlation negative within each domain (lower-perplexity groups more dispersed); a source "
-        "follows it when its whole interval is below 0. " + "; ".join(v[0].upper() + v[1:] for v in verdicts) + ". "
-        + ((f"The paper's group size changes the final-layer verdict in {show(changed)}"
-            if changed else "The paper's group size changes no source's final-layer verdict")
-           + f"; with {n_chunks // g20} groups a source, an interval at size {g20} rests on few points and is wide. "
-           if g20 != g5 else "")
+        "Paper A finds the correlation negative within each domain (lower-perplexity groups more dispersed). "
+        f"Primary test: the within-domain Pearson r at the final layer over the {w['n']} groups of {g5} (each "
+        f"source's means removed) = {gallery.show_test(w)}: {gallery.SAID[w['verdict']]}. Its family, Holm over "
+        f"{len(family)} (the primary and each source's Pearson r at the final layer, groups of {g5}): {fam_said}. "
+        "Exploratory, unadjusted: " + "; ".join(explored) + ". "
+        + (f"With {n_chunks // g20} groups a source (size {g20}) an exact test cannot go below p = "
+           f"{2 / math.factorial(n_chunks // g20):.3f}, and the Fisher-z intervals are wide. " if g20 != g5 else "")
         + f"Pooled over the domains r = {iv(g5, 'pooled', final)['estimate']:+.2f} "
         f"({iv(g5, 'pooled', final)['low']:+.2f} to {iv(g5, 'pooled', final)['high']:+.2f}) at size {g5}"
         + (", which mostly compares domains (domain-confound warning), not the paper's within-domain law" if fired
            else "") + ".")
-    tables = []
+    tables = [gallery.finding_table(finding, "within each domain, lower-perplexity groups are more dispersed "
+                                             "(paper A Fig. 3 and 5)")]
+    cell = lambda c: f"{c['low']:+.3f} to {c['high']:+.3f}" if math.isfinite(c["low"]) else "n/a"  # noqa: E731
     for g in sizes:
-        rows = [[p, iv(g, p, final)["groups"], iv(g, p, final)["estimate"],
-                 f"{iv(g, p, final)['low']:+.3f} to {iv(g, p, final)['high']:+.3f}", verdict(g, p, final),
-                 iv(g, p, final, "spearman")["estimate"],
-                 f"{iv(g, p, final, 'spearman')['low']:+.3f} to {iv(g, p, final, 'spearman')['high']:+.3f}",
-                 verdict(g, p, final, "spearman")] for p in pops]
-        tables.append({"title": f"Groups of {g}, final layer ({final}): 95 % intervals, percentile bootstrap over the "
-                                "chunks (regrouped on every resample)",
-                       "header": ["population", "groups", "Pearson r", "95 % CI", "verdict (r)", "Spearman ρ",
-                                  "95 % CI", "verdict (ρ)"], "rows": rows})
-    tables.append({"title": "Verdict by depth (Pearson r; follows: interval below 0, opposite: above 0), number of "
-                            "sources, per group size",
+        rows = []
+        for p in pops:
+            r, rho = iv(g, p, final), iv(g, p, final, "spearman")
+            rows.append([p, r["groups"], r["estimate"], cell(r), gallery.short_method(r["interval"]), r["p"],
+                         gallery.SAID[r["verdict"]] + (f" ({r['role']}, Holm)" if r["p_holm"] is not None
+                                                       else " (exploratory)"),
+                         rho["estimate"], cell(rho), gallery.short_method(rho["interval"]), rho["p"],
+                         gallery.exploratory_cell(rho)])
+        tables.append({"title": f"Groups of {g}, final layer ({final}): 95 % intervals and two-sided p (up to "
+                                f"{gallery.SMALL} groups: Fisher z and exact permutation; more: percentile bootstrap "
+                                "over the chunks, regrouped on every resample, where it holds its estimate, else "
+                                "Fisher z; t test of r)",
+                       "header": ["population", "groups", "Pearson r", "95 % CI", "interval", "p", "verdict (r)",
+                                  "Spearman ρ", "95 % CI", "interval", "p", "verdict (ρ)"], "rows": rows})
+    tables.append({"title": "Verdict by depth (Pearson r; exploratory, unadjusted p < 0.05: follows below 0, opposite "
+                            "above 0), number of sources, per group size",
                    "header": ["address", *[f"{v} (groups of {g})" for g in sizes
                                            for v in ("follows", "cannot tell", "opposite")]],
                    "rows": [[a, *[sum(verdict(g, s, a) == v for s in sources) for g in sizes
                                   for v in (gallery.FOLLOWS, gallery.CANNOT_TELL, gallery.OPPOSITE)]]
                             for a in layers]})
-    every = [c for g in ci.values() for pop in g.values() for kinds in pop.values() for c in kinds.values()
-             if math.isfinite(c["estimate"]) and math.isfinite(c["median"])]
-    shrunk = sum(abs(c["median"]) < abs(c["estimate"]) for c in every)
-    outside = sum(not (c["low"] <= c["estimate"] <= c["high"]) for c in every)
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import percentile_interval
+
+    left_out = shrunk = counted = 0
+    for g in sizes:
+        for p in pops:
+            for j, a in enumerate(layers):
+                for kind in ("pearson", "spearman"):
+                    c = iv(g, p, a, kind)
+                    draws = boots[g][p]["draws"][kind][:, j]
+                    lo, hi, _ = percentile_interval(draws)
+                    if not (math.isfinite(c["estimate"]) and math.isfinite(lo)):
+                        continue
+                    counted += 1
+                    shrunk += abs(float(np.nanmedian(draws))) < abs(c["estimate"])
+                    left_out += not lo <= c["estimate"] <= hi
+    replaced = [f"{p} {kind} (groups of {g})" for g in sizes for p in pops for kind in ("pearson", "spearman")
+                if c_int(iv(g, p, final, kind)) == "replaced"]
     notes = [
+        gallery.RULE_NOTE,
         f"Resampling chunks with replacement puts repeated chunks into a group, which makes group means noisier and "
-        f"pulls a group-level correlation toward 0: the resamples' median lies closer to 0 than the estimate in "
-        f"{shrunk} of {len(every)} intervals, and {outside} intervals leave out their own estimate. The intervals "
-        "are therefore shifted toward 0, which makes a decisive verdict (follows or the opposite) harder to reach, "
-        "not easier.",
-        "Intervals: percentile bootstrap (repgeom_eval.functional.bootstrap, 2000 resamples, seed 0) over the chunks "
-        "of a population, the unit the run sampled; every resample is sorted by perplexity and cut into groups "
-        "again (Algorithm 1), so the interval covers the grouping too. A verdict is decided by the interval (below "
-        "0: follows; above 0: the opposite; holding 0: cannot tell at this size), never by the sign alone.",
-        f"The point estimates come from ppl-bins' own `bin_and_correlate` on the kept per-chunk values; at the run's "
-        f"group size ({cfg['group_size']}) they reproduce the groups ppl-bins wrote (largest difference {worst:.1e}). "
-        "A group's values are the means of its chunks' perplexities and token dispersions, so any group size can be "
-        "formed from the per-chunk values without the model.",
+        f"pulls a group-level correlation toward 0: over all layers, sizes, populations and both coefficients the "
+        f"resamples' median lies closer to 0 than the estimate in {shrunk} of {counted} bootstrap distributions, and "
+        f"{left_out} percentile intervals leave out their own estimate. Those are not used: where there are more than "
+        f"{gallery.SMALL} groups such an interval is replaced by the Fisher-z interval over the groups (at the final "
+        f"layer: {show(replaced)}), and with at most {gallery.SMALL} groups no bootstrap is used at all.",
+        "Units: the chunks are the sampled unit and the bootstrap resamples them, sorting and cutting every resample "
+        "into groups again (Algorithm 1), so its interval covers the grouping too; the Fisher-z intervals and the "
+        "p values treat the groups of one population as its pairs.",
+        f"The point estimates come from ppl-bins' own `bin_and_correlate` grouping of the kept per-chunk values; at "
+        f"the run's group size ({cfg['group_size']}) the groups reproduce the ones ppl-bins wrote (largest difference "
+        f"{worst:.1e}). A group's values are the means of its chunks' perplexities and token dispersions, so any "
+        "group size can be formed from the per-chunk values without the model.",
     ]
     grouping = f"groups of {g5} (top) and {g20} (bottom)" if g20 != g5 else f"groups of {g5}"
     figures = [{"file": "correlation_by_depth.png", "caption": "corr(group perplexity, group token dispersion) at "
-                "every hidden state of SmolLM2-135M, per source and pooled, with 95 % bootstrap bands (over chunks), "
-                f"{grouping}; {cfg['per_source']} chunks of {cfg['chunk_len']} tokens a source"},
+                "every hidden state of SmolLM2-135M, per source and pooled, with 95 % bands (bootstrap over chunks, "
+                f"or Fisher z), {grouping}; {cfg['per_source']} chunks of {cfg['chunk_len']} tokens a source"},
                {"file": "scatter.png", "caption": f"Perplexity vs token dispersion at {data['strongest_negative']} "
                 "(the layer with the most negative mean per-source Pearson r at the run's group size): chunks faint, "
                 f"groups of {g5} bold, per source"}]
-    return gallery.regenerated(doc, summary, tables, notes, ci, figures)
+    out = gallery.regenerated(doc, summary, tables, notes, ci, figures)
+    out["data"]["findings"] = gallery.stable({"within_domain": finding})
+    return out
+
+
+def c_int(c: dict[str, Any]) -> str:
+    """Whether a test's interval is the bootstrap, Fisher z by size, or Fisher z replacing a bootstrap."""
+    if c["interval"].startswith("percentile"):
+        return "bootstrap"
+    return "replaced" if "left out" in c["interval"] else "small"
 
 
 def draw(doc: dict[str, Any], out: Path) -> None:
     data = doc["data"]
     sources = [s for s in SOURCES if s in data["chunks"]]
-    sizes = list(data["intervals"])
+    sizes = [k for k in data["intervals"] if k != "within_domain"]
     gallery.save_figure(figure_by_depth(data["layers"], sources, data["config"], data["intervals"], sizes),
                         out / "correlation_by_depth.png")
     chunks = [{"source": s, "ppl": p, "dispersion": dict(zip(data["layers"], d))}

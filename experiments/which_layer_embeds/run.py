@@ -285,10 +285,9 @@ MODELS = ("SmolLM2-135M", "all-MiniLM-L6-v2")
 
 
 def layer_differences(rows: list[dict]) -> dict:
-    """Per model and preprocessing: every layer's main score minus the last layer's, per task, with the 95 %
-    percentile-bootstrap interval of the mean over the tasks (the tasks are the unit: per-item scores are not kept)."""
-    from repgeom_eval.functional.bootstrap import rowwise_mean
-
+    """Per model and preprocessing: every layer's main score minus the last layer's, per task, and the test of the
+    mean over the tasks against 0 (gallery.mean_test; the tasks are the unit, at most 10 of them: t-interval and exact
+    sign-flip p), each exploratory until a finding takes it into its family."""
     out: dict = {}
     for model in MODELS:
         for prep in PREPS:
@@ -302,7 +301,8 @@ def layer_differences(rows: list[dict]) -> dict:
             for a in layers:
                 diffs = [next(r for r in t if r["layer"] == a)["score"] - t[-1]["score"] for t in per_task]
                 depth = next(r for r in per_task[0] if r["layer"] == a)["rel_depth"]
-                iv = gallery.interval(rowwise_mean, diffs) if len(diffs) > 1 else None
+                iv = (gallery.explore(gallery.mean_test(f"{model}/{prep}: {a} − last", diffs, 0.0, "above")).as_dict()
+                      if len(diffs) > 1 else None)
                 entry["layers"][a] = {"rel_depth": depth, "differences": diffs, "mean": statistics.mean(diffs),
                                       "ci": iv}
             mids = [a for a in layers if 0 < entry["layers"][a]["rel_depth"] < 1]
@@ -329,12 +329,11 @@ PICK_TEXTS_NOTE = (
 def label_free_picks(rows: list[dict]) -> dict:
     """Per model, preprocessing and task: the layer the built-in rule picks from the raw runs' dataset entropy,
     its score against ``final`` and against the best layer in hindsight; per model and preprocessing, over the
-    tasks: how often the pick beats ``final`` and the mean pick − final, each with a 95 % percentile-bootstrap
-    interval over the tasks (and the exact binomial interval of the hit rate, which a bootstrap of 0/n or n/n
-    cannot give)."""
+    tasks: how often the pick beats ``final`` (with the exact binomial interval) and the test of the mean pick − final
+    (gallery.mean_test over the tasks: t-interval and exact sign-flip p; a StatTest, put into its finding by
+    ``summarize``)."""
     from scipy.stats import binomtest
 
-    from repgeom_eval.functional.bootstrap import rowwise_mean
     from repgeom_eval.layer_pick import MinDatasetEntropy
 
     rule = MinDatasetEntropy()
@@ -371,38 +370,15 @@ def label_free_picks(rows: list[dict]) -> dict:
             k, n = int(sum(hits)), len(sel)
             exact = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
             groups[f"{model}/{prep}"] = {
-                "n_tasks": n, "beats_final": k, "ties_final": sum(d == 0 for d in diffs),
-                "hit_rate": gallery.interval(rowwise_mean, hits) if n > 1 else None,
+                "n_tasks": n, "beats_final": k, "ties_final": sum(d == 0 for d in diffs), "hit_rate": k / n,
                 "hit_rate_exact": {"low": float(exact.low), "high": float(exact.high), "method": "Clopper-Pearson"},
-                "pick_minus_final": gallery.interval(rowwise_mean, diffs) if n > 1 else None,
+                "pick_minus_final": gallery.mean_test(f"{model}/{prep}: pick − final", diffs, 0.0, "above")
+                if n > 1 else None,
                 "pick_is_best": sum(t["pick"] == t["best"] for t in sel),
                 "mean_best_minus_pick": statistics.mean(t["best_minus_pick"] for t in sel),
                 "picks": sorted({t["pick"] for t in sel})}
     return {"rule": rule.name, "params": dict(rule.params), "per_task": per_task, "groups": groups,
             "min_entropy_margin": min(margins)}
-
-
-def pick_quotes(picks: dict) -> list[str]:
-    """One sentence per model and preprocessing: the measured hit rate (docs/picks.md quotes these verbatim)."""
-    out = []
-    for key, g in picks["groups"].items():
-        model, prep = key.split("/")
-        hr, diff, ex = g["hit_rate"], g["pick_minus_final"], g["hit_rate_exact"]
-        out.append(f"{model}, {'raw' if prep == 'none' else prep}: the pick beats final on {g['beats_final']}/"
-                   f"{g['n_tasks']} tasks (ties {g['ties_final']}; hit rate {hr['estimate']:.2f}, bootstrap "
-                   f"{ci_plain(hr, 2, False)}, exact binomial {ex['low']:.2f} to {ex['high']:.2f}); mean pick − final "
-                   f"{diff['estimate']:+.3f} ({ci_plain(diff, 3, True)}), "
-                   f"{PICK_SAID[gallery.decide(diff['low'], diff['high'], 0.0, 'above')]}; pick = best layer on "
-                   f"{g['pick_is_best']}/{g['n_tasks']}, mean gap to the best {g['mean_best_minus_pick']:.3f}")
-    return out
-
-
-PICK_SAID = {gallery.FOLLOWS: "better than final", gallery.OPPOSITE: "worse than final",
-             gallery.CANNOT_TELL: "cannot tell from final at this size"}
-
-
-def ci_plain(iv: dict, digits: int, signed: bool) -> str:
-    return gallery.ci_text(iv["low"], iv["high"], digits, signed)
 
 
 # -- per-item values (mteb's --prediction-folder) and intervals over a task's items -------------------------------------
@@ -521,8 +497,9 @@ def rowwise_v_measure(labels, clusters):
 
 def item_intervals(items: dict, rows: list[dict]) -> dict:
     """Per task, model and preprocessing: every layer's main score and its difference from the last layer, with
-    95 % percentile-bootstrap intervals over the task's items (2000 resamples, seed 0; the same resamples for every
-    layer, so a difference is paired)."""
+    95 % intervals from a bootstrap over the task's items (2000 resamples, seed 0; the same resamples for every
+    layer, so a difference is paired): the percentile interval where it holds its estimate, else the normal interval
+    from the resamples' s.d. (gallery.statistic_test); the difference is an exploratory test against 0."""
     import numpy as np
     from scipy.stats import rankdata
 
@@ -558,11 +535,15 @@ def item_intervals(items: dict, rows: list[dict]) -> dict:
             entry = {}
             for a in order:
                 draws, est = resampled(layers[a]), item_score(t, layers[a])
-                lo, hi, valid = percentile_interval(draws)
-                dlo, dhi, dvalid = percentile_interval(draws - last_draws)
+                score = gallery.statistic_test(f"{task} {key} {a}", "main score", est, draws, n_items)
+                diff = gallery.statistic_test(f"{task} {key}: {a} − last", "main score difference", est - last_score,
+                                              draws - last_draws, n_items, 0.0, "above")
+                _, _, valid = percentile_interval(draws)
                 entry[a] = {"rel_depth": depth[(model, prep, a)],
-                            "score": {"estimate": est, "low": lo, "high": hi, "n_valid": valid},
-                            "minus_last": {"estimate": est - last_score, "low": dlo, "high": dhi, "n_valid": dvalid}}
+                            "score": {"estimate": est, "low": score.low, "high": score.high, "n_valid": valid,
+                                      "interval": score.interval,
+                                      "percentile_left_out_estimate": score.interval.startswith("normal")},
+                            "minus_last": gallery.explore(diff).as_dict()}
             out[task][key] = {"n_items": n_items, "last": last, "layers": entry}
     return out
 
@@ -580,7 +561,7 @@ def item_verdicts(item_iv: dict, diffs: dict) -> dict:
             layers = by_key[key]["layers"]
             inner = {a: v for a, v in layers.items() if 0 < v["rel_depth"] < 1}
             best = max(inner, key=lambda a: (inner[a]["score"]["estimate"], -inner[a]["rel_depth"]))
-            decide = lambda v: gallery.decide(v["minus_last"]["low"], v["minus_last"]["high"], 0.0, "above")  # noqa
+            decide = lambda v: v["minus_last"]["verdict"]  # noqa: E731 (exploratory: its own unadjusted p)
             per_task.append({"task": task, "middle": middle, "middle_verdict": decide(layers[middle]),
                              "middle_minus_last": layers[middle]["minus_last"], "best": best,
                              "best_verdict": decide(inner[best]), "best_minus_last": inner[best]["minus_last"],
@@ -603,8 +584,8 @@ def item_sentence(verdicts: dict) -> str:
         parts.append(f"{label}: the middle layer above the last on {mid} of {len(per_task)} tasks (below on "
                      f"{mid_below}), some intermediate layer above it on {any_layer}, the best layer in hindsight on "
                      f"{best}")
-    return ("Per task, by a paired bootstrap over the task's items (STS pairs, classification test items, the texts "
-            "of each k-means run): " + "; ".join(parts) + ".")
+    return ("Exploratory, unadjusted, per task, by a paired bootstrap over the task's items (STS pairs, "
+            "classification test items, the texts of each k-means run): " + "; ".join(parts) + ".")
 
 
 def item_table(verdicts: dict) -> dict:
@@ -616,8 +597,9 @@ def item_table(verdicts: dict) -> dict:
             rows.append([model, prep, t["task"], t["middle"], m["estimate"], f"{m['low']:+.3f} to {m['high']:+.3f}",
                          t["middle_verdict"], t["best"], b["estimate"], f"{b['low']:+.3f} to {b['high']:+.3f}",
                          t["best_verdict"], f"{t['beyond']}/{t['n_inner']}", f"{t['below']}/{t['n_inner']}"])
-    return {"title": "Per task, intervals over the task's items (paired percentile bootstrap, 2000 resamples): the "
-                     "middle layer and the best intermediate layer (chosen after the fact) minus the last layer",
+    return {"title": "Per task, intervals over the task's items (paired bootstrap, 2000 resamples: percentile where "
+                     "it holds its estimate, else normal from its s.d.): the middle layer and the best intermediate "
+                     "layer (chosen after the fact) minus the last layer; verdicts exploratory (unadjusted p)",
             "header": ["model", "preprocess", "task", "middle layer", "middle − last", "95 % CI", "verdict",
                        "best layer", "best − last", "95 % CI", "verdict", "layers above last", "layers below last"],
             "rows": rows}
@@ -640,9 +622,8 @@ def summarize(doc: dict) -> dict:
         for e in by_key.values():
             for v in e["layers"].values():
                 counted[kind] = counted.get(kind, 0) + 1
-                sc, df = v["score"], v["minus_last"]
-                outside[kind] = outside.get(kind, 0) + (sc["low"] > sc["estimate"])
-                outside_diff[kind] = outside_diff.get(kind, 0) + (not df["low"] <= df["estimate"] <= df["high"])
+                outside[kind] = outside.get(kind, 0) + v["score"]["percentile_left_out_estimate"]
+                outside_diff[kind] = outside_diff.get(kind, 0) + v["minus_last"]["interval"].startswith("normal")
 
     def count(model: str, prep: str) -> tuple[int, int, float]:
         vs = [v for v in verdicts if v["model"] == model and v["preprocess"] == prep]
@@ -651,15 +632,24 @@ def summarize(doc: dict) -> dict:
     def mean_score(model: str, prep: str, which: str) -> float:
         return statistics.mean(v[f"{which}_score"] for v in verdicts if v["model"] == model and v["preprocess"] == prep)
 
-    def middle(key: str) -> tuple[str, dict, str]:
-        e = diffs[key]
-        a = e["middle"]
-        iv = e["layers"][a]["ci"]
-        return a, iv, gallery.decide(iv["low"], iv["high"], 0.0, expect="above")
+    settings = [f"{m}/{p}" for m in MODELS for p in PREPS if f"{m}/{p}" in diffs]
+    primary_key = settings[0]  # SmolLM2 raw: paper B's claim is about language models, read raw
+    mid_family = [gallery.StatTest(**{**diffs[k]["layers"][diffs[k]["middle"]]["ci"],
+                                      "name": f"{k}: middle layer ({diffs[k]['middle']}) − last"}) for k in settings]
+    mid_finding = gallery.decide(mid_family, mid_family[0].name, "an intermediate layer (the middle one, fixed "
+                                                                 "before looking) scores above the last layer")
+    for k, t in zip(settings, mid_family):
+        diffs[k]["layers"][diffs[k]["middle"]]["ci"] = mid_finding["tests"][t.name]
+    pick_family = [picks["groups"][k]["pick_minus_final"] for k in settings]
+    pick_finding = gallery.decide(pick_family, pick_family[0].name, "the label-free pick (min_dataset_entropy) "
+                                                                    "scores above final")
+    for k, t in zip(settings, pick_family):
+        picks["groups"][k]["pick_minus_final"] = pick_finding["tests"][t.name]
+    rules = rule_table(rows)
 
     def beyond(key: str) -> list[str]:
         return [a for a, v in diffs[key]["layers"].items() if v["ci"] and 0 < v["rel_depth"] < 1
-                and gallery.decide(v["ci"]["low"], v["ci"]["high"], 0.0, "above") == gallery.FOLLOWS]
+                and v["ci"]["role"] == gallery.EXPLORATORY and v["ci"]["verdict"] == gallery.FOLLOWS]
 
     n_tasks = len(sources) * len(TYPES)
     raw_smol = [r for r in rows if r["model"] == "SmolLM2-135M" and r["preprocess"] == "none"]
@@ -670,13 +660,14 @@ def summarize(doc: dict) -> dict:
     said = {gallery.FOLLOWS: "above the last layer (follows)", gallery.OPPOSITE: "below the last layer (the opposite)",
             gallery.CANNOT_TELL: "cannot tell at this size"}
     parts = []
-    for model, short in (("SmolLM2-135M", "SmolLM2"), ("all-MiniLM-L6-v2", "MiniLM")):
-        for prep, label in (("none", "raw"), ("standardize", "standardized")):
-            a, iv, v = middle(f"{model}/{prep}")
-            parts.append(f"{short} {label}: {a} {iv['estimate']:+.3f} ({iv['low']:+.3f} to {iv['high']:+.3f}), "
-                         f"{said[v]}; {len(beyond(f'{model}/{prep}'))} of "
-                         f"{sum(0 < x['rel_depth'] < 1 for x in diffs[f'{model}/{prep}']['layers'].values())} "
-                         "intermediate layers above the last beyond the task-to-task spread")
+    for k in settings:
+        model, prep = k.split("/")
+        iv = diffs[k]["layers"][diffs[k]["middle"]]["ci"]
+        parts.append(f"{SHORT[model]} {'raw' if prep == 'none' else 'standardized'}: {diffs[k]['middle']} "
+                     f"{gallery.show_test(iv, 3)}, {said[iv['verdict']]}")
+    explored = [f"{SHORT[k.split('/')[0]]} {'raw' if k.endswith('/none') else 'standardized'} {len(beyond(k))} of "
+                f"{sum(0 < x['rel_depth'] < 1 for x in diffs[k]['layers'].values())}" for k in settings]
+    floor = 2 / 2 ** n_tasks
     line1 = (f"`repgeom mteb run --layer all` on {n_tasks} local tasks (topic classification, topic clustering, "
              f"graded STS; example tasks of size {d['size']} from {' and '.join(sources)}) for SmolLM2-135M-Instruct "
              f"(GGUF, mean pooling, {n_states} hidden states) and all-MiniLM-L6-v2 (its own recipe), raw and with "
@@ -691,10 +682,16 @@ def summarize(doc: dict) -> dict:
              f"{mean_score('SmolLM2-135M', 'standardize', 'best'):.3f} and its mean last-layer score from "
              f"{mean_score('SmolLM2-135M', 'none', 'last'):.3f} to "
              f"{mean_score('SmolLM2-135M', 'standardize', 'last'):.3f}; its largest raw dimension holds up to "
-             f"{peak['top1_share']:.0%} of the squared norm ({peak['layer']})." + " " + pick_line(picks))
+             f"{peak['top1_share']:.0%} of the squared norm ({peak['layer']})." + " " + pick_line(picks, pick_finding)
+             + " " + rules_line(rules))
     line3 = ("Paper B (language models on MTEB): intermediate layers often beat the last one. Tested without "
-             "picking the layer after the fact: the middle layer's score minus the last layer's, mean over the "
-             f"{n_tasks} tasks with a 95 % interval (percentile bootstrap over tasks): " + "; ".join(parts)
+             "picking the layer after the fact, primary test: the middle layer's score minus the last layer's, "
+             f"mean over the {n_tasks} tasks, {SHORT[primary_key.split('/')[0]]} raw (t-interval over the tasks, "
+             f"exact sign-flip p); family: the {len(settings)} settings (model × preprocessing), Holm: "
+             + "; ".join(parts) + f"; primary: {said[mid_finding['verdict']]}. With {n_tasks} tasks the exact test's "
+             f"smallest two-sided p is {floor:.3g}, above the {gallery.ALPHA / len(settings):.4g} that Holm over "
+             f"{len(settings)} asks of the smallest p, so no setting can be decided over the tasks at this size. "
+             "Exploratory, unadjusted: intermediate layers above the last over the tasks: " + ", ".join(explored)
              + (". " + item_sentence(item_v) if items else
                 ". A per-task \"beats the last layer\" cannot be decided from these results (no per-item scores)."))
     table_rows = []
@@ -702,14 +699,23 @@ def summarize(doc: dict) -> dict:
         model, prep = key.split("/")
         for a, v in e["layers"].items():
             if v["ci"]:
+                c = v["ci"]
                 table_rows.append([model, prep, a, round(v["rel_depth"], 2), v["mean"],
-                                   f"{v['ci']['low']:+.3f} to {v['ci']['high']:+.3f}",
-                                   gallery.decide(v["ci"]["low"], v["ci"]["high"], 0.0, "above")
-                                   + (" (middle layer)" if a == e["middle"] else "")])
-    tables = [{"title": "Layer minus last layer, mean over the tasks, with 95 % intervals (percentile bootstrap over "
-                        "the tasks; follows: above 0, opposite: below 0)",
-               "header": ["model", "preprocess", "layer", "rel. depth", "mean difference", "95 % CI", "verdict"],
-               "rows": table_rows}] + ([item_table(item_v)] if items else []) + pick_tables(picks)
+                                   f"{c['low']:+.3f} to {c['high']:+.3f}", c["p"],
+                                   c["p_holm"] if c["p_holm"] is not None else "n/a",
+                                   gallery.SAID[c["verdict"]] + (f" ({c['role']}: middle layer)"
+                                                                 if c["role"] != gallery.EXPLORATORY
+                                                                 else " (exploratory)")])
+    tables = [gallery.finding_table(mid_finding, "an intermediate layer scores above the last one (paper B Fig. 1; "
+                                                 "the middle layer, fixed before looking)"),
+              gallery.finding_table(pick_finding, "the label-free pick (min_dataset_entropy) scores above final"),
+              {"title": "Layer minus last layer, mean over the tasks, with 95 % t-intervals over the tasks and exact "
+                        "sign-flip p (the middle layers: Holm over the four settings; every other layer exploratory)",
+               "header": ["model", "preprocess", "layer", "rel. depth", "mean difference", "95 % CI", "p", "p (Holm)",
+                          "verdict"],
+               "rows": table_rows}] + ([item_table(item_v)] if items else []) + pick_tables(picks) \
+        + rule_tables(rules)
+    n_score_out = sum(outside.values())
     item_note = ([f"Per-item intervals: `--prediction-folder` keeps mteb's predictions; result.json holds each STS "
                   "pair's cosine similarity, each classification test item's fraction of correct experiments and each "
                   "k-means run's assignments, per layer, from which every main score is recomputed (largest difference from mteb's rounded score "
@@ -720,35 +726,38 @@ def summarize(doc: dict) -> dict:
                   "run's assignments but not which texts the run drew; they are replayed from mteb's seeded draw "
                   f"(random.Random({MTEB_SEED}).choices, with replacement), and each run's V-measure recomputed from "
                   "them reproduces mteb's score (the check above), then each run's texts are resampled. Resampling "
-                  "repeats texts, which inflates a V-measure (it is mutual-information based): "
-                  f"{outside['Clustering']} of {counted['Clustering']} clustering score intervals lie wholly above "
-                  "their estimate, so read the clustering verdicts from the paired differences, where the inflation "
-                  f"largely cancels ({outside_diff['Clustering']} of {counted['Clustering']} difference intervals "
-                  "leave out their estimate). The best layer is chosen after the fact, which biases its difference "
-                  "upward; the middle layer is fixed before looking."]
+                  "repeats texts, which inflates a V-measure (it is mutual-information based): the percentile "
+                  f"interval leaves out its own estimate for {outside.get('Clustering', 0)} of "
+                  f"{counted.get('Clustering', 0)} clustering scores ({n_score_out} scores in all) and for "
+                  f"{outside_diff.get('Clustering', 0)} of {counted.get('Clustering', 0)} clustering differences "
+                  f"({sum(outside_diff.values())} differences in all); each of those is replaced by the normal "
+                  "interval from the resamples' s.d., centred on the estimate. The best layer is chosen after the "
+                  "fact, which biases its difference upward; the middle layer is fixed before looking."]
                  if items else [])
-    notes = [*item_note,
-             "Intervals: the MTEB runs keep one main score per task and layer, not the per-item scores, so no "
-             "interval over a task's items can be formed from result.json; the bootstrap resamples the "
-             f"{n_tasks} tasks (2000 resamples, seed 0), which gives the spread across tasks of a layer's difference "
-             "from the last layer. With 6 tasks these intervals are coarse. The verdict uses the middle layer "
-             "(relative depth nearest 0.5), fixed before looking; counts of layers beyond noise are descriptive "
-             "(many layers, no correction for multiplicity). The best-vs-last gains are kept as the run wrote them "
-             "but decide nothing: a maximum over layers is never below the last layer.",
+    notes = [gallery.RULE_NOTE, *item_note,
+             f"Units: the {n_tasks} tasks for every mean over tasks (at most {gallery.SMALL} units, so t-intervals "
+             "and exact sign-flip p, no bootstrap); the items of one task for the per-task tests. The findings use "
+             "the middle layer (relative depth nearest 0.5), fixed before looking; counts of layers beyond noise are "
+             "exploratory (many layers, no correction for multiplicity). The best-vs-last gains are kept as the run "
+             "wrote them but decide nothing: a maximum over layers is never below the last layer.",
              PICK_TEXTS_NOTE.format(margin=picks["min_entropy_margin"]),
-             "Pick intervals: the hit rate (pick strictly above final; a tie is no hit) and the mean pick − final are "
-             f"bootstrapped over the {n_tasks} tasks (2000 resamples, seed 0). A bootstrap of 0/n or n/n hits is a "
-             "single point and says nothing about uncertainty, so the exact (Clopper-Pearson) binomial interval of "
-             "the hit rate is given beside it. The best layer is chosen after the fact (an upper bound, not a rule)."]
+             "Picks: the hit rate (pick strictly above final; a tie is no hit) with its exact (Clopper-Pearson) "
+             "binomial interval, and the mean pick − final over the tasks with its t-interval and exact sign-flip p. "
+             "The best layer is chosen after the fact (an upper bound, not a rule).",
+             RULES_NOTE]
     figures = [*[f for f in doc["figures"] if f["file"] not in ("gain_by_depth.png", "item_gain_by_depth.png")],
                {"file": "gain_by_depth.png", "caption": "Each layer's main score minus the last layer's, mean over "
-                "the tasks, with 95 % bootstrap bands over the tasks; solid raw, dashed standardized"}]
+                "the tasks, with 95 % t-interval bands over the tasks; solid raw, dashed standardized"}]
     if items:
         figures.append({"file": "item_gain_by_depth.png", "caption": "Per STS and classification task: each layer's "
                         "main score minus the last layer's, with 95 % bands from a paired bootstrap over the task's "
                         "items; solid raw, dashed standardized; blue SmolLM2-135M, orange MiniLM"})
     out = gallery.regenerated(doc, [line1, line2, line3], tables, notes, diffs, figures)
-    out["data"]["label_free_pick"] = {**picks, "quotes": pick_quotes(picks)}
+    picks = {**picks, "groups": {k: {**g, "pick_minus_final": g["pick_minus_final"] if isinstance(
+        g["pick_minus_final"], dict) else g["pick_minus_final"].as_dict()} for k, g in picks["groups"].items()}}
+    out["data"]["label_free_pick"] = gallery.stable({**picks, "quotes": pick_quotes(picks)})
+    out["data"]["label_free_rules"] = gallery.stable({**rules, "quotes": rules_quotes(rules)})
+    out["data"]["findings"] = gallery.stable({"middle_layer": mid_finding, "label_free_pick": pick_finding})
     if items:
         out["data"]["item_intervals"] = item_iv
     return out
@@ -757,31 +766,29 @@ def summarize(doc: dict) -> dict:
 SHORT = {"SmolLM2-135M": "SmolLM2", "all-MiniLM-L6-v2": "MiniLM"}
 
 
-def pick_line(picks: dict) -> str:
-    """The summary's sentence on the label-free pick, every number from ``picks``."""
-    parts, not_better = [], []
+def setting_label(key: str) -> str:
+    model, prep = key.split("/")
+    return f"{SHORT[model]} {'raw' if prep == 'none' else 'standardized'}"
+
+
+def pick_line(picks: dict, finding: dict) -> str:
+    """The summary's sentence on the label-free pick, every number from ``picks`` and its finding."""
+    parts = []
     for key, g in picks["groups"].items():
-        model, prep = key.split("/")
-        label = f"{SHORT[model]} {'raw' if prep == 'none' else 'standardized'}"
-        hr, diff = g["hit_rate"], g["pick_minus_final"]
-        ex = g["hit_rate_exact"]
-        parts.append(f"{label} {g['beats_final']}/{g['n_tasks']} (hit rate {hr['estimate']:.2f}, "
-                     f"{ci_plain(hr, 2, False)}, exact binomial {ex['low']:.2f} to {ex['high']:.2f}; mean pick − final "
-                     f"{diff['estimate']:+.3f}, {ci_plain(diff, 3, True)})")
-        if gallery.decide(diff["low"], diff["high"], 0.0, "above") != gallery.FOLLOWS:
-            not_better.append(label)
+        diff, ex = g["pick_minus_final"], g["hit_rate_exact"]
+        parts.append(f"{setting_label(key)} {g['beats_final']}/{g['n_tasks']} (exact binomial {ex['low']:.2f} to "
+                     f"{ex['high']:.2f}; mean pick − final {gallery.show_test(diff, 3)}, "
+                     f"{gallery.SAID[diff['verdict']]})")
     chosen = "; ".join(f"{SHORT[m]} {', '.join(sorted({t['pick'] for t in picks['per_task'] if t['model'] == m}))}"
                        for m in MODELS)
-    verdict = ("The pick is no better than final in any of these settings (no mean difference's interval lies above "
-               "0)" if len(not_better) == len(picks["groups"]) else
-               f"The pick is no better than final for {', '.join(not_better)}" if not_better else
-               "The pick is better than final in every setting")
     return (f"Label-free pick (`--layer auto`'s {picks['rule']} applied to the stored raw dataset entropies; picked "
-            f"{chosen}) against final, tasks where it scores higher: " + "; ".join(parts) + f". {verdict}.")
+            f"{chosen}) against final, tasks where it scores higher, and the mean pick − final (primary test "
+            f"{finding['primary'].split(':')[0]}, Holm over the {len(finding['family'])} settings): "
+            + "; ".join(parts) + f"; primary: {gallery.SAID[finding['verdict']]}.")
 
 
-PICK_TABLE = ("Label-free layer pick (min_dataset_entropy) against final, over the tasks, with 95 % intervals "
-              "(bootstrap over the tasks)")
+PICK_TABLE = ("Label-free layer pick (min_dataset_entropy) against final, over the tasks (exact binomial interval of "
+              "the hit rate; t-interval, exact sign-flip p and Holm over the four settings for the mean difference)")
 
 
 def pick_tables(picks: dict) -> list[dict]:
@@ -791,22 +798,192 @@ def pick_tables(picks: dict) -> list[dict]:
     summary = []
     for key, g in picks["groups"].items():
         model, prep = key.split("/")
-        hr, diff, ex = g["hit_rate"], g["pick_minus_final"], g["hit_rate_exact"]
+        diff, ex = g["pick_minus_final"], g["hit_rate_exact"]
         summary.append([model, prep, ", ".join(g["picks"]), f"{g['beats_final']}/{g['n_tasks']}", g["ties_final"],
-                        f"{hr['low']:.2f} to {hr['high']:.2f}", f"{ex['low']:.2f} to {ex['high']:.2f}",
-                        diff["estimate"], f"{diff['low']:+.3f} to {diff['high']:+.3f}",
-                        PICK_SAID[gallery.decide(diff["low"], diff["high"], 0.0, "above")],
-                        f"{g['pick_is_best']}/{g['n_tasks']}", g["mean_best_minus_pick"]])
+                        f"{ex['low']:.2f} to {ex['high']:.2f}", diff["estimate"],
+                        f"{diff['low']:+.3f} to {diff['high']:+.3f}", diff["p"], diff["p_holm"],
+                        PICK_SAID[diff["verdict"]], f"{g['pick_is_best']}/{g['n_tasks']}", g["mean_best_minus_pick"]])
     return [
         {"title": PICK_TABLE,
-         "header": ["model", "preprocess", "picked layers", "pick beats final", "ties", "hit rate 95 % CI (bootstrap)",
-                    "hit rate 95 % CI (exact binomial)", "mean pick − final", "95 % CI", "verdict", "pick = best layer",
-                    "mean best − pick"], "rows": summary},
+         "header": ["model", "preprocess", "picked layers", "pick beats final", "ties", "hit rate 95 % CI (exact "
+                    "binomial)", "mean pick − final", "95 % CI (t)", "p (sign-flip)", "p (Holm)", "verdict",
+                    "pick = best layer", "mean best − pick"], "rows": summary},
         {"title": "Label-free pick per task: the picked layer's main score against final and against the best layer "
                   "in hindsight",
          "header": ["model", "preprocess", "task", "pick", "rel. depth", "pick score", "final score", "pick − final",
                     "best layer", "best score", "best − pick"], "rows": rows},
     ]
+
+
+def pick_quotes(picks: dict) -> list[str]:
+    """One sentence per model and preprocessing: the measured hit rate (docs/picks.md quotes these verbatim)."""
+    out = []
+    for key, g in picks["groups"].items():
+        model, prep = key.split("/")
+        diff, ex = g["pick_minus_final"], g["hit_rate_exact"]
+        out.append(f"{model}, {'raw' if prep == 'none' else prep}: the pick beats final on {g['beats_final']}/"
+                   f"{g['n_tasks']} tasks (ties {g['ties_final']}; hit rate {g['hit_rate']:.2f}, exact binomial 95 % "
+                   f"CI {ex['low']:.2f} to {ex['high']:.2f}); mean pick − final {diff['estimate']:+.3f} (95 % CI "
+                   f"{diff['low']:+.3f} to {diff['high']:+.3f}, t-interval; exact sign-flip p {diff['p']:.2g}, Holm "
+                   f"{diff['p_holm']:.2g}), {PICK_SAID[diff['verdict']]}; pick = best layer on "
+                   f"{g['pick_is_best']}/{g['n_tasks']}, mean gap to the best {g['mean_best_minus_pick']:.3f}")
+    return out
+
+
+PICK_SAID = {gallery.FOLLOWS: "better than final", gallery.OPPOSITE: "worse than final",
+             gallery.CANNOT_TELL: "cannot tell from final at this size"}
+
+
+# -- label-free rules side by side (issue 35, item 5) ------------------------------------------------------------------
+
+MASSIVE_SHARE = 0.5  # a layer whose largest dimension holds more than this share of ‖x‖² is massive-activation-dominated
+
+RULES_NOTE = (
+    "Label-free rules (issue 35): each rule chooses one layer per task from what result.json keeps of the task's own "
+    "texts, never a score: the position rules (second-to-last hidden state, middle layer) and rules on the per-layer "
+    "raw dataset entropy (α = 1, `embed` left out as in the built-in rule, ties to the shallower layer) and the "
+    "massive-activation top-1 share of the raw runs, plus the dataset entropy of the embedding each run scored "
+    "(`repgeom_dataset_entropy`: after standardizing in the standardized runs). No rule has a parameter fitted to "
+    f"these tasks (the massive-activation threshold {MASSIVE_SHARE} is fixed in advance), so its hit rate over the "
+    "tasks is out of sample; the leave-one-task-out row chooses, for each task, the rule with the best mean gain on "
+    "the other tasks and scores it on the held-out one, which is the out-of-sample value of picking the best rule "
+    "here. Every rule's mean gain over final is exploratory (unadjusted exact sign-flip p over the tasks). Not "
+    "evaluable from result.json: maximum prompt entropy and curvature (token-level, not kept), dataset entropy at "
+    "other α and RankMe-style effective rank (only the α = 1 normalised entropy is kept, not the spectrum; exp of "
+    "the α = 1 entropy of the same centred unit rows is a monotone function of it and picks the same layer as the "
+    "entropy rules), DiME (needs paired views of each text).")
+
+
+def _rule_choices(raw: list[dict], scored: list[dict]) -> dict[str, str]:
+    """Each rule's layer for one task: ``raw`` the raw run's rows (entropy, top-1 share), ``scored`` the rows of the
+    run being scored (same layers), both in depth order."""
+    from repgeom_eval.layer_pick import MinDatasetEntropy
+
+    base = MinDatasetEntropy()
+    cand = [r for r in raw if r["layer"] in base.candidates([x["layer"] for x in raw])]
+    scored_by = {r["layer"]: r for r in scored}
+    inner = [r for r in raw if 0 < r["rel_depth"] < 1]
+    pick_min = lambda rs, key: min(rs, key=lambda r: (key(r), r["depth"]))["layer"]  # noqa: E731 (ties: shallower)
+    calm = [r for r in cand if r["top1_share"] is not None and r["top1_share"] <= MASSIVE_SHARE]
+    return {
+        "second_to_last": raw[-2]["layer"],
+        "middle": min(inner, key=lambda r: (abs(r["rel_depth"] - 0.5), r["depth"]))["layer"],
+        "min_dataset_entropy": base.choose({r["layer"]: r["entropy_raw"] for r in cand}),
+        "max_dataset_entropy": pick_min(cand, lambda r: -r["entropy_raw"]),
+        "min_entropy_no_massive": pick_min(calm, lambda r: r["entropy_raw"]) if calm else raw[-1]["layer"],
+        "min_top1_share": pick_min(cand, lambda r: r["top1_share"]),
+        "min_scored_entropy": pick_min(cand, lambda r: scored_by[r["layer"]]["entropy_scored"]),
+    }
+
+
+RULES = {
+    "second_to_last": "second-to-last hidden state",
+    "middle": "middle layer (relative depth nearest 0.5)",
+    "min_dataset_entropy": "min dataset entropy α = 1 (the built-in `--layer auto` rule)",
+    "max_dataset_entropy": "max dataset entropy α = 1",
+    "min_entropy_no_massive": f"min dataset entropy among layers with top-1 share ≤ {MASSIVE_SHARE} (final if none)",
+    "min_top1_share": "min massive-activation top-1 share",
+    "min_scored_entropy": "min dataset entropy of the scored embedding",
+}
+
+
+def rule_table(rows: list[dict]) -> dict:
+    """Every rule's layer per setting and task, its score minus final, and per setting and rule: hits (strictly above
+    final) with the exact binomial interval and the exploratory test of the mean gain over the tasks; plus the
+    leave-one-task-out choice of the best rule."""
+    from scipy.stats import binomtest
+
+    per_task, groups = [], {}
+    for model in MODELS:
+        for prep in PREPS:
+            key = f"{model}/{prep}"
+            tasks = sorted({(r["source"], r["type"]) for r in rows if r["model"] == model and r["preprocess"] == prep})
+            if not tasks:
+                continue
+            gains: dict[str, list[float]] = {rule: [] for rule in RULES}
+            for src, kind in tasks:
+                raw = by(rows, model=model, source=src, type=kind, preprocess="none")
+                sel = by(rows, model=model, source=src, type=kind, preprocess=prep)
+                score = {r["layer"]: r["score"] for r in sel}
+                chosen = _rule_choices(raw, sel)
+                for rule, layer in chosen.items():
+                    gains[rule].append(score[layer] - sel[-1]["score"])
+                per_task.append({"setting": key, "task": sel[0]["task"], "final_score": sel[-1]["score"],
+                                 "choices": chosen, "gains": {rule: gains[rule][-1] for rule in RULES}})
+            n = len(tasks)
+            loto = []
+            for i in range(n):
+                rest = {rule: sum(g[:i] + g[i + 1:]) / (n - 1) for rule, g in gains.items()}
+                best_rule = max(RULES, key=lambda rule: (rest[rule], -list(RULES).index(rule)))
+                loto.append((best_rule, gains[best_rule][i]))
+            entry = {}
+            for rule, g in {**gains, "leave_one_task_out": [x for _, x in loto]}.items():
+                k = sum(x > 0 for x in g)
+                exact = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+                test = gallery.explore(gallery.mean_test(f"{key}: {rule} − final", g, 0.0, "above"))
+                entry[rule] = {"hits": k, "ties": sum(x == 0 for x in g), "n": n, "hit_rate": k / n,
+                               "hit_rate_exact": {"low": float(exact.low), "high": float(exact.high)},
+                               "gain": test.as_dict()}
+            entry["leave_one_task_out"]["chosen"] = [r for r, _ in loto]
+            groups[key] = entry
+    return {"rules": dict(RULES), "massive_share": MASSIVE_SHARE, "per_task": per_task, "groups": groups}
+
+
+RULE_SAID = {gallery.FOLLOWS: "above final (exploratory)", gallery.OPPOSITE: "below final (exploratory)",
+             gallery.CANNOT_TELL: "cannot tell at this size (exploratory)"}
+
+RULES_TABLE = ("Label-free layer rules side by side against final, per model and preprocessing, over the tasks: "
+               "out-of-sample hit rate (exact binomial interval) and mean gain over final (t-interval, exact "
+               "sign-flip p; exploratory)")
+
+
+def rule_tables(rules: dict) -> list[dict]:
+    rows = []
+    names = {**rules["rules"], "leave_one_task_out": "leave-one-task-out choice of the best rule"}
+    for key, entry in rules["groups"].items():
+        model, prep = key.split("/")
+        for rule, e in entry.items():
+            g, ex = e["gain"], e["hit_rate_exact"]
+            rows.append([model, prep, names[rule], f"{e['hits']}/{e['n']}", e["ties"],
+                         f"{ex['low']:.2f} to {ex['high']:.2f}", g["estimate"], f"{g['low']:+.3f} to {g['high']:+.3f}",
+                         g["p"], RULE_SAID[g["verdict"]]])
+    per_task = [[t["setting"].split("/")[0], t["setting"].split("/")[1], t["task"],
+                 *[f"{t['choices'][rule]} ({t['gains'][rule]:+.3f})" for rule in rules["rules"]]]
+                for t in rules["per_task"]]
+    return [{"title": RULES_TABLE,
+             "header": ["model", "preprocess", "rule", "beats final", "ties", "hit rate 95 % CI (exact)",
+                        "mean gain over final", "95 % CI (t)", "p (sign-flip)", "verdict"], "rows": rows},
+            {"title": "Label-free rules per task: the layer each rule chooses and its score minus final",
+             "header": ["model", "preprocess", "task", *rules["rules"]], "rows": per_task}]
+
+
+def rules_line(rules: dict) -> str:
+    best = []
+    for key, entry in rules["groups"].items():
+        top = max((r for r in entry if r != "leave_one_task_out"), key=lambda r: entry[r]["gain"]["estimate"])
+        lo = entry["leave_one_task_out"]
+        best.append(f"{setting_label(key)} {top} {entry[top]['gain']['estimate']:+.3f} "
+                    f"({entry[top]['hits']}/{entry[top]['n']} hits), leave-one-task-out "
+                    f"{lo['gain']['estimate']:+.3f} ({lo['hits']}/{lo['n']})")
+    beats = sum(e["gain"]["verdict"] == gallery.FOLLOWS for entry in rules["groups"].values() for e in entry.values())
+    return (f"{len(rules['rules'])} label-free rules side by side (exploratory; best mean gain over final per "
+            "setting, then the out-of-sample leave-one-task-out choice): " + "; ".join(best)
+            + f"; {beats} rule-setting mean gains above 0 at unadjusted p < {gallery.ALPHA}.")
+
+
+def rules_quotes(rules: dict) -> list[str]:
+    """One line per rule and setting (docs/picks.md quotes these verbatim)."""
+    names = {**rules["rules"], "leave_one_task_out": "leave-one-task-out choice of the best rule"}
+    out = []
+    for key, entry in rules["groups"].items():
+        model, prep = key.split("/")
+        for rule, e in entry.items():
+            g, ex = e["gain"], e["hit_rate_exact"]
+            out.append(f"{model}, {'raw' if prep == 'none' else prep}, {names[rule]}: beats final on {e['hits']}/"
+                       f"{e['n']} tasks (exact 95 % CI {ex['low']:.2f} to {ex['high']:.2f}); mean gain over final "
+                       f"{g['estimate']:+.3f} (95 % CI {g['low']:+.3f} to {g['high']:+.3f}, exact sign-flip p "
+                       f"{g['p']:.2g}), {RULE_SAID[g['verdict']]}")
+    return out
 
 
 def draw(doc: dict, out: Path) -> None:
