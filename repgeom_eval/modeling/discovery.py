@@ -36,7 +36,7 @@ from repgeom_eval.modeling.inputs_check import check_inputs, pad_id_of
 from repgeom_eval.modeling.layout import Layout, Site, describe
 from repgeom_eval.modeling.precision import probe_precision
 from repgeom_eval.modeling.probe import (Call, Recorder, accepted_inputs, build_inputs, call_of, close,
-                                         few_logits, hidden_states_of, point_of, probe_ids, tensor_at)
+                                         few_logits, hidden_states_of, input_device, point_of, probe_ids, tensor_at)
 
 __all__ = ["DiscoveryError", "Layout", "Site", "accepted_inputs", "build_inputs", "describe", "discover",
            "hidden_states_of", "runner_of"]
@@ -104,7 +104,7 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
     runner_name = _name_of(model, runner) if runner is not model else ""
     accepted = accepted_inputs(runner)
     param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
+    device = input_device(model)
     ids = probe_ids(model, config)
     base = build_inputs(device, ids, torch.ones_like(ids), accepted=accepted) | few_logits(accepted)
     with Recorder(model) as rec:

@@ -415,8 +415,9 @@ def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, sourc
         n_hidden_states=len(layout.hidden_states),
         layers=dict(describe(layout)),
     )
-    device = param.device if param is not None else torch.device("cpu")
-    return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info, device=device)
+    from repgeom_eval.modeling.probe import input_device
+
+    return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info, device=input_device(model))
 
 
 

@@ -239,3 +239,17 @@ def tensor_at(rec: Recorder, model: nn.Module, point: HookPoint | None) -> Recor
     if call is None:
         return None
     return call.inp if point.direction == "input" else call.out
+
+
+def input_device(model: Any) -> torch.device:
+    """Where a model's inputs go: its parameters' device, or for a model dispatched by accelerate (``device_map``,
+    with parts offloaded to CPU or disk, whose parameters may sit on the meta device) the first device its map
+    names; accelerate's hooks move every block's inputs to where that block runs."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    for where in device_map.values():
+        if where not in ("cpu", "disk", "meta"):
+            return torch.device(f"cuda:{where}" if isinstance(where, int) else where)
+    param = next(model.parameters(), None)
+    if device_map or param is None or param.device.type == "meta":
+        return torch.device("cpu")
+    return param.device
