@@ -19,7 +19,7 @@ from .. import __version__
 from ..errors import RepgeomError
 from repgeom_eval.output.files import atomic_open
 from repgeom_eval.output.progress import duration
-from repgeom_eval.output.results_table import is_lmeval, mteb_rows
+from repgeom_eval.output.results_table import is_lmeval, mteb_rows, warning_lines
 from . import plots, report_sources
 from .report_html import bullets, esc, figure, fmt, generic, md, para, png_file, table  # noqa: F401 (API)
 
@@ -307,7 +307,7 @@ def section(path: Path, doc: dict[str, Any]) -> Section:
     versions = (doc.get("config") or {}).get("versions") or doc.get("versions") or {}
     version = doc.get("repgeom_version") or versions.get("repgeom_eval", "?")
     blocks = [f'<p class="meta">{esc(path.name)} · written by repgeom-eval {esc(version)}</p>']
-    for w in doc.get("warnings") or []:
+    for w in warning_lines(doc.get("warnings")):
         blocks.append(f'<div class="warn">{md(w)}</div>')
     if kind == "experiment":
         title = f"{doc.get('title', path.parent.parent.name)} (experiment)"

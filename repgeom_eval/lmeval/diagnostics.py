@@ -22,7 +22,7 @@ def bank_warnings(bank: Any, computed: Mapping[str, Mapping[str, Any]], energy: 
     :class:`~repgeom_eval.measurement.bank.MetricBank`, ``computed`` its ``compute()``, ``energy`` address → the
     energy diagnostic's metric state."""
     from repgeom_eval.measurement.degenerate import degenerate_warning
-    from repgeom_eval.measurement.results import fed, massive_warning
+    from repgeom_eval.measurement.results import address_runs, fed, massive_warning
 
     out: list[str] = []
     diagnostics: dict[str, dict[str, Any]] = {}
@@ -37,7 +37,7 @@ def bank_warnings(bank: Any, computed: Mapping[str, Mapping[str, Any]], energy: 
         for name, diag in per_metric.items():
             if isinstance(diag, dict) and isinstance(diag.get("warning"), str):
                 said.setdefault((name, diag["warning"]), []).append(key)
-    out += [f"{name}: {text} (at {', '.join(keys)})" for (name, text), keys in said.items()]
+    out += [f"{name}: {text} (at {address_runs(keys)})" for (name, text), keys in said.items()]  # measure's wording
     flagged, energy_values = [], {}
     for addr, metric in energy.items():
         if not fed(metric):

@@ -47,6 +47,17 @@ def _is_nan(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
+def _mapping(value: Any) -> Mapping[Any, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _count(value: Any) -> int | None:
+    """A vector count read from diagnostics (a score dict read back may hold anything): an int, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return int(value)
+
+
 def find_degenerate(results: Mapping[str, Mapping[str, Any]], diagnostics: Mapping[str, Mapping[str, Any]],
                     energy: Mapping[str, Mapping[str, Any]] | None = None) -> list[Degenerate]:
     """Addresses with zero vectors or NaN results, in the order of ``results``.
@@ -58,15 +69,15 @@ def find_degenerate(results: Mapping[str, Mapping[str, Any]], diagnostics: Mappi
     found = []
     for address, per_metric in results.items():
         item = Degenerate(address)
-        counts = (diagnostics.get(address) or {}).get("dispersion") or {}
-        n, zero = counts.get("n_vectors"), counts.get("n_zero_vectors")
+        counts = _mapping(_mapping(diagnostics.get(address)).get("dispersion"))
+        n, zero = _count(counts.get("n_vectors")), _count(counts.get("n_zero_vectors"))
         if n:
-            item.n_vectors, item.n_zero = int(n), int(zero or 0)
+            item.n_vectors, item.n_zero = n, zero or 0
             item.all_zero = item.n_zero == item.n_vectors
         e = (energy or {}).get(address)
-        if e is not None and not e.get("top_dimensions") and not item.n_vectors:
+        if isinstance(e, Mapping) and not e.get("top_dimensions") and not item.n_vectors:
             item.all_zero = True  # the mean-pooled vectors hold no energy at all
-        item.nan_metrics = [m for m, v in per_metric.items() if _is_nan(v)]
+        item.nan_metrics = [str(m) for m, v in _mapping(per_metric).items() if _is_nan(v)]
         if item.all_zero or item.n_zero or item.nan_metrics:
             found.append(item)
     return found
@@ -98,7 +109,7 @@ def zero_vector_warning(model: str | None, counts: Mapping[Any, Sequence[int]]) 
     """One line naming the model and the addresses whose every real-token vector was zero, from
     ``address → (zero vectors, vectors)`` counted over a run's forward passes
     (:class:`repgeom_eval.measurement.forward.Forward` counts them); None when there is none."""
-    dead = [str(a) for a, (zero, total) in counts.items() if total and zero == total]
+    dead = [str(a) for a, pair in counts.items() if _dead(pair)]
     if not dead:
         return None
     who = f"model {model!r}" if model else "the model"
@@ -106,3 +117,12 @@ def zero_vector_warning(model: str | None, counts: Mapping[Any, Sequence[int]]) 
         return f"{who}: every token vector at every address is zero (an all-zero or untrained checkpoint?); {ZERO_NOTE}"
     shown = ", ".join(dead[:8]) + (f" and {len(dead) - 8} more" if len(dead) > 8 else "")
     return f"{who}: every token vector is zero at {len(dead)} address(es): {shown}; {ZERO_NOTE}"
+
+
+def _dead(pair: Any) -> bool:
+    """Whether ``(zero vectors, vectors)`` says every vector was zero (anything else: no)."""
+    try:
+        zero, total = pair
+    except (TypeError, ValueError):
+        return False
+    return bool(_count(total)) and _count(zero) == _count(total)

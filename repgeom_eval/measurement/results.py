@@ -7,6 +7,8 @@ its values (docs/plugins.md#parameters-per-text-results-and-diagnostics).
 
 from __future__ import annotations
 
+import math
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -119,9 +121,9 @@ def massive_warning(flagged: list[tuple[Address, int, float]], threshold: float,
     """The one line that says where one hidden dimension dominates (``flagged``: what the energy diagnostic found
     over ``threshold``); ``advice``: what the caller can offer besides the massive_activations metric."""
     advice = ", or try --preprocess standardize" if advice is None else advice
-    return (f"one hidden dimension carries at least {threshold:.0%} of the squared norm of the mean-pooled vectors "
-            f"at {len(flagged)} address(es): {compact(flagged)}; cosine-based metrics there mostly measure that "
-            f"dimension. See the massive_activations metric{advice}")
+    return (f"one hidden dimension carries at least {_percent(threshold)} of the squared norm of the mean-pooled "
+            f"vectors at {len(flagged)} address(es): {compact(flagged)}; cosine-based metrics there mostly measure "
+            f"that dimension. See the massive_activations metric{advice}")
 
 
 def _energy_diagnostics(run: RunState, diagnostics: dict[str, dict[str, Any]],
@@ -144,22 +146,51 @@ def _energy_diagnostics(run: RunState, diagnostics: dict[str, dict[str, Any]],
 
 def compact(flagged: list[tuple[Address, int, float]]) -> str:
     """``resid_post:1..27 (dim 507: 53-98%), final (dim 17: 76%)``: runs of consecutive layers of one site with the
-    same dominant dimension are merged, so a 30-layer model gives one short line."""
-    runs: list[list[tuple[Address, int, float]]] = []
-    for item in flagged:
+    same dominant dimension are merged, so a 30-layer model gives one short line. It words a warning, so it never
+    raises: an item that is not an (address, dimension, share) triple, a share that is no number, NaN or inf are
+    written as they are."""
+    items = [_triple(item) for item in flagged]
+    runs: list[list[tuple[Any, Any, Any]]] = []
+    for item in items:
         last = runs[-1][-1] if runs else None
-        if (last is not None and item[0].layer is not None and last[0].layer is not None
-                and item[0].site == last[0].site and item[0].layer == last[0].layer + 1 and item[1] == last[1]):
+        layer, before = _layer(item[0]), _layer(last[0]) if last is not None else None
+        if (last is not None and layer is not None and before is not None and layer == before + 1
+                and getattr(item[0], "site", None) == getattr(last[0], "site", None) and item[1] == last[1]):
             runs[-1].append(item)
         else:
             runs.append([item])
     parts = []
     for run in runs:
-        lo, hi = min(r[2] for r in run), max(r[2] for r in run)
-        share = f"{lo:.0%}" if len(run) == 1 or round(lo * 100) == round(hi * 100) else f"{lo:.0%}-{hi:.0%}"
-        name = str(run[0][0]) if len(run) == 1 else f"{run[0][0]}..{run[-1][0].layer}"
+        labels = [_percent(r[2]) for r in run]
+        numbers = [float(r[2]) for r in run if _real(r[2])]
+        if len(set(labels)) == 1:
+            share = labels[0]
+        elif len(numbers) == len(run):
+            share = f"{_percent(min(numbers))}-{_percent(max(numbers))}"
+        else:
+            share = f"{labels[0]}-{labels[-1]}"
+        name = str(run[0][0]) if len(run) == 1 else f"{run[0][0]}..{_layer(run[-1][0])}"
         parts.append(f"{name} (dim {run[0][1]}: {share})")
     return ", ".join(parts)
+
+
+def _triple(item: Any) -> tuple[Any, Any, Any]:
+    parts = tuple(item)[:3] if isinstance(item, (tuple, list)) else (item,)
+    return (*parts, *[None] * (3 - len(parts)))  # type: ignore[return-value]
+
+
+def _layer(address: Any) -> int | None:
+    layer = getattr(address, "layer", None)
+    return layer if isinstance(layer, int) and not isinstance(layer, bool) else None
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _percent(value: Any) -> str:
+    """``53%`` for a share; anything else (NaN, inf, None, a string) as it is."""
+    return f"{value:.0%}" if _real(value) else str(value)
 
 
 def address_runs(names: list[str]) -> str:
@@ -167,7 +198,7 @@ def address_runs(names: list[str]) -> str:
     runs: list[list[tuple[str, int | None, str]]] = []
     for name in names:
         site, _, layer = str(name).partition(":")
-        index = int(layer) if layer.lstrip("-").isdigit() else None
+        index = int(layer) if re.fullmatch(r"-?[0-9]+", layer) else None
         last = runs[-1][-1] if runs else None
         if last is not None and index is not None and last[1] is not None and last[0] == site \
                 and index == last[1] + 1:

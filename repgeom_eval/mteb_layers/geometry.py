@@ -86,11 +86,9 @@ def geometry_scores(vectors: np.ndarray, host: PluginHost | None = None) -> dict
 def geometry_warnings(scores: dict[str, Any], model: str, where: str) -> list[str]:
     """The degenerate-number messages of one score dict (``where``: the layer, task, split and subset), worded as
     ``repgeom measure`` words them."""
-    from .metrics import METRIC_WARNINGS_KEY
-
-    said = [f"model {model!r}: {line} (at {where})" for line in json.loads(scores.get(METRIC_WARNINGS_KEY) or "[]")]
-    share = scores.get(MASSIVE_KEYS[1])
-    if isinstance(share, float) and share >= MASSIVE_SHARE_WARNING:
+    said = [f"model {model!r}: {line} (at {where})" for line in metric_lines(scores)]
+    share = _number(scores.get(MASSIVE_KEYS[1]))
+    if share is not None and share >= MASSIVE_SHARE_WARNING:
         said.append(f"model {model!r}: one hidden dimension carries at least {MASSIVE_SHARE_WARNING:.0%} of the "
                     f"squared norm of the embeddings mteb scored at {where} (dim {scores[MASSIVE_KEYS[0]]}: "
                     f"{share:.0%}); cosine-based scores and geometry there mostly measure that dimension. See the "
@@ -101,6 +99,25 @@ def geometry_warnings(scores: dict[str, Any], model: str, where: str) -> list[st
     if degenerate:
         said.append(degenerate)
     return said
+
+
+def metric_lines(scores: dict[str, Any]) -> list[str]:
+    """The requested metrics' own warnings in one score dict (a JSON list of lines; anything else holds none)."""
+    from .metrics import METRIC_WARNINGS_KEY
+
+    raw = scores.get(METRIC_WARNINGS_KEY)
+    try:
+        lines = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+    except ValueError:
+        return []
+    return [str(line) for line in lines] if isinstance(lines, (list, tuple)) else []
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (a share read back from a score dict), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _evaluate(original: Any, task: Any, model: Any, split: str, subsets_to_run: Any, kwargs: dict,
@@ -148,15 +165,22 @@ def _evaluate(original: Any, task: Any, model: Any, split: str, subsets_to_run: 
 
 
 def sweep_warning(model: str, said: list[tuple[Any, str, dict[str, Any]]]) -> str | None:
-    """One line for the degenerate numbers of a sweep's evaluations (``(address, where, scores)`` each), layers
-    merged as ``repgeom measure`` merges them (``resid_post:1..27 (dim 507: 53-98%)``)."""
-    from repgeom_eval.measurement.results import compact
+    """One line for the degenerate numbers and the requested metrics' warnings of a sweep's evaluations
+    (``(address, where, scores)`` each), layers merged as ``repgeom measure`` merges them
+    (``resid_post:1..27 (dim 507: 53-98%)``; ``massive_activations: ... (at embed, resid_post:0..5)``)."""
+    from repgeom_eval.measurement.results import address_runs, compact
 
     parts = []
     for where in dict.fromkeys(w for _, w, _ in said):
         items = [(a, scores) for a, w, scores in said if w == where]
-        massive = [(a, int(sc[MASSIVE_KEYS[0]]), float(sc[MASSIVE_KEYS[1]])) for a, sc in items
-                   if float(sc.get(MASSIVE_KEYS[1], 0.0)) >= MASSIVE_SHARE_WARNING]
+        lines: dict[str, list[str]] = {}  # a requested metric's warning → the layers that gave it
+        for a, sc in items:
+            for line in metric_lines(sc):
+                lines.setdefault(line, []).append(str(a))
+        parts += [f"on {where}, {line} (at {address_runs(at)})" for line, at in lines.items()]
+        shares = [(a, sc, _number(sc.get(MASSIVE_KEYS[1]))) for a, sc in items]
+        massive = [(a, sc.get(MASSIVE_KEYS[0]), share) for a, sc, share in shares
+                   if share is not None and share >= MASSIVE_SHARE_WARNING]
         if massive:
             parts.append(f"one hidden dimension carries at least {MASSIVE_SHARE_WARNING:.0%} of the squared norm of "
                          f"the embeddings mteb scored on {where} at {len(massive)} layer(s): {compact(massive)}; "

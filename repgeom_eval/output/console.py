@@ -23,7 +23,7 @@ def fmt_number(value: Any, digits: int = 4, *, sign: bool = False, se: Any = Non
     if math.isnan(value):
         return nan
     text = f"{value:{'+' if sign else ''}.{digits}f}"
-    if se is not None and math.isfinite(se):
+    if isinstance(se, numbers.Real) and not isinstance(se, bool) and math.isfinite(se):  # else no ± part
         text += f" ± {se:.{digits}f}"
     return text
 

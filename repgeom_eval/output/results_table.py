@@ -220,10 +220,20 @@ def mteb_rows(folder: Path) -> list[dict[str, Any]]:
 
 # -- inputs ---------------------------------------------------------------------------------------------------------
 
+def warning_lines(value: Any) -> list[str]:
+    """A results file's ``warnings`` as lines: a list of them, or one string; anything else (a file edited by hand)
+    holds none (what is printed from it never raises)."""
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, (list, tuple)):
+        return [w if isinstance(w, str) else json.dumps(w, default=str) for w in value if w is not None]
+    return []
+
+
 def _file_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     doc = _read_json(path)
     if is_measure(doc):
-        return measure_rows(doc, str(path)), [str(w) for w in doc.get("warnings") or []]
+        return measure_rows(doc, str(path)), warning_lines(doc.get("warnings"))
     if is_lmeval(doc):
         return lmeval_rows(doc, str(path)), []
     kind = doc.get("kind") if isinstance(doc, dict) else None
