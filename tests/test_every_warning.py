@@ -466,8 +466,6 @@ def test_measure_st_pooling(env, st_folder):
     assert doc["config"]["pooling"] == "mean" and doc["results"]["final"]["dispersion"] > 0
 
 
-@pytest.mark.xfail(reason="measure() picks the model's own pooling before it starts keeping the run's warnings "
-                          "(repgeom_eval/measurement/engine.py, measure)", strict=False)
 def test_measure_st_pooling_is_kept_in_the_results_file(env, st_folder):
     ran, doc = _measure(env, "st", model=st_folder)
     assert ran.says("pooling 'mean': the sentence-transformers model's own") in doc.get("warnings", [])

@@ -86,22 +86,24 @@ def measure(
         raise RepgeomError(f"give the options either as a RunConfig or as keywords, not both ({sorted(options)})")
     t_start = time.perf_counter()
     host = host or get_host()
-    config = _with_model_pooling(config, model)
-    specs = instantiate_metrics(config.metrics, host, config.metric_params, config.per_text, config.pooling)
-    prep = Preprocessor()
-    if config.preprocess_stats and config.preprocess != "none":
-        prep = Preprocessor.load(config.preprocess_stats, config.preprocess)
-    source = open_source(data, text_field=config.text_field)  # validates a file whole before the model is loaded
-    dist = Distributed.from_env(config.device)
-    kept: list[str] = []
+    kept: list[str] = []  # every warning of the run, from the choice of pooling on, goes into the results file
+    dist = None
     try:
         with kept_warnings(kept):
+            config = _with_model_pooling(config, model)
+            specs = instantiate_metrics(config.metrics, host, config.metric_params, config.per_text, config.pooling)
+            prep = Preprocessor()
+            if config.preprocess_stats and config.preprocess != "none":
+                prep = Preprocessor.load(config.preprocess_stats, config.preprocess)
+            source = open_source(data, text_field=config.text_field)  # a file validated whole before the model loads
+            dist = Distributed.from_env(config.device)
             result = _measure_loaded(model, tokenizer, model_options, config, host, source, dist, specs, prep,
                                      t_start)
         result.warnings = kept
         return result
     finally:
-        dist.close()
+        if dist is not None:
+            dist.close()
 
 
 def _with_model_pooling(config: RunConfig, model: Any) -> RunConfig:
