@@ -22,7 +22,7 @@ from repgeom_eval.option_groups import JsonGroup, OutputGroup
 class GapCommand(GapConfig, OutputGroup, JsonGroup):
     """Every option of ``repgeom gap``: the checkpoints, the analysis (GapConfig) and the outputs."""
 
-    models: tuple[str, ...] = option(MISSING, "--models", "-m", nargs="+", metavar="MODEL", config=False,
+    models: tuple[str, ...] = option(MISSING, "--models", "--model", "-m", nargs="+", metavar="MODEL", config=False,
                                      help="model directories (safetensors, sharded or not), .gguf files, or cached "
                                           "hub ids; they must share one tokenizer vocabulary")
     trust_remote_code: bool = option_like(ModelOptions, "trust_remote_code")  # gap reads weights, never loads code

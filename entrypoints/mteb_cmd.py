@@ -7,7 +7,7 @@ from dataclasses import MISSING, dataclass
 
 from repgeom_eval.measurement.config import RunConfig
 from repgeom_eval.option_fields import Options, option, option_like
-from repgeom_eval.option_groups import ModelGroup, RunGroup
+from repgeom_eval.option_groups import ModelGroup, RunGroup, request_problem
 
 MTEB_POOLINGS = ("auto", "st", "mean", "last", "cls", "first")
 
@@ -47,9 +47,11 @@ class MtebRunCommand(ModelGroup):
 
     model: str = option_like(ModelGroup, "model", help="hub id, local model directory (sentence-transformers folders "
                                                        "included) or .gguf file")
-    layers: tuple[str, ...] = option(("final",), "--layer", "--layers", nargs="+",
-                                     help="layer addresses: a hidden-state index (12), resid_post:11, final, embed, "
-                                          "all (every hidden state), blocks, or several of them; auto: a layer picked "
+    layers: tuple[str, ...] = option(("final",), "--layer", "--layers", "-l", nargs="+",
+                                     check=lambda value: request_problem(value, auto=True),
+                                     help="layer addresses, as `repgeom measure --layers` takes them: a hidden-state "
+                                          "index (12), resid_post:11, resid_post:[0,5,-1], final, embed, all (every "
+                                          "hidden state), blocks, or several of them; auto: a layer picked "
                                           "per task from the label-free geometry of the task's own texts, evaluated "
                                           "with final (docs/picks.md) (default: {default})")
     layer_pick: str | None = option(None, "--layer-pick", metavar="RULE",
@@ -105,11 +107,12 @@ class MtebRunCommand(ModelGroup):
                                                 help="task types (STS, Classification, ...)")
     categories: tuple[str, ...] | None = option(None, "--categories", nargs="+",
                                                 help="MTEB task categories (t2t, ...)")
-    languages: tuple[str, ...] | None = option(None, "--languages", "-l", nargs="+",
+    # no short flags for --languages and --benchmarks: -l and -b are --layers and --batch-size in every command
+    languages: tuple[str, ...] | None = option(None, "--languages", nargs="+",
                                                help="ISO 639-3 language codes (eng, deu, ...)")
-    benchmarks: tuple[str, ...] | None = option(None, "--benchmarks", "-b", nargs="+", help="MTEB benchmark names")
+    benchmarks: tuple[str, ...] | None = option(None, "--benchmarks", nargs="+", help="MTEB benchmark names")
     eval_splits: tuple[str, ...] | None = option(None, "--eval-splits", nargs="+", help="evaluation splits to run")
-    batch_size: int = option_like(RunGroup, "batch_size", 32, flags=("--batch-size",))
+    batch_size: int = option_like(RunGroup, "batch_size", 32)
     output_folder: str = option("results", "--output-folder", writes="folder", help="mteb result cache folder (default: {default})")
     overwrite_strategy: str = option("only-missing", "--overwrite-strategy",
                                      choices=["always", "never", "only-missing", "only-cache"],
@@ -131,7 +134,8 @@ class MtebSummaryCommand(Options):
     """Every option of ``repgeom mteb summary``."""
 
     folder: str = option(MISSING, "FOLDER", help="the --output-folder of `repgeom mteb run` (an mteb cache folder)")
-    output_dir: str | None = option(None, "--output-dir", "-o", writes="folder", help="where to write (default: FOLDER)")
+    output_dir: str | None = option(None, "--output-dir", "--output", "-o", writes="folder",
+                                    help="where to write (default: FOLDER)")
     prefix: str = option("repgeom_summary", "--prefix", help="file name prefix (default: {default})")
     plots: bool = option(True, "--no-plot", action="store_false", help="tables only")
 
@@ -249,14 +253,18 @@ def _run(cfg: MtebRunCommand) -> int:
     metric_params = dict(cfg.metric_params or {})
     metrics = check_metrics(_words(cfg.metrics) or (), metric_params)  # before tasks and model are loaded
     check_method(cfg.preprocess, cfg.preprocess_stats)
-    from repgeom_eval.mteb_layers.pick import is_auto
+    from repgeom_eval.modeling.addresses import check_request_syntax, layer_request
+    from repgeom_eval.plugin_system.host import get_host
 
-    if is_auto(_words(cfg.layers) or ["final"]):
+    request = layer_request(cfg.layers)  # the one grammar of every surface (docs/metrics.md#layer-addresses)
+    if request.auto:
         from repgeom_eval.layer_pick import make_pick
 
         make_pick(cfg.layer_pick, cfg.layer_pick_params)  # an unknown rule or parameter: before tasks and model
-    elif cfg.layer_pick or cfg.layer_pick_params:
-        raise RepgeomError("--layer-pick and --layer-pick-param need --layer auto")
+    else:
+        if cfg.layer_pick or cfg.layer_pick_params:
+            raise RepgeomError("--layer-pick and --layer-pick-param need --layer auto")
+        _named(check_request_syntax, request, get_host().layer_selectors.names())  # before tasks and model
     if cfg.preprocess_stats and not Path(cfg.preprocess_stats).is_file():
         raise RepgeomError(f"preprocess statistics file {cfg.preprocess_stats!r} does not exist")
     out = check_creatable_dir(cfg.output_folder, "--output-folder")
@@ -276,7 +284,7 @@ def _run(cfg: MtebRunCommand) -> int:
     mine = [t for i, t in enumerate(tasks) if dist.owns(i)]
     mode = "never" if cfg.no_progress or not dist.is_main else cfg.progress
     with progress_mode(mode):  # the bars of mteb_layers take an on/off switch; the mode says bars or log lines
-        result = _run_layers(cfg, mine, out, dist, metrics, metric_params, progress=mode != "never")
+        result = _run_layers(cfg, request, mine, out, dist, metrics, metric_params, progress=mode != "never")
     parts = dist.gather((result.rows, result.forward_passes))
     dist.close()
     if parts is None:
@@ -328,11 +336,21 @@ def _summary(cfg: MtebSummaryCommand) -> int:
     return 0
 
 
-def _run_layers(cfg, mine, out, dist, metrics, metric_params, progress: bool):
+def _named(check, *args):
+    """``check(*args)``, its error naming ``--layer``."""
+    from repgeom_eval.errors import RepgeomError
+
+    try:
+        return check(*args)
+    except RepgeomError as exc:
+        raise RepgeomError(f"--layer: {exc}") from None
+
+
+def _run_layers(cfg, request, mine, out, dist, metrics, metric_params, progress: bool):
     from repgeom_eval.mteb_layers import run_layers
 
     return run_layers(
-        cfg.model, mine, _words(cfg.layers), pooling=cfg.pooling, normalize=cfg.normalize,
+        cfg.model, mine, request, pooling=cfg.pooling, normalize=cfg.normalize,
         max_length=cfg.max_length, batch_size=cfg.batch_size, dtype=cfg.dtype, device=dist.device(cfg.device),
         output_folder=str(out), overwrite_strategy=cfg.overwrite_strategy, name=cfg.name,
         revision=cfg.record_revision or cfg.revision, co2_tracker=cfg.co2_tracker,

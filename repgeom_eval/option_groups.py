@@ -79,19 +79,44 @@ class ChunksGroup(Options):
                                "Wikitext protocol, default); document: cut each document on its own")
 
 
+def request_problem(value: Any, auto: bool = False) -> str | None:
+    """What the one layer grammar (repgeom_eval.modeling.addresses.layer_request, docs/metrics.md#layer-addresses)
+    finds wrong with a layer request before any model loads; ``auto`` (the layer pick) only where ``auto`` is true."""
+    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.modeling.addresses import AUTO_ELSEWHERE, layer_request
+
+    if value is None:
+        return None
+    try:
+        request = layer_request(value)
+    except RepgeomError as exc:
+        return str(exc)
+    return AUTO_ELSEWHERE if request.auto and not auto else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayersGroup(Options):
     """Where in the model to measure (docs/addresses.md)."""
 
     group_title = "layers"
-    layers: str | tuple[str, ...] = option("all", "--layers", "-l", nargs="+", config_name="layer_spec",
-                                           cli_default=["all"],
+    layers: str | tuple[str, ...] = option("all", "--layers", "-l", nargs="+", config_name="layer_request",
+                                           cli_default=["all"], check=request_problem,
                                            help="layer addresses (default: {default} = every hidden state)")
 
     def __post_init__(self) -> None:
         if self.layers is not None and not isinstance(self.layers, str):
             self._set("layers", tuple(str(x) for x in self.layers))
         super().__post_init__()
+
+    def config_block(self, resolved: Any = None) -> dict[str, Any]:
+        """The request is recorded as its items, split by the one grammar, under ``layer_request`` (the name every
+        output gives it; ``layer_spec`` before, as given)."""
+        from repgeom_eval.modeling.addresses import REQUEST_KEY, layer_request
+
+        block = super().config_block(resolved)
+        if REQUEST_KEY in block and REQUEST_KEY not in (resolved or {}) and self.layers is not None:
+            block[REQUEST_KEY] = layer_request(self.layers).record()
+        return block
 
     @property
     def layer_request(self) -> str | list[str]:

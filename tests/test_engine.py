@@ -73,7 +73,7 @@ def test_key_and_config_block_come_from_the_configuration():
     key = config.checkpoint_key({"addresses": ["final"]})
     assert key["seed"] == 3 and key["addresses"] == ["final"] and "run_dir" not in key and "progress" not in key
     block = config.config_block({"layers": ["final"]})
-    assert block["layer_spec"] == "final" and block["layers"] == ["final"] and block["run_dir"] == "somewhere"
+    assert block["layer_request"] == ["final"] and block["layers"] == ["final"] and block["run_dir"] == "somewhere"
     json.dumps(block)  # JSON-ready: no tuples or read-only mappings left
 
 
@@ -119,7 +119,7 @@ def test_bare_hidden_state_indices_are_named_in_the_warning_and_the_results(tiny
         r = measure(llama, texts[:4], layers="0,1,2", progress=False)
     assert list(r.results) == ["embed", "resid_post:0", "final"]
     assert r.config["layers_reported_as"] == {"0": "embed", "1": "resid_post:0", "2": "final"}
-    assert r.config["layer_spec"] == "0,1,2"
+    assert r.config["layer_request"] == ["0", "1", "2"]
     with pytest.warns(UserWarning, match=r"-1 → final"):
         assert [str(a) for a in resolve_request("-1", llama).addresses] == ["final"]
     with warnings.catch_warnings():

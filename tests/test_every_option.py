@@ -131,3 +131,22 @@ def test_the_sweep_covers_every_command(request):
           f"({len(PARSE)} ruled out by a parser, {len(CHECK)} by a check)")
     assert len(PARSE) + len(CHECK) >= 150, (len(PARSE), len(CHECK))
     assert covered | ONLY_PATHS_AND_SWITCHES == everything, sorted(everything - covered - ONLY_PATHS_AND_SWITCHES)
+
+
+def test_a_short_flag_means_one_long_option_in_every_command():
+    """``-l`` is ``--layers`` and ``-b`` ``--batch-size`` wherever they exist (``mteb run`` had them as
+    ``--languages`` and ``--benchmarks``): every short flag of every command's parser, the top-level parser's
+    included, shares one long option with its other uses."""
+    meaning: dict[str, dict[str, set[str]]] = {}  # short flag → command → the long options of its action
+    parsers = [(["repgeom"], build_parser(get_host()))] + list(commands())
+    for words, parser in parsers:
+        for action in parser._actions:
+            longs = {s for s in action.option_strings if s.startswith("--")}
+            for short in (s for s in action.option_strings if not s.startswith("--")):
+                meaning.setdefault(short, {})[" ".join(words)] = longs
+    assert {"-l", "-b", "-m", "-o", "-d", "-k"} <= set(meaning)
+    for short, by_command in sorted(meaning.items()):
+        if len(by_command) > 1:  # one use (the top level's -p no:NAME): nothing to disagree with
+            common = set.intersection(*by_command.values())
+            assert common, f"{short} means {sorted(by_command.items())}"
+    assert "--layers" in meaning["-l"]["mteb run"] and "--batch-size" in meaning["-b"]["mteb run"]

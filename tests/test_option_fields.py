@@ -64,7 +64,7 @@ def test_checks_live_in_the_configuration():
 def test_config_block_and_build():
     probe = Probe(model="x", layers=["final"])
     block = probe.config_block({"dtype": "float32"})
-    assert block["layer_spec"] == ["final"] and block["dtype"] == "float32" and block["size"] == 3
+    assert block["layer_request"] == ["final"] and block["dtype"] == "float32" and block["size"] == 3
     assert "mode" not in block and "model" not in block and "progress" not in block
     assert Probe.build(None, {"model": "y", "size": 4}).size == 4
     assert Probe.build(probe) is probe

@@ -176,7 +176,7 @@ def clusters(
     result.data = {"path": data_path, "n_documents": len(docs), "n_clusters": len(found),
                    "n_contexts": sum(sizes)}
     result.config = cfg.config_block({
-        "layers": cfg.layer_request, "n_clusters_used": len(found), "vector": "hidden state at the last context token",
+        "n_clusters_used": len(found), "vector": "hidden state at the last context token",
         "within": "mean over clusters of mean cosine distance to the centroid (mean unit vector)",
         "between": "mean pairwise cosine distance of the centroids",
         "paper_defaults": "10-grams, 100 contexts of 100 tokens, 500 clusters (paper A §2.3)"})

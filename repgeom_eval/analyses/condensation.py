@@ -96,7 +96,6 @@ def condensation(
     result.results = {"edges": [round(e, 9) for e in histogram_edges(bins).tolist()], "models": per_model}
     result.data = {"n_texts": len(texts), "path": textset.source}
     result.config = cfg.config_block({
-        "layers": cfg.layer_request,
         "statistic": "mean of all S² cosines per text (diagonal included), averaged over texts",
         "trend": "Spearman ρ and Kendall τ_b of the mean cosine against layer index"})
     timings["total_s"] = time.perf_counter() - t_start

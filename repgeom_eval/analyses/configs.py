@@ -79,7 +79,7 @@ class KnnKeysConfig(TextsGroup, ChunksGroup, RunGroup):
     """``repgeom knn-keys``: kNN-LM key candidates ranked by dispersion (analyses/knn_keys.py)."""
 
     candidates: tuple[str, ...] = option(
-        ("resid_mid:-1", "resid_post:-1", "mlp_in:-1"), "--candidates", "-k", nargs="+", metavar="ADDRESS",
+        ("resid_mid:-1", "resid_post:-1", "mlp_in:-1"), "--candidates", "--key", "-k", nargs="+", metavar="ADDRESS",
         help="candidate key addresses (default: {default}; any address works, e.g. resid_mid:[10,-1] or knn_keys)")
     ns: tuple[int, ...] = option((10, 50, 100), "--n", type=int, nargs="+", metavar="N", check=each(positive),
                                  help="chunks per sample (default: {default})")
@@ -128,7 +128,6 @@ class KnnlmConfig(TextsGroup, ChunksGroup, RunGroup):
 class ClustersConfig(TextsGroup, LayersGroup, RunGroup):
     """``repgeom clusters``: contexts sharing an n-gram continuation (analyses/clusters.py)."""
 
-    layers: str | tuple[str, ...] = option_like(LayersGroup, "layers", config_name="layers")
     ngram: int = option(10, "--ngram", type=int, help="length of the shared continuation (default: {default})")
     min_count: int = option(100, "--min-count", type=int, check=positive,
                             help="occurrences an n-gram needs to form a cluster (default: {default})")
@@ -171,7 +170,7 @@ class CondensationConfig(TextsGroup, LayersGroup, RunGroup):
     """``repgeom condensation``: per-layer cosine histograms and the depth trend (analyses/condensation.py)."""
 
     text_field: str = option_like(TextsGroup, "text_field", config=False)
-    layers: str | tuple[str, ...] = option_like(LayersGroup, "layers", config_name="layers",
+    layers: str | tuple[str, ...] = option_like(LayersGroup, "layers",
                                                 help="layer addresses, at least 3 (default: {default} = every "
                                                      "hidden state)")
     bins: int = option(50, "--bins", type=int, check=positive, help="histogram bins over [-1, 1] (default: {default})")

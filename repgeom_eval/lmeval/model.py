@@ -24,7 +24,7 @@ from lm_eval.models.huggingface import HFLM
 
 from repgeom_eval.lmeval import metrics, session  # noqa: F401  (registers the metrics; wraps lm-eval's evaluate)
 from repgeom_eval.lmeval.precheck import check_settings
-from repgeom_eval.lmeval.settings import PREFIX
+from repgeom_eval.lmeval.settings import PREFIX, rejoin_brackets
 
 NAME = "repgeom-hf"
 
@@ -33,6 +33,7 @@ class RepgeomHFLM(HFLM):
     """HFLM under the name ``repgeom-hf`` (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        kwargs = rejoin_brackets(kwargs)  # a model-argument string split at the commas of resid_post:[0,1]
         given = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(PREFIX)}
         check_settings(given, partial=True)  # every repgeom_* setting, before the model loads (--metadata: later)
         self.repgeom_metadata = given  # read by the session: every task of the run gets repgeom_metrics

@@ -19,13 +19,13 @@ def check_settings(given: Mapping[str, Any], partial: bool = False) -> None:
     ``partial``: ``given`` is only one of the two places settings come from (``repgeom-hf``'s model arguments;
     ``--metadata`` may hold the rest, docs/lmeval.md#settings---metadata), so a setting that needs another one
     (``repgeom_layers`` needs ``repgeom_metrics``) is not refused here: the merged check decides."""
-    from repgeom_eval.lmeval.registered import MetricRequest, check_layers
+    from repgeom_eval.lmeval.registered import MetricRequest, check_layers, request_items
     from repgeom_eval.lmeval.settings import Settings
 
     settings = Settings.from_metadata(given, "any")
-    check_layers([str(settings.layer)], key="repgeom_layer")
+    check_layers(request_items(str(settings.layer), "repgeom_layer"), key="repgeom_layer")
     if partial and settings.metrics in (None, [], ""):
         if settings.layers is not None:
-            check_layers(MetricRequest._items(settings.layers, "repgeom_layers"), key="repgeom_layers")
+            check_layers(request_items(settings.layers, "repgeom_layers"), key="repgeom_layers")
         return
     MetricRequest.from_settings(settings)

@@ -35,7 +35,7 @@ from repgeom_eval.lmeval.ranks import lm_eval_ranks
 from repgeom_eval.measurement.bank import MetricBank
 from repgeom_eval.measurement.config import split_names
 from repgeom_eval.metric import Consumes
-from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.modeling.addresses import REQUEST_KEY, Address, layer_request
 
 if TYPE_CHECKING:  # pragma: no cover
     from repgeom_eval.lmeval.settings import Settings
@@ -91,8 +91,10 @@ class MetricRequest:
                                f'{{"dataset_entropy": {{"alpha": 2}}}}, got {params!r}')
         params = {k: dict(v) for k, v in params.items()}
         run_pooling = _pooling_into(params, pooling, names)
-        # layers are not split here: "resid_post:[0,-1]" holds a comma; resolve_request splits outside brackets
-        layer_request = cls._items(layers, "repgeom_layers") if layers is not None else (str(settings.layer),)
+        # split by the one grammar of every surface (docs/lmeval.md#any-registered-metric): "resid_post:[0,-1]" is
+        # one item, "final,resid_post:0" two
+        layer_request = (request_items(layers, "repgeom_layers") if layers is not None
+                         else request_items(str(settings.layer), "repgeom_layer"))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise RepgeomError(f"repgeom_seed must be an integer, got {seed!r}")
         check_layers(layer_request, host)
@@ -129,7 +131,7 @@ class MetricRequest:
     def record(self) -> dict[str, Any]:
         """What the task config records under ``metadata.repgeom`` (the request as given)."""
         out = {"metrics": list(self.metrics), "metric_params": {k: dict(v) for k, v in self.params.items()},
-               "layers": list(self.layers), "seed": self.seed}
+               REQUEST_KEY: list(self.layers), "seed": self.seed}
         if self.pooling is not None:
             out["pooling"] = self.pooling
         return out
@@ -158,6 +160,15 @@ def _pooling_into(params: dict[str, dict[str, Any]], pooling: Any, names: Sequen
                                f"{given!r}; give it once, in repgeom_pooling")
         params.setdefault(metric, {})["pooling"] = value
     return None
+
+
+def request_items(value: Any, key: str) -> tuple[str, ...]:
+    """``repgeom_layers`` (or ``repgeom_layer``) split by the one grammar of every surface
+    (:func:`~repgeom_eval.modeling.addresses.layer_request`), its errors naming the key."""
+    try:
+        return layer_request(value).items
+    except RepgeomError as exc:
+        raise RepgeomError(f"{key}: {exc}") from None
 
 
 def check_layers(layers: Sequence[str], host: Any = None, key: str = "repgeom_layers") -> None:

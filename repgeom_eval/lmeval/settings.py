@@ -132,9 +132,31 @@ def key(name: str) -> str:
 KEYS = tuple(key(f.name) for f in fields(Settings))
 
 
+def rejoin_brackets(args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with the pieces of a ``repgeom_*`` value that a naive comma split cut apart put back together.
+
+    lm-eval's command line splits ``--model_args`` at the commas outside brackets (``repgeom_layers=resid_post:[0,1]``
+    arrives whole), but a model-argument *string* given to its Python API (``simple_evaluate(model_args="...")``)
+    goes through ``simple_parse_args_string``, which splits at every comma: ``{"repgeom_layers": "resid_post:[0",
+    "1]": ""}``. Each piece follows its key, without an ``=`` (so its value is ``""``); they are joined back here
+    (docs/lmeval.md#settings---metadata)."""
+    out: dict[str, Any] = {}
+    open_key = None
+    for name, value in args.items():
+        if open_key is not None and value == "" and "=" not in name:
+            out[open_key] += "," + name
+        else:
+            out[name] = value
+            open_key = name if name.startswith(PREFIX) and isinstance(value, str) else None
+        if open_key is not None and out[open_key].count("[") <= out[open_key].count("]"):
+            open_key = None
+    return out
+
+
 def settings_in(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """The settings given in ``metadata`` (lm-eval's ``--metadata`` or model arguments), by field name and
     converted; an unknown ``repgeom_*`` key is an error."""
+    metadata = rejoin_brackets(metadata)
     unknown = sorted(k for k in metadata if k.startswith(PREFIX) and k not in KEYS and k != SCHEMA_KEY)
     if unknown:
         raise RepgeomError(f"unknown metadata key {unknown[0]!r} for repgeom tasks (valid: {', '.join(sorted(KEYS))})")

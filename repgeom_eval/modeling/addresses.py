@@ -9,8 +9,12 @@ Grammar (items separated by commas or given as a list)::
     k              a bare integer: exactly hidden_states[k] (k = 0 → embed, k = L or -1 → final,
                    otherwise resid_post:k-1)
     NAME           a registered layer selector, e.g. ``all`` (every hidden state) or ``blocks``
+    auto           alone: the layer pick of ``repgeom mteb run --layer auto`` (docs/picks.md)
 
-Results store only the canonical form (``resid_post:11``, ``final``, ``embed``).
+:func:`layer_request` is the one split of a request into its items, for every surface (``measure --layers``,
+``mteb run --layer``, lm-eval's ``repgeom_layer``/``repgeom_layers``, the Python keywords); everything below parses
+what it returns. Results store only the canonical form (``resid_post:11``, ``final``, ``embed``), and the request
+as given under :data:`REQUEST_KEY`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from repgeom_eval.modeling.architectures import SITES
-from repgeom_eval.modeling.hooks import HookPoint
+from repgeom_eval.modeling.hook_point import HookPoint
 from repgeom_eval.errors import RepgeomError, UnknownNameError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,13 +55,65 @@ class Address:
         return (self.layer or 0, _SITE_ORDER[self.site])
 
 
-def _split_items(spec: str | Sequence[str]) -> list[str]:
-    """Split on commas that are not inside brackets; accept a string or a list of strings."""
-    parts = [spec] if isinstance(spec, str) else list(spec)
+AUTO = "auto"
+#: the one name under which every output records a layer request as given (its items, as :func:`layer_request`
+#: split them); ``layers`` are canonical addresses, ``layer`` is one (docs/metrics.md#layer-addresses)
+REQUEST_KEY = "layer_request"
+AUTO_ELSEWHERE = ("layer 'auto' is the layer pick of `repgeom mteb run --layer auto` (docs/picks.md); name the "
+                  "layers here (final, all, resid_post:[0,-1], ...)")
+
+
+@dataclass(frozen=True)
+class LayerRequest:
+    """A layer request split into its items by :func:`layer_request`: what every surface hands on."""
+
+    items: tuple[str, ...]
+
+    @property
+    def auto(self) -> bool:
+        """Whether this is the layer pick (``auto``, which :func:`layer_request` allows only alone)."""
+        return self.items == (AUTO,)
+
+    def record(self) -> list[str]:
+        """The request as an output records it, under :data:`REQUEST_KEY`."""
+        return list(self.items)
+
+    def __str__(self) -> str:
+        return ",".join(self.items)
+
+
+def layer_request(request: "str | int | LayerRequest | Sequence[str | int]") -> LayerRequest:
+    """THE split of a layer request (docs/metrics.md#layer-addresses), for every surface: a string, an integer or a
+    list of them; each string splits at the commas outside ``[...]``, so ``"resid_post:[0,1],final"`` and
+    ``["resid_post:[0,1]", "final"]`` are the same two items. ``auto`` (the layer pick) is one item, alone.
+    Errors: an empty request, a value of another type, an item whose brackets do not close, ``auto`` with others."""
+    if isinstance(request, LayerRequest):
+        return request
+    parts = [request] if isinstance(request, (str, int)) else request
+    if not isinstance(parts, (list, tuple)) or not all(
+            isinstance(x, (str, int)) and not isinstance(x, bool) for x in parts):
+        raise RepgeomError(f"a layer request is an address, a comma-separated string or a list of them "
+                           f"(e.g. final or [\"resid_post:[0,1]\", \"final\"]), got {request!r}")
+    items = _split_items([str(x) for x in parts])
+    for item in items:
+        outside = re.sub(r"\[[^\[\]]*\]", "", item)  # what is left once every [...] is taken out
+        if "[" in outside or "]" in outside:
+            raise RepgeomError(f"bad layer address {item!r}: its brackets are unbalanced or nested; a list of "
+                               "blocks is written site:[0,1,-1], in one item")
+    if not items:
+        raise RepgeomError("no layer address given; try --layers final, --layers all or --layers resid_post:*")
+    if AUTO in items and len(items) > 1:
+        raise RepgeomError(f"layer 'auto' picks one layer and evaluates it with final; it cannot be combined with "
+                           f"other layers ({', '.join(items)})")
+    return LayerRequest(tuple(items))
+
+
+def _split_items(parts: Sequence[str]) -> list[str]:
+    """Split each string on the commas that are not inside brackets (only :func:`layer_request` calls this)."""
     items: list[str] = []
     for part in parts:
         depth, cur = 0, ""
-        for ch in str(part):
+        for ch in part:
             depth += ch == "["
             depth -= ch == "]"
             if ch == "," and depth == 0:
@@ -76,7 +132,7 @@ def _parse_int(text: str, what: str) -> int:
 
 
 def parse_layers(
-    spec: str | Sequence[str],
+    spec: "str | LayerRequest | Sequence[str]",
     n_layers: int,
     selectors: Callable[[str], Callable[..., Iterable[str]] | None] | None = None,
     model_info: "ModelInfo | None" = None,
@@ -96,11 +152,11 @@ def parse_layers(
             by default ``hidden_states[k]`` is the output of block k-1 and the last one is ``final``.
     """
     out: list[Address] = []
-    for item in _split_items(spec):
+    for item in layer_request(spec).items:
         for addr in _parse_item(item, n_layers, selectors, model_info, _depth, tuple(selector_names), hidden_map):
             if addr not in out:
                 out.append(addr)
-    if not out:
+    if not out and _depth == 0:
         raise RepgeomError("no layer address given; try --layers final, --layers all or --layers resid_post:*")
     return out
 
@@ -109,6 +165,8 @@ def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth
                 selector_names: tuple[str, ...], hidden_map: Sequence[str | None] | None) -> list[Address]:
     if item in ALIASES:
         return [Address(item)]
+    if item == AUTO:
+        raise RepgeomError(AUTO_ELSEWHERE)
     if re.fullmatch(r"[+-]?\d+", item):
         return [hidden_state_address(int(item), n_layers, hidden_map)]
     site, sep, layer_spec = item.partition(":")
@@ -120,6 +178,8 @@ def _parse_item(item: str, n_layers: int, selectors: Any, model_info: Any, depth
                 raise RepgeomError(f"layer selector {site!r} expands recursively")
             got = selector(model_info)
             got = [got] if isinstance(got, str) else list(got)  # a selector may return one spec string
+            if not got:  # a selector that names nothing on this model (the request as a whole may still)
+                return []
             return parse_layers(got, n_layers, selectors, model_info, depth + 1, selector_names, hidden_map)
         if site in SITES:
             raise RepgeomError(f"layer address {site!r} needs a layer: {site}:3, {site}:-1, {site}:* or {site}:[0,-1]")
@@ -227,7 +287,7 @@ def available_addresses(loaded: "LoadedModel") -> list[Address]:
 # names of the same tensor.
 
 
-def check_request_syntax(request: str | Sequence[str], selector_names: Sequence[str]) -> None:
+def check_request_syntax(request: "str | LayerRequest | Sequence[str]", selector_names: Sequence[str]) -> None:
     """What can be checked of a layer request without a model (site names, index syntax, selector names), so that
     a surface can refuse a bad request before the model loads; ranges are checked on the model."""
     names = set(selector_names)
@@ -235,12 +295,11 @@ def check_request_syntax(request: str | Sequence[str], selector_names: Sequence[
     def selector(name: str):
         return (lambda info: ["final"]) if name in names else None  # expanded on the model
 
-    items = [request] if isinstance(request, str) else list(request)
-    syntax = [re.sub(r":\s*\*", ":0", str(x)) for x in items]  # `*` expands on the model
+    syntax = [re.sub(r":\s*\*", ":0", x) for x in layer_request(request).items]  # `*` expands on the model
     parse_layers(syntax, 10 ** 6, selector, None, selector_names=sorted(names))
 
 
-def parse_request(request: str | Sequence[str], info: "ModelInfo", host: Any = None) -> list[Address]:
+def parse_request(request: "str | LayerRequest | Sequence[str]", info: "ModelInfo", host: Any = None) -> list[Address]:
     """Canonical addresses of a layer request, in depth order (selectors such as ``all`` expanded).
 
     Needs only the model's :class:`ModelInfo` (block count), so it works before any weights are loaded.
@@ -268,7 +327,8 @@ class LayerPlan:
     reported_as: dict[str, str] = field(default_factory=dict)
 
 
-def resolve_request(request: str | Sequence[str], loaded: "LoadedModel", host: Any = None) -> LayerPlan:
+def resolve_request(request: "str | LayerRequest | Sequence[str]", loaded: "LoadedModel",
+                    host: Any = None) -> LayerPlan:
     """Parse a layer request and map it to hook points on ``loaded.model``.
 
     The one rule for aliases: every tensor has one name. A requested address that reads the same tensor as
@@ -307,11 +367,11 @@ def resolve_request(request: str | Sequence[str], loaded: "LoadedModel", host: A
     return LayerPlan(tuple(kept), {a: points[a] for a in kept}, reported_as)
 
 
-def bare_indices(request: str | Sequence[str], n_layers: int,
+def bare_indices(request: "str | LayerRequest | Sequence[str]", n_layers: int,
                  hidden_map: Sequence[str | None] | None = None) -> dict[str, Address]:
     """The bare hidden-state indices of a request (``"12"``, ``"-1"``) and the canonical address of each."""
     return {item: hidden_state_address(int(item), n_layers, hidden_map)
-            for item in _split_items(request) if re.fullmatch(r"[+-]?\d+", item)}
+            for item in layer_request(request).items if re.fullmatch(r"[+-]?\d+", item)}
 
 
 def hidden_map_of(info: Any) -> Sequence[str | None] | None:

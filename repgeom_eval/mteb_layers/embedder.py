@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lines: --progress
 
-from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
+from repgeom_eval.modeling.addresses import (Address, HookPoint, LayerRequest, layer_request, resolve,
+                                          resolve_request)
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
 from repgeom_eval.modeling.in_memory import as_loaded
@@ -115,13 +116,12 @@ class LayerEmbedder:
     def n_layers(self) -> int:
         return self.loaded.info.n_layers
 
-    def addresses(self, layers: str | int | Sequence[str | int]) -> list[Address]:
-        """Canonical addresses of a layer spec, deepest last. ``layers``: ``12``, ``"resid_post:3"``, ``"all"``,
-        ``[0, 3, 6]``, ... Two requested names of one tensor are merged as everywhere (see
+    def addresses(self, layers: str | int | LayerRequest | Sequence[str | int]) -> list[Address]:
+        """Canonical addresses of a layer request, deepest last. ``layers``: ``12``, ``"resid_post:3"``, ``"all"``,
+        ``[0, 3, 6]``, ``"resid_post:[0,1]"`` ..., split by the one grammar (docs/metrics.md#layer-addresses). Two
+        requested names of one tensor are merged as everywhere (see
         :func:`~repgeom_eval.modeling.addresses.resolve_request`)."""
-        if isinstance(layers, (int, str)):
-            layers = [layers]
-        return list(resolve_request([str(x) for x in layers], self.loaded, self.host).addresses)
+        return list(resolve_request(layer_request(layers), self.loaded, self.host).addresses)
 
     def points(self, addresses: Sequence[Address]) -> dict[Address, HookPoint]:
         return resolve(list(dict.fromkeys(addresses)), self.loaded)

@@ -18,7 +18,7 @@ import numpy as np
 
 from repgeom_eval.errors import RepgeomError
 from repgeom_eval.layer_pick import LayerPick
-from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.modeling.addresses import Address, layer_request
 
 from .embedder import LayerEmbedder
 
@@ -38,14 +38,9 @@ class Picked:
 
 
 def is_auto(layers: Any) -> bool:
-    """Whether a layer request is ``auto`` (alone: it cannot be mixed with other addresses)."""
-    items = [layers] if isinstance(layers, (str, int)) else list(layers)
-    if "auto" not in [str(x) for x in items]:
-        return False
-    if len(items) != 1:
-        raise RepgeomError(f"layer 'auto' picks one layer and evaluates it with final; it cannot be combined with "
-                           f"other layers ({', '.join(str(x) for x in items)})")
-    return True
+    """Whether a layer request is ``auto``, as the one grammar reads it (:func:`~repgeom_eval.modeling.addresses.
+    layer_request`: ``auto`` cannot be mixed with other addresses)."""
+    return layer_request(layers).auto
 
 
 def pick_layer(embedder: LayerEmbedder, rule: LayerPick, texts: Sequence[str], batch_size: int, *,

@@ -27,13 +27,14 @@ from mteb.evaluate import OverwriteStrategy
 from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lines: --progress
 
 from repgeom_eval.errors import RepgeomError
+from repgeom_eval.modeling.addresses import LayerRequest, layer_request
 from repgeom_eval.modeling.loading import LoadedModel
 
 from .embedder import LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep
 from .geometry import GEOMETRY_KEYS, MASSIVE_KEYS, WARNINGS_KEY, ZERO_KEY, attach_geometry, sweep_warning
 from .metrics import SweepMetrics, check_metrics, metric_keys
-from .pick import PICK_KEY, is_auto, pick_layer, role
+from .pick import PICK_KEY, pick_layer, role
 from .preprocess import PREPROCESS_KEY, check_method, file_digest, fit_on_texts, load_stats_file, record, task_texts
 from .tasks import load_tasks_file
 
@@ -51,6 +52,7 @@ class SweepResult:
     seconds: float = 0.0
     output_folder: str | None = None
     picks: dict[str, dict[str, Any]] = field(default_factory=dict)  # --layer auto: task → its pick record
+    layer_request: list[str] = field(default_factory=list)  # the request as given (REQUEST_KEY, every output's name)
 
 
 def resolve_tasks(tasks: Sequence[Any] | None = None, *, tasks_file: str | Path | None = None,
@@ -154,7 +156,7 @@ def _rows(result: Any, task: Any, encoder: LayerEncoder) -> list[dict[str, Any]]
 def run_layers(
     model: str | LoadedModel | LayerEmbedder,
     tasks: Sequence[Any],
-    layers: str | int | Sequence[str | int] = "final",
+    layers: str | int | LayerRequest | Sequence[str | int] = "final",
     *,
     pooling: str = "auto",
     normalize: bool | None = None,
@@ -212,7 +214,8 @@ def run_layers(
         raise RepgeomError(f"batch size must be positive, got {batch_size}")
     metric_names = check_metrics(metrics or (), metric_params)  # unknown names fail before the model loads
     rule = None
-    if is_auto(layers):
+    request = layer_request(layers)  # the one grammar (docs/metrics.md#layer-addresses): "resid_post:[0,1]" is 2 layers
+    if request.auto:
         from repgeom_eval.layer_pick import make_pick
 
         rule = make_pick(layer_pick, layer_pick_params, host)  # an unknown rule or parameter, before the model loads
@@ -224,7 +227,7 @@ def run_layers(
     embedder = model if isinstance(model, LayerEmbedder) else LayerEmbedder(
         model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device,
         tokenizer=tokenizer, host=host)
-    addresses = embedder.addresses("all" if rule is not None else layers)
+    addresses = embedder.addresses("all" if rule is not None else request)
     file_prep, file_sha = None, None
     if preprocess != "none" and preprocess_stats:
         file_prep = load_stats_file(preprocess_stats, preprocess, embedder, addresses, allow_other_stats)
@@ -246,7 +249,8 @@ def run_layers(
     first = encoders[addresses[0]]
     cache = mteb.ResultCache(output_folder) if output_folder is not None else None
     out = SweepResult(model=first.name, revision=first.revision, layers=[str(a) for a in addresses],
-                      output_folder=str(output_folder) if output_folder is not None else None)
+                      output_folder=str(output_folder) if output_folder is not None else None,
+                      layer_request=request.record())
     encode_kwargs = {"batch_size": batch_size, "show_progress_bar": False}
     bar = tqdm(total=len(task_list) * (len(addresses) if rule is None else 2), unit="layer", desc="mteb",
                disable=not progress)
