@@ -146,12 +146,14 @@ def per_shape(shape: str, args, tokenizer, device, dtype) -> dict:
     model, _ = build(shape, args.blocks, dtype, device, vocab)
     build_s = time.perf_counter() - t0
     texts = texts_of(args.texts, args.tokens, tokenizer)
-    forward_only(model, tokenizer, texts[: args.batch], args.batch, args.tokens, device)  # warm-up
-    bars = [forward_only(model, tokenizer, texts, args.batch, args.tokens, device) for _ in range(args.repeats)]
-    bar = statistics.median(bars)
+    bars = []
+    if not args.load_only:
+        forward_only(model, tokenizer, texts[: args.batch], args.batch, args.tokens, device)  # warm-up
+        bars = [forward_only(model, tokenizer, texts, args.batch, args.tokens, device) for _ in range(args.repeats)]
+    bar = statistics.median(bars) if bars else float("nan")
     full = SHAPES[shape]["full_depth"]
     suites = {}
-    for suite, metrics in (("dispersion", DISPERSION), ("layerwise", LAYERWISE)):
+    for suite, metrics in (("dispersion", DISPERSION), ("layerwise", LAYERWISE)) if not args.load_only else ():
         runs = [run_measure(model, tokenizer, texts, metrics, args.batch, args.tokens, device)
                 for _ in range(args.repeats)]
         m = {k: statistics.median([r[k] for r in runs]) for k in ("forward_s", "metrics_s", "total_s")}
@@ -202,19 +204,29 @@ def contexts(model, tokenizer, args, device) -> list[dict]:
 
 
 def load_times(model, tokenizer, args) -> dict:
-    """Save the built model, then time a plain from_pretrained and load_model (twice each: cold then warm)."""
+    """Save the built model, then time a plain from_pretrained and load_model, twice each: the first load_model
+    probes the model (the load check), the repeated one reads the check's cache."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from repgeom_eval.modeling.loading import load_model
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as cache:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        out: dict = {"plain_s": [], "load_model_s": [], "load_model_parts": []}
+        # an empty load-check cache: the first load_model probes (and fills it), the second reads it
+        os.environ["REPGEOM_CACHE"] = cache
+        out: dict = {"plain_s": [], "plain_with_first_forward_s": [], "load_model_s": [], "load_model_parts": [],
+                     "runs": ["first (probes)", "repeated (cached)"]}
         for _ in range(2):
             t0 = time.perf_counter()
-            AutoModelForCausalLM.from_pretrained(tmp, dtype="float32")
+            plain = AutoModelForCausalLM.from_pretrained(tmp, dtype="float32")
             out["plain_s"].append(time.perf_counter() - t0)
+            # weights are memory-mapped: a plain load reads them at the first forward pass, so that is timed too
+            with torch.inference_mode():
+                plain.model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10, 11]]))
+            out["plain_with_first_forward_s"].append(time.perf_counter() - t0)
+            del plain
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -222,6 +234,10 @@ def load_times(model, tokenizer, args) -> dict:
             out["load_model_s"].append(time.perf_counter() - t0)
             out["load_model_parts"].append(dict(getattr(loaded, "timings", {}) or {}))
         out["ratio_warm"] = out["load_model_s"][-1] / out["plain_s"][-1]
+        parts = out["load_model_parts"][-1]
+        out["load_check_over_plain_repeated"] = parts.get("load_check_s", float("nan")) / out["plain_s"][-1]
+        out["load_check_over_plain_with_first_forward_repeated"] = (parts.get("load_check_s", float("nan"))
+                                                                    / out["plain_with_first_forward_s"][-1])
         print(f"load: load_model {out['load_model_s'][-1]:.1f} s against from_pretrained {out['plain_s'][-1]:.1f} s "
               f"({out['ratio_warm']:.2f}×)", flush=True)
     return out
@@ -239,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-texts", type=int, default=2)
     p.add_argument("--context-batch", type=int, default=2)
     p.add_argument("--load", action="store_true", help="also time load_model against a plain from_pretrained")
+    p.add_argument("--load-only", action="store_true", help="with --load: time the loads and nothing else")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quick", action="store_true", help="small widths and sizes: checks the script in seconds")

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "float32" if args.quick else "bfloat16"
     scale_args = argparse.Namespace(blocks=blocks, texts=texts, tokens=tokens, batch=batch, repeats=1,
                                     contexts=contexts, context_texts=2 if args.quick else 8, context_batch=2,
-                                    load=False, shapes=[shape])
+                                    load=False, load_only=False, shapes=[shape])
     from repgeom_eval.testing import make_tokenizer
 
     tokenizer = make_tokenizer()
