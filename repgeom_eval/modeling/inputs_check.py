@@ -40,27 +40,45 @@ def check_inputs(runner: nn.Module, layout: Layout, ids: torch.Tensor, device: t
 
     row = ids[:1]
     full = torch.ones_like(row)
-    alone = run(row, full, False)
+    changed = row.clone()  # the probe text with its last token changed
+    changed[0, -1] = ids[1, 0] if int(ids[1, 0]) != int(row[0, -1]) else ids[1, 1]
+    # The text and its changed copy in one forward pass (each pass reads every weight once: at a large width that is
+    # the load check's cost); where the two rows are not computed independently, each runs alone, as before.
+    both = run(torch.cat([row, changed]), torch.cat([full, full]), False)
+    alone = _rows(both, 0) if both is not None else run(row, full, False)
     layout.position_ids = "position_ids" in layout.accepted_inputs and same(run(row, full, True), alone)
     # causal attention: changing the last token leaves the earlier positions alone
-    changed = row.clone()
-    changed[0, -1] = ids[1, 0] if int(ids[1, 0]) != int(row[0, -1]) else ids[1, 1]
     earlier = lambda t: t[..., :-1, :]  # noqa: E731 - [..., batch, tokens, width]
-    layout.causal = same(alone, run(changed, full, layout.position_ids), earlier, earlier)
+    layout.causal = both is not None and same(alone, _rows(both, 1), earlier, earlier)
+    if not layout.causal:
+        layout.causal = same(alone, run(changed, full, layout.position_ids), earlier, earlier)
     # padding: a short text in a batch with a longer one keeps the hidden states it has alone
     short = ids[1:2, : ids.shape[1] - 3]
     short_alone = run(short, torch.ones_like(short), layout.position_ids)
-    ok = []
-    for side in ("right", "left"):
-        pad = ids.shape[1] - short.shape[1]
-        filler = torch.full((1, pad), pad_id, dtype=ids.dtype)
-        batch_ids = torch.cat([row, torch.cat([short, filler], 1) if side == "right" else torch.cat([filler, short], 1)])
-        real = torch.ones_like(short)
-        gap = torch.zeros((1, pad), dtype=real.dtype)
-        mask = torch.cat([full, torch.cat([real, gap], 1) if side == "right" else torch.cat([gap, real], 1)])
-        got = run(batch_ids, mask, layout.position_ids)
-        keep = slice(0, short.shape[1]) if side == "right" else slice(pad, None)
+    pad = ids.shape[1] - short.shape[1]
+    filler = torch.full((1, pad), pad_id, dtype=ids.dtype)
+    real, gap = torch.ones_like(short), torch.zeros((1, pad), dtype=short.dtype)
+    padded = {"right": (torch.cat([short, filler], 1), torch.cat([real, gap], 1), slice(0, short.shape[1])),
+              "left": (torch.cat([filler, short], 1), torch.cat([gap, real], 1), slice(pad, None))}
+
+    def fits(got: tuple | None, at: int, side: str) -> bool:
         # [..., batch, tokens, width]: Gemma 3n stacks its AltUp streams in front
-        if same(got, short_alone, lambda g: g[..., 1:2, keep, :]) and same(got, alone, lambda g: g[..., :1, :, :]):
+        keep = padded[side][2]
+        return same(got, short_alone, lambda g: g[..., at:at + 1, keep, :]) and same(
+            got, alone, lambda g: g[..., :1, :, :])
+
+    # Both sides in one pass (the long text, the short one padded right, then left); a side that does not hold
+    # there is tried alone, as a batch of the long text and that one padded text.
+    both = run(torch.cat([row, padded["right"][0], padded["left"][0]]),
+               torch.cat([full, padded["right"][1], padded["left"][1]]), layout.position_ids)
+    ok = []
+    for at, side in ((1, "right"), (2, "left")):
+        if fits(both, at, side) or fits(run(torch.cat([row, padded[side][0]]), torch.cat([full, padded[side][1]]),
+                                            layout.position_ids), 1, side):
             ok.append(side)
     layout.padding_sides = tuple(ok)
+
+
+def _rows(states: tuple, row: int) -> tuple:
+    """Row ``row`` of every hidden state (kept as a batch of one; [..., batch, tokens, width])."""
+    return tuple(h[..., row:row + 1, :, :] for h in states)
