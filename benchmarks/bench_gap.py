@@ -129,8 +129,8 @@ def build_checkpoint(directory: str, synthetic: bool) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from repgeom_eval.demo import smollm2_path
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.testing.demo import smollm2_path
+    from repgeom_eval.spec.errors import RepgeomError
 
     if not synthetic:
         try:

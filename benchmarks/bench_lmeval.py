@@ -40,7 +40,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 
-from repgeom_eval.errors import RepgeomError  # noqa: E402
+from repgeom_eval.spec.errors import RepgeomError  # noqa: E402
 from repgeom_eval.lmeval.documents import load_local  # noqa: E402
 from repgeom_eval.testing import MMLU_TEST_SUBJECTS, make_tiny_model, write_task_data  # noqa: E402
 
@@ -51,7 +51,7 @@ TASK = "repgeom_hardness_mmlu"
 def load_lm(tiny: bool, tmpdir: str, batch_size: int) -> tuple[HFLM, str]:
     if not tiny:
         try:
-            from repgeom_eval.demo import smollm2_path
+            from repgeom_eval.testing.demo import smollm2_path
             from repgeom_eval.modeling.loading import load_model
 
             loaded = load_model(str(smollm2_path()), device="cpu")

@@ -44,9 +44,9 @@ import torch  # noqa: E402
 from repgeom_eval.modeling.addresses import parse_layers, resolve  # noqa: E402
 from repgeom_eval.measurement.augment import Augmenter  # noqa: E402
 from repgeom_eval.modeling.hooks import Capture  # noqa: E402
-from repgeom_eval.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
-from repgeom_eval.errors import RepgeomError  # noqa: E402
-from repgeom_eval.metric import Consumes, LayerBatch  # noqa: E402
+from repgeom_eval.testing.demo import python_doc_paragraphs, smollm2_path  # noqa: E402
+from repgeom_eval.spec.errors import RepgeomError  # noqa: E402
+from repgeom_eval.spec.metric import Consumes, LayerBatch  # noqa: E402
 from repgeom_eval.modeling.loading import load_model  # noqa: E402
 from repgeom_eval.measurement.forward import context_length  # noqa: E402  (the same context as measure())
 from repgeom_eval.plugin_system.host import get_host  # noqa: E402

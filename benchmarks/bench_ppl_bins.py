@@ -89,7 +89,7 @@ def model_dir(tiny: bool, work: Path, dtype: str) -> str:
         return str(make_tiny_model("llama", work / "tiny-llama", n_layers=4))
     import torch
 
-    from repgeom_eval.demo import smollm2_path
+    from repgeom_eval.testing.demo import smollm2_path
     from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
     from repgeom_eval.modeling.loading import load_model
 

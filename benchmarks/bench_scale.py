@@ -62,7 +62,7 @@ def machine() -> dict:
 
 def texts_of(n: int, tokens: int, tokenizer) -> list[str]:
     """``n`` texts of real prose (Python's own documentation), each at least ``tokens`` tokens long."""
-    from repgeom_eval.demo import python_doc_paragraphs
+    from repgeom_eval.testing.demo import python_doc_paragraphs
 
     paragraphs = python_doc_paragraphs(4 * n + 8)
     out, i = [], 0

@@ -237,7 +237,7 @@ def model_dir(tiny: bool, work: Path) -> str:
         return str(make_tiny_model("llama", work / "tiny-llama", n_layers=4))
     import torch
 
-    from repgeom_eval.demo import smollm2_path
+    from repgeom_eval.testing.demo import smollm2_path
     from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
     from repgeom_eval.modeling.loading import load_model
 
@@ -270,7 +270,7 @@ def main() -> None:
         return
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from repgeom_eval.demo import python_doc_paragraphs
+    from repgeom_eval.testing.demo import python_doc_paragraphs
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
     if args.threads:

@@ -50,7 +50,7 @@ def flat(results: dict) -> dict[str, float]:
 
 def values_check(device: str, types: tuple[str, ...], n_texts: int) -> dict:
     import repgeom_eval as rg
-    from repgeom_eval.demo import python_doc_paragraphs
+    from repgeom_eval.testing.demo import python_doc_paragraphs
 
     texts = python_doc_paragraphs(n_texts)
     rows = {}

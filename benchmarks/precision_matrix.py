@@ -133,7 +133,7 @@ def main() -> None:
 
     from repgeom_eval.mteb_layers import make_task
     from repgeom_eval.mteb_layers.examples import build_tasks, pydoc_documents
-    from repgeom_eval.tiny_models import save_tiny
+    from repgeom_eval.testing.tiny_models import save_tiny
 
     spec = build_tasks(pydoc_documents(), "pydoc", size="small", seed=0)["PydocSTS"]
 
@@ -151,7 +151,7 @@ def main() -> None:
                                 not args.no_lm_eval))
             print(f"{model_type}: {rows[-1]['seconds']:.0f} s", flush=True)
         if args.smollm2:
-            from repgeom_eval.demo import python_doc_paragraphs, smollm2_path
+            from repgeom_eval.testing.demo import python_doc_paragraphs, smollm2_path
 
             from repgeom_eval.modeling.gguf_cache import gguf_cache_dir
             from repgeom_eval.modeling.loading import load_model

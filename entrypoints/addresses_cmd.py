@@ -7,8 +7,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from repgeom_eval.option_fields import option_like
-from repgeom_eval.option_groups import JsonGroup, LayersGroup, ModelGroup
+from repgeom_eval.spec.option_fields import option_like
+from repgeom_eval.modeling.option_groups import JsonGroup, LayersGroup, ModelGroup
 
 
 @dataclass(frozen=True, kw_only=True)

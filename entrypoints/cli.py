@@ -13,7 +13,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 
 # optional dependency (top-level module) → the extra of pyproject.toml that installs it

@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from repgeom_eval.analyses.configs import ClustersConfig
-from repgeom_eval.option_fields import option_like
-from repgeom_eval.option_groups import DataGroup, ModelsGroup, PlotsGroup
+from repgeom_eval.spec.option_fields import option_like
+from repgeom_eval.modeling.option_groups import DataGroup, ModelsGroup, PlotsGroup
 
 from .common import guard_outputs, plot_dir, plot_files, wide_console
 

@@ -1,4 +1,4 @@
-"""What the analysis commands share besides their options (those are in repgeom_eval/option_groups.py): where the
+"""What the analysis commands share besides their options (those are in repgeom_eval/modeling/option_groups.py): where the
 figures go, and the checks every command runs on its outputs before any compute."""
 
 from __future__ import annotations

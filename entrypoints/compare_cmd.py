@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass
 
-from repgeom_eval.option_fields import Options, option
+from repgeom_eval.spec.option_fields import Options, option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.metrics:
         rows = [r for r in rows if r["metric"] in cfg.metrics]
         if not rows:
-            from repgeom_eval.errors import RepgeomError
+            from repgeom_eval.spec.errors import RepgeomError
 
             raise RepgeomError(f"--metrics {' '.join(cfg.metrics)}: no such metric in the results")
     labels, table_rows = wide(rows)

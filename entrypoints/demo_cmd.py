@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repgeom_eval.modeling.options import ModelOptions
-from repgeom_eval.option_fields import Options, option, option_like, positive
-from repgeom_eval.option_groups import ChunksGroup, RunGroup
+from repgeom_eval.spec.option_fields import Options, option, option_like, positive
+from repgeom_eval.modeling.option_groups import ChunksGroup, RunGroup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from repgeom_eval.demo import python_doc_paragraphs, smollm2_path
+    from repgeom_eval.testing.demo import python_doc_paragraphs, smollm2_path
     from repgeom_eval.modeling.loading import load_model
     from repgeom_eval.measurement.engine import measure
     from repgeom_eval.output.plotting import plot_profile

@@ -7,8 +7,8 @@ import os
 from dataclasses import MISSING, dataclass
 
 from repgeom_eval.analyses.configs import KnnlmConfig
-from repgeom_eval.option_fields import option
-from repgeom_eval.option_groups import ModelGroup, OutputGroup
+from repgeom_eval.spec.option_fields import option
+from repgeom_eval.modeling.option_groups import ModelGroup, OutputGroup
 
 from .common import guard_outputs, wide_console
 

@@ -36,7 +36,7 @@ def check_arguments(argv: list[str]) -> None:
     on a ``repgeom_data`` file (given in ``--metadata``, or in ``--model_args`` with ``--model repgeom-hf``)."""
     import json
 
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.lmeval.settings import key
     from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.output.files import check_outputs
@@ -66,7 +66,7 @@ def check_arguments(argv: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     from _repgeom_lm_eval_hook import install
 
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
 
     check_arguments(list(args.lm_eval_args))
 

@@ -6,11 +6,11 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.config import RunConfig
 from repgeom_eval.measurement.estimate import parse_size
-from repgeom_eval.option_fields import option, option_like
-from repgeom_eval.option_groups import DataGroup, JsonGroup, ModelGroup, OutputGroup
+from repgeom_eval.spec.option_fields import option, option_like
+from repgeom_eval.modeling.option_groups import DataGroup, JsonGroup, ModelGroup, OutputGroup
 
 
 @dataclass(frozen=True, kw_only=True)

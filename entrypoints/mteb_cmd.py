@@ -6,8 +6,8 @@ import argparse
 from dataclasses import MISSING, dataclass
 
 from repgeom_eval.measurement.config import RunConfig
-from repgeom_eval.option_fields import Options, option, option_like
-from repgeom_eval.option_groups import ModelGroup, RunGroup, request_problem
+from repgeom_eval.spec.option_fields import Options, option, option_like
+from repgeom_eval.modeling.option_groups import ModelGroup, RunGroup, request_problem
 
 MTEB_POOLINGS = ("auto", "st", "mean", "last", "cls", "first")
 
@@ -241,7 +241,7 @@ def _run(cfg: MtebRunCommand) -> int:
 
     from rich.console import Console
 
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.measurement.distributed import Distributed
     from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.mteb_layers import resolve_tasks, write_summary
@@ -258,7 +258,7 @@ def _run(cfg: MtebRunCommand) -> int:
 
     request = layer_request(cfg.layers)  # the one grammar of every surface (docs/metrics.md#layer-addresses)
     if request.auto:
-        from repgeom_eval.layer_pick import make_pick
+        from repgeom_eval.spec.layer_pick import make_pick
 
         make_pick(cfg.layer_pick, cfg.layer_pick_params)  # an unknown rule or parameter: before tasks and model
     else:
@@ -338,7 +338,7 @@ def _summary(cfg: MtebSummaryCommand) -> int:
 
 def _named(check, *args):
     """``check(*args)``, its error naming ``--layer``."""
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
 
     try:
         return check(*args)

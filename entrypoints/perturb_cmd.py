@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from repgeom_eval.analyses.configs import PerturbConfig
-from repgeom_eval.option_groups import DataGroup, ModelGroup, PlotsGroup
+from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
 
 from .common import guard_outputs, plot_dir, plot_files, wide_console
 

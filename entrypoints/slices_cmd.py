@@ -11,8 +11,8 @@ import json
 from dataclasses import MISSING, dataclass
 
 from repgeom_eval.analyses.configs import SlicesConfig
-from repgeom_eval.option_fields import option
-from repgeom_eval.option_groups import JsonGroup, OutputGroup
+from repgeom_eval.spec.option_fields import option
+from repgeom_eval.modeling.option_groups import JsonGroup, OutputGroup
 
 ANSWER_PPL = ("the gold answer's per-token perplexity given the prompt (the correct choice, as lm-eval scores it), "
               "averaged over the slice's queries")
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval import __version__
     from repgeom_eval.analyses.queries import from_samples, from_vector_file
     from repgeom_eval.analyses.slices import calibrate, controlled_slices
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.output.console import fmt_number as fmt
     from repgeom_eval.output.files import check_outputs, check_writable, commit_together, jsonable, write_json
 

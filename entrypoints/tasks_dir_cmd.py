@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from repgeom_eval.option_fields import Options
+from repgeom_eval.spec.option_fields import Options
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,8 +6,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from repgeom_eval.option_fields import add_option_arguments, option, option_like, options_from_namespace
-from repgeom_eval.option_groups import RunGroup
+from repgeom_eval.spec.option_fields import add_option_arguments, option, option_like, options_from_namespace
+from repgeom_eval.modeling.option_groups import RunGroup
 
 
 @dataclass(frozen=True)

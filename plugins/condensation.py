@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).

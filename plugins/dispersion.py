@@ -32,7 +32,7 @@ class Dispersion(Metric):
             self.add_state("index", [], "cat", shape=("N",))
 
     def statistics(self):
-        from repgeom_eval.statistics import UnitSums
+        from repgeom_eval.spec.statistics import UnitSums
 
         return {"sums": UnitSums()}
 

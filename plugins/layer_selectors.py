@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from repgeom_eval import hookimpl
-from repgeom_eval.layer_pick import MinDatasetEntropy
+from repgeom_eval.spec.layer_pick import MinDatasetEntropy
 
 
 def _n_hidden(info) -> int:

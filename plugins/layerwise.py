@@ -14,7 +14,7 @@ here only keep mergeable state.
 from __future__ import annotations
 
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
@@ -52,13 +52,13 @@ def _check_alpha(metric: str, alpha) -> float:
 
 class _GramMetric(Metric):
     """A pooled metric that reads only the linear Gram of its rows: the shared
-    :class:`~repgeom_eval.statistics.PooledGram` (unit rows with ``unit_rows = True``), so two such metrics of the
+    :class:`~repgeom_eval.spec.statistics.PooledGram` (unit rows with ``unit_rows = True``), so two such metrics of the
     same pooling keep one Gram between them (docs/plugins.md#shared-statistics)."""
 
     unit_rows = False
 
     def statistics(self):
-        from repgeom_eval.statistics import PooledGram
+        from repgeom_eval.spec.statistics import PooledGram
 
         return {"gram": PooledGram(unit=self.unit_rows)}
 

@@ -23,7 +23,7 @@ States and memory:
 from __future__ import annotations
 
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
-from repgeom_eval.errors import RepgeomError, check_param, is_count, is_real
+from repgeom_eval.spec.errors import RepgeomError, check_param, is_count, is_real
 from repgeom_eval.plugin_system.lazy import lazy
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).

@@ -15,13 +15,13 @@ __version__ = "0.2.0"
 
 # What a plugin module imports at its top. All of it is light (no torch, no transformers: the metric API binds torch
 # lazily), so that `repgeom --help` and `repgeom plugins` can import every plugin cheaply; tests/test_startup.py checks.
-from .hookspecs import hookimpl  # noqa: E402
+from .spec.hookspecs import hookimpl  # noqa: E402
 from .modeling.architectures import ArchitectureSpec, post_ln_encoder, pre_ln_decoder  # noqa: E402
 from .modeling.hook_point import HookPoint  # noqa: E402
-from .errors import (ParameterError, PluginError, RepgeomError, UnknownNameError, check_param,  # noqa: E402
-                     is_count, is_real)
-from .metric import Consumes, LayerBatch, Metric, Statistic  # noqa: E402
-from .statistics import PooledGram, UnitSums  # noqa: E402
+from .spec.errors import (ParameterError, PluginError, RepgeomError, UnknownNameError, check_param,  # noqa: E402
+                          is_count, is_real)
+from .spec.metric import Consumes, LayerBatch, Metric, Statistic  # noqa: E402
+from .spec.statistics import PooledGram, UnitSums  # noqa: E402
 from .plugin_system.kinds import Command  # noqa: E402
 
 # Heavy pieces (torch, transformers) load on first access, so `import repgeom_eval` in a plugin stays cheap.
@@ -39,7 +39,7 @@ _LAZY = {
     "build_aux_loss": "repgeom_eval.training.auxloss",
     "check_metric": "repgeom_eval.testing",
     "make_tiny_model": "repgeom_eval.testing",
-    "save_tiny": "repgeom_eval.tiny_models",
+    "save_tiny": "repgeom_eval.testing.tiny_models",
     "load_results": "repgeom_eval.output.results_table",
 }
 

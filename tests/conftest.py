@@ -39,9 +39,9 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def realistic(tmp_path_factory):
     """Factory: ``realistic("t5")`` → a saved tiny model of that type with realistic norm gains and one massive
-    dimension (``repgeom_eval.tiny_models.make_realistic``), built once per session; encoder types (t5, bert,
+    dimension (``repgeom_eval.testing.tiny_models.make_realistic``), built once per session; encoder types (t5, bert,
     roberta-prelayernorm) as encoders, the others as causal LMs."""
-    from repgeom_eval.tiny_models import save_tiny
+    from repgeom_eval.testing.tiny_models import save_tiny
 
     made: dict[str, str] = {}
 

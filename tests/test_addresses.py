@@ -3,7 +3,7 @@
 import pytest
 
 from repgeom_eval.modeling.addresses import Address, available_addresses, hidden_state_address, parse_layers, resolve
-from repgeom_eval.errors import RepgeomError, UnknownNameError
+from repgeom_eval.spec.errors import RepgeomError, UnknownNameError
 from repgeom_eval.modeling.loading import load_model
 
 

@@ -1,5 +1,5 @@
 """Every model type of the installed transformers that can be built at tiny size is measured right, or refused in one
-line (repgeom_eval.coverage.check_type: every hidden state through Forward equals the model's own
+line (repgeom_eval.testing.coverage.check_type: every hidden state through Forward equals the model's own
 output_hidden_states; the verified sub-layers satisfy the residual identities on real texts). The coverage
 table of docs/how-to/own-model.md is the committed sweep, written by benchmarks/any_model.py."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from repgeom_eval.coverage import check_type, markdown, sublayer_class
-from repgeom_eval.tiny_models import causal_lm_types, encoder_types
+from repgeom_eval.testing.coverage import check_type, markdown, sublayer_class
+from repgeom_eval.testing.tiny_models import causal_lm_types, encoder_types
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import repgeom_eval as rg
 from repgeom_eval.functional.dispersion import pairwise_dispersion
 from repgeom_eval.modeling.loading import load_model
 from repgeom_eval.testing import write_task_data
-from repgeom_eval.tiny_models import save_tiny
+from repgeom_eval.testing.tiny_models import save_tiny
 
 TYPES = ["opt", "falcon", "gemma2", "qwen3_moe"]  # none of them in plugins/architectures.py
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Short text.", "Layers of a model, read one by one.",

@@ -10,7 +10,7 @@ import torch
 
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.training.auxloss import AuxLoss, build_aux_loss
-from repgeom_eval.errors import RepgeomError, UnknownNameError
+from repgeom_eval.spec.errors import RepgeomError, UnknownNameError
 from repgeom_eval.functional.losses import push_away_pairwise, subsample_tokens
 
 T = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import NonFiniteError, RepgeomError
+from repgeom_eval.spec.errors import NonFiniteError, RepgeomError
 from repgeom_eval.modeling.loading import load_model
 from repgeom_eval.measurement.engine import measure
 

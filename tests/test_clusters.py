@@ -7,7 +7,7 @@ import torch
 
 from repgeom_eval.analyses.clusters import cluster_distances, clusters, find_clusters
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*clusters have fewer than")
 

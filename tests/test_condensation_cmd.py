@@ -9,7 +9,7 @@ from scipy import stats
 
 from repgeom_eval.analyses.condensation import condensation
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.condensation import cosine_matrix
 from repgeom_eval.modeling.loading import load_model
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import repgeom_eval as rg
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.forward import Forward, model_inputs
 from repgeom_eval.modeling.addresses import available_addresses, resolve, resolve_request
 from repgeom_eval.modeling.loading import load_model
-from repgeom_eval.tiny_models import save_tiny
+from repgeom_eval.testing.tiny_models import save_tiny
 
 TEXTS = ["The quick brown fox jumps over the lazy dog near the river.", "Short text.", "Another one, a bit longer."]
 

@@ -79,7 +79,7 @@ def test_single_process_is_a_no_op(monkeypatch):
 
 
 def test_half_configured_environment_is_refused(monkeypatch):
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):

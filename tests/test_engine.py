@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import repgeom_eval
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.config import POOLING_CHOICES, RunConfig
 from repgeom_eval.measurement.engine import measure
 from repgeom_eval.modeling.addresses import resolve_request

@@ -1,6 +1,6 @@
 """Every declared option of every command, fed a value its own declaration rules out: one error line that names the
 option, exit code 2, no traceback, nothing written. The cases are generated from the parsers and the option
-declarations (repgeom_eval/option_fields.py), so a new option is covered the day it is declared:
+declarations (repgeom_eval/spec/option_fields.py), so a new option is covered the day it is declared:
 
 * an option with ``choices``: a value that is none of them;
 * an option of type ``int``/``float``: a word;
@@ -17,7 +17,7 @@ from dataclasses import MISSING, fields
 import pytest
 
 from repgeom_eval.entrypoints.cli import build_parser, command_parser, main
-from repgeom_eval.option_fields import label, positive
+from repgeom_eval.spec.option_fields import label, positive
 from repgeom_eval.plugin_system.host import get_host
 
 

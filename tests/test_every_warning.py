@@ -451,7 +451,7 @@ def test_random_init(env):
 
 @clean
 def test_encoder_of_an_encoder_decoder(env):
-    from repgeom_eval.tiny_models import save_tiny
+    from repgeom_eval.testing.tiny_models import save_tiny
 
     t5 = env.once("t5", lambda: str(save_tiny("t5", env.root / "t5", "encoder")))
     ran, doc = _measure(env, "t5", model=t5)

@@ -13,7 +13,7 @@ import torch
 from repgeom_eval.analyses.gap import (Vocabulary, dispersion_gap, open_output_embeddings, read_output_embeddings,
                                        resolve_token_set, screen, vocabulary_difference)
 from repgeom_eval.entrypoints import gap_cmd
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional import gap_distances
 from repgeom_eval.functional.stats import rankdata, spearman
 
@@ -420,7 +420,7 @@ def test_scores_files(tmp_path):
 
 @pytest.mark.slow
 def test_gguf_output_embedding_of_smollm2():
-    from repgeom_eval.demo import smollm2_path
+    from repgeom_eval.testing.demo import smollm2_path
 
     try:
         path = smollm2_path()

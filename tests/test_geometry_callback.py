@@ -14,7 +14,7 @@ import accelerate  # noqa: F401  (dev extra: missing must fail, not skip)
 import datasets  # noqa: F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.analyses.gap.vocabulary import Vocabulary
 from repgeom_eval.training.geometry import FILE_NAME, GeometryCallback, pick_checkpoint
 

@@ -10,7 +10,7 @@ from repgeom_eval.analyses.corpus import Document, corpus_chunks
 from repgeom_eval.analyses.knn_keys import knn_keys, seeded_samples
 from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import pairwise_dispersion
 from repgeom_eval.modeling.loading import load_model
 

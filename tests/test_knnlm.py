@@ -12,7 +12,7 @@ from repgeom_eval.measurement.forward import Forward, next_token_logprobs
 from repgeom_eval.modeling.addresses import resolve_request
 from repgeom_eval.analyses.knnlm import Datastore, build_index, interpolate, knn_logprob, knnlm
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.loading import load_model
 
 import faiss  # noqa: E402,F401  (dev extra: missing must fail, not skip)

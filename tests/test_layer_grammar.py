@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.addresses import REQUEST_KEY, layer_request
 
 BRACKETS = "resid_post:[0,1]"

@@ -14,8 +14,8 @@ import pytest
 
 import repgeom_eval
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError, UnknownNameError
-from repgeom_eval.layer_pick import LayerPick, MinDatasetEntropy, make_pick
+from repgeom_eval.spec.errors import RepgeomError, UnknownNameError
+from repgeom_eval.spec.layer_pick import LayerPick, MinDatasetEntropy, make_pick
 from repgeom_eval.mteb_layers import layer_encoder, make_task, run_layers
 from repgeom_eval.mteb_layers.examples import build_tasks, pydoc_documents, write_example_tasks
 from repgeom_eval.mteb_layers.preprocess import task_texts
@@ -176,7 +176,7 @@ def test_built_in_rule_is_a_registered_plugin_item():
 
     entry = get_host().layer_picks.entry("min_dataset_entropy")
     assert entry.load() is MinDatasetEntropy and entry.plugin == "layer_selectors"
-    with pytest.raises(repgeom_eval.PluginError, match="expected a subclass of repgeom_eval.layer_pick.LayerPick"):
+    with pytest.raises(repgeom_eval.PluginError, match="expected a subclass of repgeom_eval.spec.layer_pick.LayerPick"):
         host = PluginHost(extra_plugins=[])
         host.layer_picks.bound("x", None).add(lambda v: 0.0, name="not_a_class")
 

@@ -12,7 +12,7 @@ import scipy.stats
 import torch
 
 from repgeom_eval import LayerBatch
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.condensation import (
     condensation,
     condensation_batch,

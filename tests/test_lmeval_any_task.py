@@ -192,7 +192,7 @@ def test_plain_lm_eval_adds_rows_to_every_task_of_a_group_and_the_others(model_d
 def test_the_metadata_route_and_the_cache_refusal(model_dir, task_dir, tmp_path):
     """``repgeom_metrics`` in ``--metadata`` (the TaskManager's metadata) reaches every task of a ``repgeom-hf`` run
     as well; with ``--use_cache`` the answers would skip the forward pass, so the run is refused before any compute."""
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
 
     lm = RepgeomHFLM(pretrained=model_dir, batch_size=4, device="cpu", dtype="float64")
     tm = TaskManager(include_defaults=False, include_path=str(task_dir),

@@ -18,7 +18,7 @@ import lm_eval  # noqa: F401  (dev extra: missing must fail, not skip)
 import _repgeom_lm_eval_hook as hook
 import repgeom_eval as rg
 from repgeom_eval import Metric
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.precheck import check_settings
 from repgeom_eval.lmeval.registered import MetricRequest
 from repgeom_eval.lmeval.settings import Settings

@@ -24,7 +24,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 import repgeom_eval as rg
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.registered import score_name
 from repgeom_eval.testing import write_task_data
 

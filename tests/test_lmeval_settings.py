@@ -13,7 +13,7 @@ import pytest
 
 import lm_eval  # noqa: F401  (dev extra: missing must fail, not skip)
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.settings import KEYS, Settings, key
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "lmeval.md"

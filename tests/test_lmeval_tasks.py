@@ -20,7 +20,7 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from repgeom_eval.errors import RepgeomError  # noqa: E402
+from repgeom_eval.spec.errors import RepgeomError  # noqa: E402
 from repgeom_eval.functional.dispersion import pairwise_dispersion  # noqa: E402
 from repgeom_eval.analyses.queries import decode_vector  # noqa: E402
 from repgeom_eval.testing import write_task_data  # noqa: E402

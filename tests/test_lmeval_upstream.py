@@ -103,7 +103,7 @@ def test_mmlu_one_task_equals_the_57_subject_tasks(tmp_path, shots):
 
 
 def test_mmlu_few_shot_without_a_dev_split_is_a_clear_error(tmp_path):
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
 
     data = write_task_data("mmlu", tmp_path / "mmlu.jsonl", n=6)
     with pytest.raises(RepgeomError, match="dev split"):

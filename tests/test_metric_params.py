@@ -3,7 +3,7 @@
 import pytest
 
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.host import get_host
 
 BAD_PARAMS = [

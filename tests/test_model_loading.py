@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.loading import load_model
 from repgeom_eval.modeling.options import ModelOptions
 

@@ -18,7 +18,7 @@ import torch
 
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.mteb_layers import (
     GENERIC_NAME,
     LayerEmbedder,

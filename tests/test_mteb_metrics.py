@@ -21,7 +21,7 @@ import yaml
 
 import repgeom_eval as rg
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.bank import flatten_result
 from repgeom_eval.mteb_layers import make_task, run_layers, summarize
 from repgeom_eval.mteb_layers.examples import build_tasks, pydoc_documents, write_example_tasks

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.engine import measure
 from repgeom_eval.measurement.preprocess import Preprocessor
 from repgeom_eval.mteb_layers import LayerEmbedder, layer_encoder, make_task, run_layers

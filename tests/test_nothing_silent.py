@@ -194,7 +194,7 @@ def test_a_metric_warning_never_crashes_and_reaches_every_surface(setup, tmp_pat
 
 @pytest.mark.fault("refused")
 def test_an_sts_task_whose_scores_span_nothing_is_refused():
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.mteb_layers import make_task
 
     with pytest.raises(RepgeomError, match="scores span nothing"):

@@ -1,5 +1,5 @@
 """One declaration per option (docs/configuration.md): flags, help, ``--config FILE`` (YAML, flags win), the Python
-API, checks and the ``config`` block all come from the configuration's fields (repgeom_eval/option_fields.py)."""
+API, checks and the ``config`` block all come from the configuration's fields (repgeom_eval/spec/option_fields.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from repgeom_eval.errors import RepgeomError
-from repgeom_eval.option_fields import Options, option, option_like, positive
-from repgeom_eval.option_groups import LayersGroup, ModelGroup, RunGroup
+from repgeom_eval.spec.errors import RepgeomError
+from repgeom_eval.spec.option_fields import Options, option, option_like, positive
+from repgeom_eval.modeling.option_groups import LayersGroup, ModelGroup, RunGroup
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open, check_outputs, commit_together, write_json
 
 

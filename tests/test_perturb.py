@@ -9,7 +9,7 @@ import torch
 from repgeom_eval.analyses.corpus import Document, tokenize_documents
 from repgeom_eval.analyses.perturb import perturb, random_tokens, repeat_tokens
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import dispersion
 from repgeom_eval.functional.entropy import prompt_entropy
 from repgeom_eval.modeling.loading import load_model

@@ -16,7 +16,7 @@ import torch
 
 import repgeom_eval as rg
 from repgeom_eval import Consumes, LayerBatch, Metric, ParameterError
-from repgeom_eval.errors import PluginError, RepgeomError
+from repgeom_eval.spec.errors import PluginError, RepgeomError
 from repgeom_eval.measurement.engine import measure
 from repgeom_eval.plugin_system.host import PluginHost
 from repgeom_eval.testing import check_metric

@@ -11,7 +11,7 @@ import pytest
 
 import repgeom_eval
 from repgeom_eval import Consumes, Metric
-from repgeom_eval.errors import PluginError, UnknownNameError
+from repgeom_eval.spec.errors import PluginError, UnknownNameError
 from repgeom_eval.plugin_system.host import PluginHost, PluginLoadWarning, disabled_from_env
 
 
@@ -231,7 +231,7 @@ def test_switching_off_an_unknown_plugin_warns():
 
 
 def test_a_name_whose_plugin_failed_or_is_off_is_reported_as_unavailable():
-    from repgeom_eval.errors import PluginUnavailableError
+    from repgeom_eval.spec.errors import PluginUnavailableError
 
     eps = list(md.entry_points(group="repgeom_eval"))
     broken = md.EntryPoint("broken", "repgeom_no_such_module_xyz", "repgeom_eval")

@@ -14,7 +14,7 @@ from repgeom_eval.analyses.ppl_bins import (bin_and_correlate, chunk_statistics,
                                             uniform_ppl_groups)
 from repgeom_eval.modeling.addresses import resolve_request
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import pairwise_dispersion
 from repgeom_eval.modeling.loading import load_model
 

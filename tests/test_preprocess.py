@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional import pairwise_dispersion
 from repgeom_eval.modeling.loading import load_model
 from repgeom_eval.measurement.engine import measure

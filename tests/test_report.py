@@ -8,7 +8,7 @@ import pytest
 
 from repgeom_eval.analyses.html_report import build_report, classify
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.engine import measure
 
 # The child run sleeps after each checkpoint so that the test can kill it between shards, like a real crash.

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.engine import measure
 
 BASE = dict(layers="resid_post:0,final", metrics=["dispersion", "token_dispersion"], shard_size=4, batch_size=3,

@@ -18,7 +18,7 @@ from repgeom_eval.measurement.estimate import estimate
 from repgeom_eval.measurement.metric_specs import fresh_metrics, instantiate_metrics
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.plugin_system.host import get_host
-from repgeom_eval.statistics import PooledGram, UnitSums
+from repgeom_eval.spec.statistics import PooledGram, UnitSums
 
 GRAM_METRICS = ["vendi", "dataset_entropy", "effective_rank"]
 NONE = {"dataset_entropy": {"centering": "none"}}

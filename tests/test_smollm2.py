@@ -9,7 +9,7 @@ import torch
 
 from repgeom_eval.modeling.addresses import parse_layers, resolve
 from repgeom_eval.modeling.hooks import Capture
-from repgeom_eval.demo import python_doc_paragraphs, smollm2_path
+from repgeom_eval.testing.demo import python_doc_paragraphs, smollm2_path
 from repgeom_eval.modeling.loading import load_model
 from repgeom_eval.measurement.engine import measure
 

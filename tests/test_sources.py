@@ -7,7 +7,7 @@ import json
 import pytest
 
 from repgeom_eval.measurement.texts import DatasetSource, FileSource, ListSource, load_texts, open_source
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.engine import measure
 
 

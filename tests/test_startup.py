@@ -161,7 +161,7 @@ def test_lazy_stand_in_protocols_and_errors():
     choices = lazy("repgeom_eval.plugin_system.host:PluginHost.KINDS")
     assert "metric" in choices and list(choices)[0] == "metric" and choices[1] == "architecture" and choices
     assert hash(choices) == hash(resolve(choices)) and f"{choices}" == str(resolve(choices))
-    error_type = lazy("repgeom_eval.errors:RepgeomError")
+    error_type = lazy("repgeom_eval.spec.errors:RepgeomError")
     assert isinstance(repgeom_eval.PluginError("x"), error_type) and issubclass(repgeom_eval.PluginError, error_type)
     missing = lazy("repgeom_no_such_module_for_lazy_test")
     with pytest.raises(ModuleNotFoundError):
@@ -210,7 +210,7 @@ def test_a_command_whose_configure_fails_breaks_only_itself(monkeypatch, capsys)
 
 def test_every_command_help_imports_no_torch():
     """``repgeom COMMAND --help`` for every command: the defaults it prints come from the torch-free configurations
-    (repgeom_eval/option_groups.py, repgeom_eval/analyses/configs.py)."""
+    (repgeom_eval/modeling/option_groups.py, repgeom_eval/analyses/configs.py)."""
     from repgeom_eval.plugin_system.host import get_host
 
     probe_all = r"""

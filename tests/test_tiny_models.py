@@ -1,11 +1,11 @@
-"""repgeom_eval.tiny_models: tiny random models of many architectures, shrunk from transformers' own configs."""
+"""repgeom_eval.testing.tiny_models: tiny random models of many architectures, shrunk from transformers' own configs."""
 
 import importlib.util
 
 import pytest
 import torch
 
-from repgeom_eval.tiny_models import (CAUSAL, ENCODER, TinyBuildError, build_tiny, build_tiny_with_tokenizer,
+from repgeom_eval.testing.tiny_models import (CAUSAL, ENCODER, TinyBuildError, build_tiny, build_tiny_with_tokenizer,
                                       causal_lm_types, encoder_types, forward_hidden_states, save_tiny, tiny_config)
 
 # diverse blocks: learned positions (opt), parallel attention + MQA (falcon), MoE (mixtral), alternating

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import repgeom_eval as rg
 from repgeom_eval import Consumes, LayerBatch, Metric
-from repgeom_eval.errors import NonFiniteError
+from repgeom_eval.spec.errors import NonFiniteError
 from repgeom_eval.functional.condensation import condensation, condensation_batch, cosine_histogram, cosine_histogram_block
 from repgeom_eval.functional.curvature import curvature, curvature_block
 from repgeom_eval.functional.dispersion import dispersion_from_sums, token_dispersion

@@ -10,7 +10,7 @@ import accelerate  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 import datasets  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.entrypoints.cli import main  # noqa: E402
-from repgeom_eval.errors import RepgeomError  # noqa: E402
+from repgeom_eval.spec.errors import RepgeomError  # noqa: E402
 from repgeom_eval.training.config import TrainConfig, parse_config, read_config  # noqa: E402
 from repgeom_eval.training.data import split_texts  # noqa: E402
 

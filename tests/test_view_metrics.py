@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 from repgeom_eval import Consumes, LayerBatch
 from repgeom_eval.functional.contrastive import (

@@ -334,7 +334,7 @@ def label_free_picks(rows: list[dict]) -> dict:
     ``summarize``)."""
     from scipy.stats import binomtest
 
-    from repgeom_eval.layer_pick import MinDatasetEntropy
+    from repgeom_eval.spec.layer_pick import MinDatasetEntropy
 
     rule = MinDatasetEntropy()
     per_task, groups, margins = [], {}, []
@@ -857,7 +857,7 @@ RULES_NOTE = (
 def _rule_choices(raw: list[dict], scored: list[dict]) -> dict[str, str]:
     """Each rule's layer for one task: ``raw`` the raw run's rows (entropy, top-1 share), ``scored`` the rows of the
     run being scored (same layers), both in depth order."""
-    from repgeom_eval.layer_pick import MinDatasetEntropy
+    from repgeom_eval.spec.layer_pick import MinDatasetEntropy
 
     base = MinDatasetEntropy()
     cand = [r for r in raw if r["layer"] in base.candidates([x["layer"] for x in raw])]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 from ..functional.dispersion import dispersion, unit
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, load_documents, tokenize_documents

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 from ..functional.condensation import CONDENSATION_EPS, DEFAULT_BINS  # noqa: F401 - re-exported
 from repgeom_eval.modeling.loading import LoadedModel
 from repgeom_eval.analyses.configs import CondensationConfig

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from repgeom_eval.measurement.texts import data_format, read_jsonl, read_lines
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 
-from repgeom_eval.option_groups import PACKINGS  # noqa: E402 - declared with --packing
+from repgeom_eval.modeling.option_groups import PACKINGS  # noqa: E402 - declared with --packing
 NO_SOURCE = "all"  # the source name of records without a source field
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open
 from repgeom_eval.output.progress import duration
 from repgeom_eval.output.results_table import is_lmeval, mteb_rows, warning_lines

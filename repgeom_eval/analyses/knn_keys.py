@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from repgeom_eval.output.progress import progress_bar
 
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 from ..functional.dispersion import dispersion
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, Document, check_context, corpus_chunks, describe, load_documents

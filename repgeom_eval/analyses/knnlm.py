@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from repgeom_eval.output.progress import progress_bar
 
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, corpus_chunks, load_documents
 from repgeom_eval.measurement.forward import Forward, batches, next_token_logprobs

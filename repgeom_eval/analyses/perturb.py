@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from repgeom_eval.output.progress import progress_bar
 
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 from ..functional.dispersion import dispersion
 from ..functional.entropy import prompt_entropy
 from repgeom_eval.modeling.loading import LoadedModel, load_model

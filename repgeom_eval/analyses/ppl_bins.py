@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from repgeom_eval.output.progress import progress_bar
 
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 from ..functional.dispersion import token_dispersion
 from repgeom_eval.functional.stats import complete_pairs, pearson, spearman
 from repgeom_eval.output.files import write_jsonl

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.texts import read_jsonl
 
 SAMPLES_FIELD = "repgeom_slice_spearman"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 from .dispersion import cross_dispersion, dispersion
 
 from repgeom_eval.analyses.configs import GAP_DISTANCES as DISTANCES  # noqa: F401 - declared with --distance

@@ -73,7 +73,7 @@ class TokenBlock:
 
     @classmethod
     def padded(cls, hidden: torch.Tensor, mask: torch.Tensor) -> "TokenBlock":
-        """A block over a padded batch as :class:`~repgeom_eval.metric.LayerBatch` carries it."""
+        """A block over a padded batch as :class:`~repgeom_eval.spec.metric.LayerBatch` carries it."""
         return cls(hidden, mask)
 
     def __len__(self) -> int:

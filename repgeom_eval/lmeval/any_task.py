@@ -23,7 +23,7 @@ import hashlib
 import json
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.registered import MetricRequest, TaskBank
 from repgeom_eval.lmeval.settings import PREFIX, Settings
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.extra_pass import ExtraPass
 from repgeom_eval.lmeval.registered import TaskBank
 from repgeom_eval.lmeval.scored import ScoredRow, positions_mask, rolling_windows

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import DispersionSums
 from repgeom_eval.lmeval.extra_pass import ExtraPass
 from repgeom_eval.lmeval.feeding import BankFeeder

@@ -9,7 +9,7 @@ another reason (HFLM on CPU keeps each process at world size 1: each evaluates e
 
 from __future__ import annotations
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.distributed import Distributed
 
 

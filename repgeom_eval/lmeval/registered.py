@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.ranks import lm_eval_ranks
 from repgeom_eval.measurement.bank import MetricBank
 from repgeom_eval.measurement.config import split_names
-from repgeom_eval.metric import Consumes
+from repgeom_eval.spec.metric import Consumes
 from repgeom_eval.modeling.addresses import REQUEST_KEY, Address, layer_request
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -294,7 +294,7 @@ class TaskBank:
             self.bank.update(addr, h, mask.to(h.device), list(doc_ids), views)
             if views is None and addr in self.energy:  # the raw mean-pooled vectors of the texts themselves
                 from repgeom_eval.measurement.pooling import pool64
-                from repgeom_eval.metric import LayerBatch
+                from repgeom_eval.spec.metric import LayerBatch
 
                 vectors = pool64(h, mask.to(h.device).bool(), "mean")[0]
                 self.energy[addr].update(LayerBatch(str(addr), torch.tensor(list(doc_ids)), pooled=vectors))

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import RepgeomError
+from ..spec.errors import RepgeomError
 
 
 def install() -> None:

@@ -17,8 +17,8 @@ from types import MappingProxyType
 from typing import Any
 
 from repgeom_eval.analyses.configs import SlicesConfig
-from repgeom_eval.errors import RepgeomError
-from repgeom_eval.option_fields import option, plain
+from repgeom_eval.spec.errors import RepgeomError
+from repgeom_eval.spec.option_fields import option, plain
 
 PREFIX = "repgeom_"
 # Not a setting: the shipped YAMLs' dataset_kwargs key, which lm-eval passes to the dataset loader beside the metadata.

@@ -32,7 +32,7 @@ from lm_eval.api.samplers import ContextSampler
 from lm_eval.api.task import ConfigurableTask
 
 from repgeom_eval.analyses import slices
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import DispersionSums
 from repgeom_eval.lmeval import metrics, session
 from repgeom_eval.lmeval.documents import SCHEMAS

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 RECIPES = ("char_chain",)
 

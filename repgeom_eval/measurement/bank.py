@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.feed import Feeder
 from repgeom_eval.measurement.metric_specs import MetricSpec, fresh_metrics, instantiate_metrics
 from repgeom_eval.measurement.plan import Item
 from repgeom_eval.measurement.preprocess import Preprocessor
-from repgeom_eval.metric import Consumes, Metric
+from repgeom_eval.spec.metric import Consumes, Metric
 from repgeom_eval.modeling.addresses import Address
 
 

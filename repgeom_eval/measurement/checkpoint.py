@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open, jsonable
 
 STATE_VERSION = 3  # 2: the energy diagnostic is saved as massive_activations metric state; 3: with field digests

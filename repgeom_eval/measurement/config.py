@@ -1,10 +1,10 @@
 """The run configuration of ``measure``: one frozen, typed object built by the CLI and by the Python API alike.
 
-Each option is declared once, as a field below or in a shared group (repgeom_eval/option_groups.py), with its
+Each option is declared once, as a field below or in a shared group (repgeom_eval/modeling/option_groups.py), with its
 command-line flag and help. From these declarations come ``repgeom measure``'s flags, the object built from them
 and a ``--config`` file, the resume key of a checkpointed run (:meth:`RunConfig.checkpoint_key`) and the ``config``
 block of the results file (:meth:`RunConfig.config_block`). Adding an option means adding a field. The field
-machinery is in repgeom_eval/option_fields.py (torch-free).
+machinery is in repgeom_eval/spec/option_fields.py (torch-free).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
-from repgeom_eval.option_fields import option, option_like, positive
-from repgeom_eval.option_groups import LayersGroup, RunGroup, TextsGroup
+from repgeom_eval.spec.errors import RepgeomError
+from repgeom_eval.spec.option_fields import option, option_like, positive
+from repgeom_eval.modeling.option_groups import LayersGroup, RunGroup, TextsGroup
 
 DEFAULT_SHARD_SIZE = 1024  # texts read, batched and checkpointed together
 PREPROCESS_METHODS = ("none", "center", "standardize", "whiten")

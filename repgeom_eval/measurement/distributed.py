@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError, first_line
+from repgeom_eval.spec.errors import RepgeomError, first_line
 
 
 class RankStopped(RepgeomError):

@@ -23,7 +23,7 @@ from typing import Any
 
 from repgeom_eval.output.progress import progress_bar
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_identity
 from repgeom_eval.measurement.config import RunConfig
 from repgeom_eval.measurement.distributed import Distributed
@@ -35,7 +35,7 @@ from repgeom_eval.measurement.preprocess import Preprocessor
 from repgeom_eval.measurement.results import MeasureResult, kept_warnings, report
 from repgeom_eval.measurement.states import RunState, energy_metric, shard_counts
 from repgeom_eval.measurement.texts import TextSet, TextSource, open_source
-from repgeom_eval.metric import Consumes
+from repgeom_eval.spec.metric import Consumes
 from repgeom_eval.modeling.addresses import resolve_request
 from repgeom_eval.modeling.in_memory import as_loaded
 from repgeom_eval.modeling.loading import LoadedModel, load_model

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 FLOAT64 = 8
 

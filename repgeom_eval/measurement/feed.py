@@ -16,7 +16,7 @@ from repgeom_eval.measurement.plan import Item
 from repgeom_eval.functional.tokens import TokenBlock, row_chunks
 from repgeom_eval.measurement.pooling import pool64
 from repgeom_eval.measurement.preprocess import Preprocessor, VectorStats
-from repgeom_eval.metric import Consumes, LayerBatch, Metric
+from repgeom_eval.spec.metric import Consumes, LayerBatch, Metric
 from repgeom_eval.modeling.addresses import Address
 
 

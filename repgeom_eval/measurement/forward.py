@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import ModelForwardError, NonFiniteError, RepgeomError
+from repgeom_eval.spec.errors import ModelForwardError, NonFiniteError, RepgeomError
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
 from repgeom_eval.modeling.probe import build_inputs
 from repgeom_eval.modeling.hooks import Capture
@@ -35,7 +35,7 @@ def context_length(loaded: LoadedModel, max_length: int | None) -> int:
     """Tokens per sequence: ``max_length`` if given (capped at the model's context, with a warning), else the
     model's context (the smaller of the config's positions and the tokenizer's ``model_max_length``; 512 if neither
     says)."""
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
 
     limit = loaded.info.max_positions
     tok_limit = getattr(loaded.tokenizer, "model_max_length", None)

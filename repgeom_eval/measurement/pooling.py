@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from repgeom_eval.errors import RepgeomError, UnknownNameError
+from repgeom_eval.spec.errors import RepgeomError, UnknownNameError
 from repgeom_eval.functional.tokens import TokenBlock
 
 POOLINGS = ("last", "mean", "first", "tokens")

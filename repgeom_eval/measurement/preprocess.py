@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 METHODS = ("none", "center", "standardize", "whiten")
 EPS = 1e-6  # relative floor on variances / covariance eigenvalues

@@ -16,7 +16,7 @@ from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.metric_specs import MetricSpec, fresh_metrics
 from repgeom_eval.measurement.plan import ShardPlan
 from repgeom_eval.measurement.pooling import pool64
-from repgeom_eval.metric import Metric
+from repgeom_eval.spec.metric import Metric
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.plugin_system.host import PluginHost
 
@@ -60,7 +60,7 @@ class RunState:
         """Feed the energy diagnostic the raw mean-pooled vectors of the original texts of a batch."""
         if addr not in self.energy or not original_rows:
             return
-        from repgeom_eval.metric import LayerBatch
+        from repgeom_eval.spec.metric import LayerBatch
 
         sel = torch.tensor(original_rows, device=h.device)
         vecs = pool64(h[sel], mask[sel], "mean")[0]

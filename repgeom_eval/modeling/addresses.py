@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from repgeom_eval.modeling.architectures import SITES
 from repgeom_eval.modeling.hook_point import HookPoint
-from repgeom_eval.errors import RepgeomError, UnknownNameError
+from repgeom_eval.spec.errors import RepgeomError, UnknownNameError
 
 if TYPE_CHECKING:  # pragma: no cover
     from repgeom_eval.modeling.loading import LoadedModel, ModelInfo

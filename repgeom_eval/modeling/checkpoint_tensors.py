@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from repgeom_eval.errors import RepgeomError, first_line
+from repgeom_eval.spec.errors import RepgeomError, first_line
 from repgeom_eval.modeling.loading import loading_policy, locate_model
 
 # Output-embedding tensor names of checkpoints whose keys predate the model class (tried last, shape-checked).

@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from repgeom_eval.errors import RepgeomError, first_line
+from repgeom_eval.spec.errors import RepgeomError, first_line
 from repgeom_eval.modeling import layout_cache
 from repgeom_eval.modeling.architectures import SITES, ArchitectureSpec
 from repgeom_eval.modeling.blocks import analyze_block

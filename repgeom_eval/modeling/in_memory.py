@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.loading import LoadedModel, wrap_model
 from repgeom_eval.modeling.options import ModelOptions
 

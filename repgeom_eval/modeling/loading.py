@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError, first_line
+from repgeom_eval.spec.errors import RepgeomError, first_line
 from repgeom_eval.modeling.gguf_cache import convert_gguf, gguf_cache_dir, quiet_transformers
 from repgeom_eval.modeling.adapters import adapter_base, apply_adapter
 from repgeom_eval.modeling.layout import Layout

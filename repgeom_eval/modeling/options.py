@@ -3,8 +3,8 @@
 The fields carry their command-line flags (``--revision``, ``--dtype``, ``--device``, ``--device-map``,
 ``--trust-remote-code``, ``--allow-random-init``, ``--peft``, ``--quantization``), named after the
 ``--model_args`` keys lm-eval users know. Every command that loads a model composes its configuration with this group
-(with ``--model``: repgeom_eval/option_groups.py); the CLI takes the group out of the command's configuration
-(:meth:`~repgeom_eval.option_fields.Options.of`) and :func:`repgeom_eval.modeling.loading.load_model` follows it
+(with ``--model``: repgeom_eval/modeling/option_groups.py); the CLI takes the group out of the command's configuration
+(:meth:`~repgeom_eval.spec.option_fields.Options.of`) and :func:`repgeom_eval.modeling.loading.load_model` follows it
 (``use_model_options``); from Python, pass one as ``load_model(name, options=ModelOptions(...))``. Torch-free, so
 that ``--help`` stays instant.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
-from repgeom_eval.option_fields import Options, option, options_from_namespace
+from repgeom_eval.spec.errors import RepgeomError
+from repgeom_eval.spec.option_fields import Options, option, options_from_namespace
 
 DTYPE_CHOICES = ("auto", "float32", "float64", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("8bit", "4bit")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 #: ST pooling modes this project reproduces, and the repgeom pooling each one is.
 ST_POOLINGS = {"mean": "mean", "cls": "first", "lasttoken": "last"}

@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError, first_line
+from repgeom_eval.spec.errors import RepgeomError, first_line
 from repgeom_eval.modeling.layout import Layout
 from repgeom_eval.modeling.options import ModelOptions
 

@@ -20,7 +20,7 @@ from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lin
 
 from repgeom_eval.modeling.addresses import (Address, HookPoint, LayerRequest, layer_request, resolve,
                                           resolve_request)
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
 from repgeom_eval.modeling.in_memory import as_loaded
 from repgeom_eval.modeling.loading import LoadedModel, load_model

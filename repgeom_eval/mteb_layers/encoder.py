@@ -26,7 +26,7 @@ from mteb.models.model_meta import ModelMeta, ScoringFunction
 
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.modeling.in_memory import weights_hash
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 from .embedder import LayerEmbedder
 
@@ -305,7 +305,7 @@ def layer_encoder(model: Any, layer: str | int = "final", *, pooling: str = "aut
     from .pick import is_auto
 
     if is_auto(layer):
-        from repgeom_eval.layer_pick import make_pick
+        from repgeom_eval.spec.layer_pick import make_pick
 
         rule = make_pick(layer_pick, layer_pick_params)  # an unknown rule fails before the model loads
         embedder = LayerEmbedder(model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype,

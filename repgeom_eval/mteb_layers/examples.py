@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open
 
 SOURCES = ("pydoc", "fortunes")

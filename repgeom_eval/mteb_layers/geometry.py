@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from repgeom_eval.measurement.degenerate import degenerate_warning
-from repgeom_eval.metric import LayerBatch
+from repgeom_eval.spec.metric import LayerBatch
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 
 from .pick import PICK_KEY

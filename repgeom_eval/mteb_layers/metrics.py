@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.bank import MetricBank, flatten_result
 from repgeom_eval.measurement.config import split_names
 from repgeom_eval.measurement.forward import Batch
 from repgeom_eval.measurement.metric_specs import instantiate_metrics
 from repgeom_eval.measurement.plan import Item
-from repgeom_eval.metric import Consumes
+from repgeom_eval.spec.metric import Consumes
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.plugin_system.host import PluginHost, get_host
 
@@ -199,7 +199,7 @@ class SweepMetrics:
                         seen.add(i)
                         rows.append(row)
                         ids.append(i)
-                mask = batch.mask.to(hidden.device)  # the metric API's place for it (repgeom_eval.metric.LayerBatch)
+                mask = batch.mask.to(hidden.device)  # the metric API's place for it (repgeom_eval.spec.metric.LayerBatch)
                 if len(rows) == len(strings):  # the usual case: no copy
                     split.bank.update(addr, hidden, mask, ids)
                 elif rows:

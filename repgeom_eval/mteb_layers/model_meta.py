@@ -18,7 +18,7 @@ from typing import Any
 from mteb.models.model_implementations import MODEL_REGISTRY
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.mteb_layers.encoder import GENERIC_NAME, content_hash, load_layer_encoder, model_name
 
 def _meta(name: str, model: str | None, revision: str | None) -> ModelMeta:

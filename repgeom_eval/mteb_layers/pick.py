@@ -3,7 +3,7 @@
 :func:`pick_layer` runs ONE forward pass per batch over the texts that capture every candidate layer (the hidden
 states ``embed``, ``resid_post:0`` ... ``final``, less those the rule leaves out), pools them as the embedding recipe
 says (before any ``--preprocess`` and unit normalisation), scores each layer with the rule
-(:class:`repgeom_eval.layer_pick.LayerPick`) and lets the rule choose. What it did is one JSON string,
+(:class:`repgeom_eval.spec.layer_pick.LayerPick`) and lets the rule choose. What it did is one JSON string,
 written as ``repgeom_layer_pick`` into every score dict of the evaluations it chose (mteb keeps strings as they are).
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from repgeom_eval.errors import RepgeomError
-from repgeom_eval.layer_pick import LayerPick
+from repgeom_eval.spec.errors import RepgeomError
+from repgeom_eval.spec.layer_pick import LayerPick
 from repgeom_eval.modeling.addresses import Address, layer_request
 
 from .embedder import LayerEmbedder

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mteb.models.abs_encoder import AbsEncoder
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.preprocess import METHODS, Preprocessor, VectorStats
 from repgeom_eval.modeling.addresses import Address
 

@@ -26,7 +26,7 @@ import numpy as np
 from mteb.evaluate import OverwriteStrategy
 from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lines: --progress
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.addresses import LayerRequest, layer_request
 from repgeom_eval.modeling.loading import LoadedModel
 
@@ -216,7 +216,7 @@ def run_layers(
     rule = None
     request = layer_request(layers)  # the one grammar (docs/metrics.md#layer-addresses): "resid_post:[0,1]" is 2 layers
     if request.auto:
-        from repgeom_eval.layer_pick import make_pick
+        from repgeom_eval.spec.layer_pick import make_pick
 
         rule = make_pick(layer_pick, layer_pick_params, host)  # an unknown rule or parameter, before the model loads
     elif layer_pick or layer_pick_params:

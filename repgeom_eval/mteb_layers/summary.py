@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.output.files import atomic_open
 
 from .geometry import GEOMETRY_KEYS, MAIN_SCORE_NAME_KEY

@@ -43,7 +43,7 @@ from mteb.abstasks.retrieval import AbsTaskRetrieval
 from mteb.abstasks.sts import AbsTaskSTS
 from mteb.abstasks.task_metadata import TaskMetadata
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.texts import read_jsonl
 
 TASK_TYPES = ("STS", "Classification", "Clustering", "Retrieval")
@@ -143,7 +143,7 @@ def make_task(spec: Mapping[str, Any], base_dir: str | Path | None = None):
 
 def load_tasks_file(path: str | Path) -> list:
     """All tasks of a YAML/JSON tasks file (see the module docstring)."""
-    from repgeom_eval.option_fields import read_yaml_file
+    from repgeom_eval.spec.option_fields import read_yaml_file
 
     path = Path(path).expanduser()
     if not path.exists() and not path.is_symlink():

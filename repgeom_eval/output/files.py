@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator, Union
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 
 def check_writable(path: str | Path) -> Path:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 COLUMNS = ("model", "revision", "source", "path", "task", "split", "subset", "recipe", "address", "depth",
            "relative_depth", "kind", "metric", "value", "stderr")

@@ -21,8 +21,8 @@ from typing import Any
 
 import pluggy
 
-from repgeom_eval import hookspecs
-from repgeom_eval.errors import PluginError, PluginUnavailableError, UnknownNameError
+from repgeom_eval.spec import hookspecs
+from repgeom_eval.spec.errors import PluginError, PluginUnavailableError, UnknownNameError
 from repgeom_eval.plugin_system.kinds import KINDS, Registry
 
 ENTRY_POINT_GROUP = "repgeom_eval"

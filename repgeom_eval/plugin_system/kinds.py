@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from repgeom_eval.errors import PluginError, UnknownNameError
+from repgeom_eval.spec.errors import PluginError, UnknownNameError
 
 T = TypeVar("T")
 
@@ -92,7 +92,7 @@ class PluginKind:
 
     kind: str  # the ``kind`` column of ``repgeom plugins`` and ``PluginHost.registry(kind)``
     attribute: str  # the host's registry attribute (``host.metrics``)
-    hook: str  # the hookspec that registers it (repgeom_eval/hookspecs.py)
+    hook: str  # the hookspec that registers it (repgeom_eval/spec/hookspecs.py)
     label: str  # how messages name one item
     check: Callable[[Any], str | None]  # why an object is not a valid item (None: it is)
     unknown_hint: str = ""  # appended to "unknown <label> ..." errors
@@ -100,7 +100,7 @@ class PluginKind:
 
 KINDS: tuple[PluginKind, ...] = (
     PluginKind("metric", "metrics", "repgeom_register_metrics", "metric",
-               _check_subclass("repgeom_eval.metric:Metric", "repgeom_eval.Metric"),
+               _check_subclass("repgeom_eval.spec.metric:Metric", "repgeom_eval.Metric"),
                "see `repgeom plugins` for installed metrics"),
     PluginKind("architecture", "architectures", "repgeom_register_architectures", "architecture (config.model_type)",
                _check_instance("repgeom_eval.modeling.architectures:ArchitectureSpec", "an ArchitectureSpec"),
@@ -114,7 +114,7 @@ KINDS: tuple[PluginKind, ...] = (
                                "(docs/plugins.md#auxiliary-losses)")),
     PluginKind("token_set", "token_sets", "repgeom_register_token_sets", "token set", _check_token_set),
     PluginKind("layer_pick", "layer_picks", "repgeom_register_layer_picks", "layer pick",
-               _check_subclass("repgeom_eval.layer_pick:LayerPick", "repgeom_eval.layer_pick.LayerPick",
+               _check_subclass("repgeom_eval.spec.layer_pick:LayerPick", "repgeom_eval.spec.layer_pick.LayerPick",
                                "`--layer auto` builds the class with the --layer-pick-param values, so register the "
                                "class (docs/plugins.md#layer-picks)"),
                "See `repgeom plugins --kind layer_pick`, or docs/picks.md"),

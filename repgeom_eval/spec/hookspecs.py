@@ -81,7 +81,7 @@ def repgeom_register_token_sets(registry: "Registry") -> None:
 def repgeom_register_layer_picks(registry: "Registry") -> None:
     """Register label-free layer-pick rules for ``--layer auto`` (``repgeom mteb run --layer-pick NAME``).
 
-    Each is a subclass of :class:`repgeom_eval.layer_pick.LayerPick` (the class): the host builds it with the
+    Each is a subclass of :class:`repgeom_eval.spec.layer_pick.LayerPick` (the class): the host builds it with the
     ``--layer-pick-param`` values, scores every candidate layer on a task's own texts and lets it choose
     (docs/picks.md, docs/plugins.md#layer-picks).
     """

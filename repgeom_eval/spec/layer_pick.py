@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # numpy and torch load when a rule scores, not when plugins load (repgeom --help stays light)
     import numpy as np
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 
 #: parameters every rule has (a rule's own ``defaults`` add to them)
 BASE_DEFAULTS: dict[str, Any] = {"include_embed": False}

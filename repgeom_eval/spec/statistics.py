@@ -10,7 +10,7 @@ A third-party metric shares one of these by returning an equal instance from ``M
 
 from __future__ import annotations
 
-from repgeom_eval.metric import LayerBatch, Statistic
+from repgeom_eval.spec.metric import LayerBatch, Statistic
 from repgeom_eval.plugin_system.lazy import lazy
 
 torch = lazy("torch")

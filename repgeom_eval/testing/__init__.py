@@ -6,6 +6,11 @@ ships with Python, loadable through the normal ``from_pretrained`` path (< 1 s, 
 ``check_metric(MyMetric)`` asserts the properties every metric must have: every parameter is reported by
 ``config()``, the same value whether the data arrives in one batch or many, two merged shards equal one pass, state
 survives ``state_dict``/``load_state_dict`` and pickling.
+
+The package holds the test tooling (docs/development.md, "Layout"): :mod:`.tiny_models` (the one builder of a saved
+tiny model, :func:`~.tiny_models.save_built`; ``save_tiny`` shrinks transformers' own config of any type),
+:mod:`.tiny_tokenizer`, :mod:`.tiny_shrink` and :mod:`.tiny_overrides`, the coverage tool :mod:`.coverage` and the
+demo assets :mod:`.demo`.
 """
 
 from __future__ import annotations
@@ -19,44 +24,11 @@ from typing import Any
 
 import torch
 
-from .metric import Consumes, LayerBatch, Metric
+from ..spec.metric import Consumes, LayerBatch, Metric
+from .tiny_tokenizer import make_tokenizer
 
 TINY_KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "gpt_neox", "gpt_neox_sequential",
               "bert", "roberta", "xlm-roberta")
-_SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "[CLS]", "[SEP]", "[MASK]"]
-
-
-def _training_text() -> list[str]:
-    try:
-        from pydoc_data.topics import topics
-
-        return [t for _, t in sorted(topics.items())][:80]
-    except ImportError:  # pragma: no cover - every CPython ships pydoc_data
-        words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
-        return [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(200)]
-
-
-def make_tokenizer(encoder: bool = False, vocab_size: int = 384):
-    """A byte-level BPE tokenizer trained in ~0.1 s; ``encoder=True`` adds [CLS] … [SEP] like BERT."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_training_text(), trainer=trainer)
-    if encoder:
-        cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-        tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
-        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                       cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]", model_max_length=128)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   model_max_length=128)
-
-
 def tiny_config(kind: str, vocab_size: int, n_layers: int = 2, width: int = 32):
     import transformers as tf
 
@@ -96,25 +68,16 @@ def tiny_config(kind: str, vocab_size: int, n_layers: int = 2, width: int = 32):
 
 
 def make_tiny_model(kind: str, path: str | Path, n_layers: int = 2, width: int = 32, seed: int = 0) -> Path:
-    """Build, save and return the directory of a tiny randomly initialised model with its tokenizer."""
-    import transformers as tf
+    """Build, save and return the directory of a tiny randomly initialised model with its tokenizer: the config is
+    :func:`tiny_config` (one of :data:`TINY_KINDS`), the building and saving are
+    :func:`repgeom_eval.testing.tiny_models.save_built`, the one builder of every tiny model."""
+    from .tiny_models import CAUSAL, ENCODER, save_built
 
-    path = Path(path)
     encoder = kind in ("bert", "roberta", "xlm-roberta")
     tokenizer = make_tokenizer(encoder=encoder)
     # Some AutoTokenizer classes (Qwen2) add a special token on load: leave head-room in the vocabulary.
     config = tiny_config(kind, len(tokenizer) + 16, n_layers=n_layers, width=width)
-    torch.manual_seed(seed)
-    model = (tf.AutoModel if encoder else tf.AutoModelForCausalLM).from_config(config)
-    enabled = tf.utils.logging.is_progress_bar_enabled()
-    tf.utils.logging.disable_progress_bar()  # no "Writing model shards" bar on stderr
-    try:
-        model.save_pretrained(path)
-    finally:
-        if enabled:
-            tf.utils.logging.enable_progress_bar()
-    tokenizer.save_pretrained(path)
-    return path
+    return save_built(config, tokenizer, path, ENCODER if encoder else CAUSAL, seed=seed)
 
 
 # -- metric conformance ------------------------------------------------------------------------------------------

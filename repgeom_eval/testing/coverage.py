@@ -1,6 +1,6 @@
 """Does repgeom measure a model type right? One type at tiny size, through repgeom's own loading path.
 
-:func:`check_type` builds a tiny random model of a transformers type (``repgeom_eval.tiny_models``), saves it with a
+:func:`check_type` builds a tiny random model of a transformers type (``repgeom_eval.testing.tiny_models``), saves it with a
 tokenizer, loads it with ``load_model`` (Auto class, weights check, the load check of modeling/discovery.py), and
 compares:
 
@@ -33,9 +33,9 @@ def check_type(model_type: str, kind: str, workdir: str) -> dict:
 
 
 def _check_type(model_type: str, kind: str, workdir: str) -> dict:
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.modeling.loading import load_model
-    from repgeom_eval.tiny_models import TinyBuildError, save_tiny
+    from repgeom_eval.testing.tiny_models import TinyBuildError, save_tiny
 
     row: dict = {"type": model_type, "kind": kind}
     t0 = time.perf_counter()
@@ -64,7 +64,7 @@ def _check_type(model_type: str, kind: str, workdir: str) -> dict:
 def _compare(row: dict, loaded, t0: float) -> dict:
     import torch
 
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.measurement.forward import Forward, model_inputs
     from repgeom_eval.modeling.addresses import available_addresses, resolve, resolve_request
     from repgeom_eval.modeling.probe import hidden_states_of

@@ -10,7 +10,7 @@ The rules work on the config's ``to_dict()`` (recursively, into sub-configs such
 shrunk dict is turned back into a config by the config class itself, so its own ``__post_init__`` re-derives and
 re-validates whatever depends on the sizes. Hybrid models keep one layer of each kind (attention and linear
 attention or mamba, dense and MoE MLPs ...), with a few more layers where needed. Per-type fixes, for what no
-generic rule can know, live in the one small table :mod:`repgeom_eval.tiny_overrides`.
+generic rule can know, live in the one small table :mod:`repgeom_eval.testing.tiny_overrides`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from repgeom_eval.tiny_overrides import OVERRIDES
-from repgeom_eval.tiny_shrink import Override, Shrinker, Sizes, TinyBuildError, is_int, is_token_key
+from repgeom_eval.testing.tiny_overrides import OVERRIDES
+from repgeom_eval.testing.tiny_shrink import Override, Shrinker, Sizes, TinyBuildError, is_int, is_token_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
@@ -303,8 +303,8 @@ def build_tiny_with_tokenizer(model_type: str, kind: str = CAUSAL, *, seed: int 
     return model, tokenizer
 
 
-def _build_with_tokenizer(model_type: str, kind: str, seed: int, sizes: dict):
-    from .testing import make_tokenizer
+def _config_with_tokenizer(model_type: str, kind: str, sizes: dict):
+    from .tiny_tokenizer import make_tokenizer
 
     _auto_class(kind)
     tokenizer = make_tokenizer(encoder=(kind == ENCODER))
@@ -319,6 +319,11 @@ def _build_with_tokenizer(model_type: str, kind: str, seed: int, sizes: dict):
                       "unk_token_id": vocab["<unk>"], "decoder_start_token_id": pad if kind == ENCODER else bos,
                       "cls_token_id": vocab["[CLS]"], "sep_token_id": vocab["[SEP]"], "mask_token_id": vocab["[MASK]"]})
     _prepare(config, kind)
+    return config, tokenizer
+
+
+def _build_with_tokenizer(model_type: str, kind: str, seed: int, sizes: dict):
+    config, tokenizer = _config_with_tokenizer(model_type, kind, sizes)
     torch.manual_seed(seed)
     return _instantiate(config, kind)[0], tokenizer, config
 
@@ -329,9 +334,20 @@ def save_tiny(model_type: str, path: str | Path, kind: str = CAUSAL, *, seed: in
     :func:`make_realistic`) and save it with its tokenizer to ``path`` (returned), loadable offline with
     ``AutoTokenizer`` and ``AutoModelForCausalLM`` (``kind=CAUSAL``) or ``AutoModel`` (``kind=ENCODER``)
     ``.from_pretrained(path)``."""
+    config, tokenizer = _config_with_tokenizer(model_type, kind, sizes)
+    return save_built(config, tokenizer, path, kind, seed=seed, realistic=realistic)
+
+
+def save_built(config: PretrainedConfig, tokenizer: Any, path: str | Path, kind: str = CAUSAL, *, seed: int = 0,
+               realistic: bool = False) -> Path:
+    """The one builder of a saved tiny model: ``config``'s model (``torch.manual_seed(seed)`` then
+    :func:`_instantiate`; with ``realistic``, also :func:`make_realistic`) saved with ``tokenizer`` to ``path``
+    (returned). :func:`save_tiny` gives it a shrunk default config, ``repgeom_eval.testing.make_tiny_model`` one of
+    its hand-written configs."""
     import transformers as tf
 
-    model, tokenizer, config = _build_with_tokenizer(model_type, kind, seed, sizes)
+    torch.manual_seed(seed)
+    model = _instantiate(config, kind)[0]
     if realistic:
         make_realistic(model, seed)
     path = Path(path)

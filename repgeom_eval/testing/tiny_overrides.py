@@ -1,9 +1,9 @@
 """Per-type fixes for tiny models, where no generic shrinking rule can know the constraint, keyed by the (sub-)config's
-model_type (:mod:`repgeom_eval.tiny_shrink` applies them)."""
+model_type (:mod:`repgeom_eval.testing.tiny_shrink` applies them)."""
 
 from __future__ import annotations
 
-from repgeom_eval.tiny_shrink import Override, Sizes
+from repgeom_eval.testing.tiny_shrink import Override, Sizes
 
 
 def _gpt_neo(d: dict, s: Sizes) -> None:

@@ -1,7 +1,7 @@
 """Shrinking transformers' default configs to tiny size by generic rules (width, depth, heads, FFN, experts, rotary,
 MLA, SSM, windows, per-layer lists, token ids, vocabulary, positions), recursively into sub-configs; hybrid models
-keep one layer of each kind. Used by :mod:`repgeom_eval.tiny_models`; per-type fixes are in
-:mod:`repgeom_eval.tiny_overrides`."""
+keep one layer of each kind. Used by :mod:`repgeom_eval.testing.tiny_models`; per-type fixes are in
+:mod:`repgeom_eval.testing.tiny_overrides`."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
 
 # Imported on first use: the aux-loss plugin subclasses AuxLoss while `repgeom plugins` runs, which needs no torch.

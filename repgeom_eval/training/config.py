@@ -35,9 +35,9 @@ from types import MappingProxyType
 from typing import Any
 
 from repgeom_eval.analyses.configs import GapConfig
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.options import ModelOptions
-from repgeom_eval.option_fields import excerpt, parse_yaml, read_yaml_file
+from repgeom_eval.spec.option_fields import excerpt, parse_yaml, read_yaml_file
 from repgeom_eval.training.settings import (NON_EMPTY_STRING, ConfigError, Must, check, check_types, config_block,
                                             from_mapping, help_of, integer_at_least, is_integer, is_number, setting)
 

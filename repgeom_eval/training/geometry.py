@@ -36,7 +36,7 @@ from transformers import TrainerCallback
 
 from repgeom_eval.analyses.gap.screening import degenerate_rows
 from repgeom_eval.analyses.gap.vocabulary import TokenSet, Vocabulary, resolve_token_set
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import dispersion
 from repgeom_eval.functional.gap_distances import DISTANCES, SIGN, dispersion_gap
 from repgeom_eval.training.config import GEOMETRY_FILE, GeometryProbe

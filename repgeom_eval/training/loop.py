@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.output.files import write_json
 from repgeom_eval.output.progress import mode_of, progress_bar
 from repgeom_eval.training.config import GEOMETRY_FILE, TRAINING_DEFAULTS, TrainConfig

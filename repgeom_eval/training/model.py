@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Sequence
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
+from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.training.config import TrainConfig
 
 EOS = "<|endoftext|>"

@@ -2,7 +2,7 @@
 and checked in one place.
 
 A *group* is a frozen dataclass whose fields are declared with :func:`setting`: an
-:func:`repgeom_eval.option_fields.option` (its help, whether the results record it) plus what its value must be.
+:func:`repgeom_eval.spec.option_fields.option` (its help, whether the results record it) plus what its value must be.
 :func:`from_mapping` builds a group from a mapping, refusing an unknown key with the closest valid one; every group's
 ``__post_init__`` calls :func:`check`, the one validation place: it reshapes shorthand values (``normalise``), turns
 nested mappings into their groups and checks each field against its condition (``must``) or, without one, its type
@@ -22,8 +22,8 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from repgeom_eval.errors import RepgeomError
-from repgeom_eval.option_fields import excerpt, option
+from repgeom_eval.spec.errors import RepgeomError
+from repgeom_eval.spec.option_fields import excerpt, option
 
 
 class ConfigError(RepgeomError):
@@ -64,7 +64,7 @@ NON_EMPTY_STRING = Must("a non-empty string", lambda v: isinstance(v, str) and b
 def setting(default: Any = MISSING, *, help: str, must: Must | None = None,  # noqa: A002 - argparse's name
             normalise: Callable[[Any], Any] | None = None, config: bool = True, in_file: bool = True,
             then: Sequence[str] = (), default_factory: Any = MISSING) -> Any:
-    """A group's field: :func:`~repgeom_eval.option_fields.option`'s metadata (``help``, ``config``: recorded in the
+    """A group's field: :func:`~repgeom_eval.spec.option_fields.option`'s metadata (``help``, ``config``: recorded in the
     results) plus ``must`` (its condition; default: its type annotation), ``normalise`` (shorthand → canonical
     value, applied before the check), ``in_file`` (``False``: not a key of the config file) and ``then`` (entries
     the run resolves from this setting, recorded right after it: see :func:`config_block`)."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import RepgeomError
+from ...spec.errors import RepgeomError
 from ...functional.gap_distances import SIGN, dispersion_gap
 from ...modeling.checkpoint_tensors import load_tokenizer, locate_checkpoint, open_output_embeddings
 from repgeom_eval.analyses.configs import GapConfig

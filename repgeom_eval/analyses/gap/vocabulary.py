@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...errors import RepgeomError, UnknownNameError
+from ...spec.errors import RepgeomError, UnknownNameError
 
 from repgeom_eval.analyses.configs import GapConfig
 

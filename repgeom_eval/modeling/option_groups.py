@@ -1,7 +1,7 @@
-"""The option groups the commands share, each option declared once (machinery: repgeom_eval/option_fields.py).
+"""The option groups the commands share, each option declared once (machinery: repgeom_eval/spec/option_fields.py).
 
 A command's configuration inherits the groups it needs and adds its own fields; a group field with another default
-for one command is declared again with :func:`~repgeom_eval.option_fields.option_like`. The model group is
+for one command is declared again with :func:`~repgeom_eval.spec.option_fields.option_like`. The model group is
 :class:`~repgeom_eval.modeling.options.ModelOptions` plus ``--model``. Torch-free (``--help`` stays instant).
 """
 
@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any
 
 from repgeom_eval.modeling.options import ModelOptions
-from repgeom_eval.option_fields import Options, option, positive
+from repgeom_eval.spec.option_fields import Options, option, positive
 
 PACKINGS = ("concat", "document")  # how documents become chunks: repgeom_eval/analyses/corpus.py
 
@@ -82,7 +82,7 @@ class ChunksGroup(Options):
 def request_problem(value: Any, auto: bool = False) -> str | None:
     """What the one layer grammar (repgeom_eval.modeling.addresses.layer_request, docs/metrics.md#layer-addresses)
     finds wrong with a layer request before any model loads; ``auto`` (the layer pick) only where ``auto`` is true."""
-    from repgeom_eval.errors import RepgeomError
+    from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.modeling.addresses import AUTO_ELSEWHERE, layer_request
 
     if value is None:
