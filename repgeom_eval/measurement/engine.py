@@ -30,6 +30,7 @@ from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.feed import Feeder, StatsCollector
 from repgeom_eval.measurement.forward import Forward, context_length
 from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics
+from repgeom_eval.measurement.oom import out_of_memory
 from repgeom_eval.measurement.plan import ShardPlan, plan_shard
 from repgeom_eval.measurement.preprocess import Preprocessor
 from repgeom_eval.measurement.results import MeasureResult, kept_warnings, report
@@ -275,11 +276,13 @@ class MeasureRun:
     def _forward_batch(self, fwd: Forward, sp: ShardPlan, rows: list[int], sink: Any) -> None:
         t0 = time.perf_counter()
         items = [sp.items[i] for i in rows]
-        batch = fwd.texts([sp.strings[i] for i in rows], self.context, self.config.padding_side,
-                          row_ids=[sp.ids[it.text] for it in items])
+        with out_of_memory("forward pass", self, len(rows)):
+            batch = fwd.texts([sp.strings[i] for i in rows], self.context, self.config.padding_side,
+                              row_ids=[sp.ids[it.text] for it in items])
         self.timer["forward"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        self._feed_addresses(batch, items, sink)
+        with out_of_memory("metric update", self, len(rows)):
+            self._feed_addresses(batch, items, sink)
         self.timer["metrics"] += time.perf_counter() - t0
 
     def _feed_addresses(self, batch: Any, items: list, sink: Any) -> None:
