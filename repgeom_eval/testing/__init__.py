@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..spec.metric import Consumes, LayerBatch, Metric
-from .tiny_tokenizer import make_tokenizer
+from .tiny_tokenizer import _training_text, make_tokenizer
 
 TINY_KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "gpt_neox", "gpt_neox_sequential",
               "bert", "roberta", "xlm-roberta")
