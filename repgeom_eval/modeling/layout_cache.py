@@ -111,13 +111,13 @@ def to_dict(layout: Layout) -> dict[str, Any]:
 
 
 def from_dict(d: dict[str, Any]) -> Layout:
-    return Layout(model_type=d["model_type"], runner=d["runner"], blocks=d["blocks"], n_layers=d["n_layers"],
-                  embed=_site(d["embed"]), final=_site(d["final"]), hidden_states=tuple(d["hidden_states"]),
+    plain = {k: d[k] for k in ("model_type", "runner", "blocks", "n_layers", "causal", "logits", "position_ids",
+                               "table")}
+    return Layout(**plain, embed=_site(d["embed"]), final=_site(d["final"]), hidden_states=tuple(d["hidden_states"]),
                   sites=[{name: _site(s) for name, s in block.items()} for block in d["sites"]],
-                  block_kinds=list(d["block_kinds"]), causal=d["causal"], logits=d["logits"],
-                  accepted_inputs=frozenset(d["accepted_inputs"]), position_ids=d["position_ids"],
+                  block_kinds=list(d["block_kinds"]), accepted_inputs=frozenset(d["accepted_inputs"]),
                   padding_sides=tuple(d["padding_sides"]), depends_on=frozenset(d["depends_on"]),
-                  after_final=frozenset(d["after_final"]), notes=list(d["notes"]), table=d["table"])
+                  after_final=frozenset(d["after_final"]), notes=list(d["notes"]))
 
 
 def load(cache_key: str) -> Layout | None:
