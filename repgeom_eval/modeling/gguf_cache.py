@@ -15,6 +15,19 @@ import torch
 CACHE_DTYPE = torch.float32  # what the one de-quantized copy holds (every GGUF quantization fits it exactly)
 
 
+def check_gguf_packages(name: str) -> None:
+    """A ``.gguf`` file is parsed by the gguf package and loaded through accelerate (transformers needs both): a
+    missing one is a RepgeomError naming the extra that installs them, instead of transformers' ImportError."""
+    import importlib.util
+
+    from repgeom_eval.spec.errors import RepgeomError
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RepgeomError(f"model {name!r} is a GGUF file; loading it needs the {' and '.join(missing)} "
+                           f"package{'s' if len(missing) > 1 else ''}: pip install 'repgeom-eval[gguf]'")
+
+
 def gguf_cache_dir(path: Path) -> Path | None:
     """Where the de-quantized form of a ``.gguf`` file is kept, or None when the cache is switched off.
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from repgeom_eval.spec.errors import RepgeomError, first_line
-from repgeom_eval.modeling.gguf_cache import convert_gguf, gguf_cache_dir, quiet_transformers
+from repgeom_eval.modeling.gguf_cache import check_gguf_packages, convert_gguf, gguf_cache_dir, quiet_transformers
 from repgeom_eval.modeling.adapters import adapter_base, apply_adapter
 from repgeom_eval.modeling.layout import Layout
 from repgeom_eval.modeling.weights_check import check_loading_report, check_safetensors
@@ -218,6 +218,8 @@ def load_model(
         remote["revision"] = opts.revision
     weights = _weights_options(opts, name) | dict(opts.model_args or {})
     cache = gguf_cache_dir(Path(target) / extra["gguf_file"]) if source == "gguf" else None
+    if source == "gguf" and (cache is None or not (cache / "config.json").is_file()):
+        check_gguf_packages(name)  # a converted copy in the cache loads without them
     if cache is not None and not (cache / "config.json").is_file():
         convert_gguf(target, extra, remote, cache, lambda c: auto_class(c, host))  # one float32 copy, whatever dtype is asked for
     from_cache = cache is not None and (cache / "config.json").is_file()

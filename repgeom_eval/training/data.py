@@ -44,7 +44,10 @@ def read_domains(data: DataOptions, seed: int) -> dict[str, tuple[list[str], lis
 
 def pack_blocks(texts: Sequence[str], tokenizer: Any, block_size: int, domain: int):
     """A ``datasets.Dataset`` of ``block_size``-token blocks: texts tokenized, joined by EOS, cut (remainder
-    dropped), ``labels = input_ids``, every example labelled ``domain`` (run_clm's ``group_texts``)."""
+    dropped), ``labels = input_ids`` but for position 0, every example labelled ``domain`` (run_clm's
+    ``group_texts``). Position 0 is never a next-token target (a causal LM's loss shifts the labels); its label is
+    -100 so that every transformers 5 counts the targets of a batch right (before 5.10.1 the Trainer divided the
+    summed CE by all labels that are not -100, position 0 included, so CE and perplexity came out scaled by (T−1)/T)."""
     import datasets
     import transformers
 
@@ -59,7 +62,7 @@ def pack_blocks(texts: Sequence[str], tokenizer: Any, block_size: int, domain: i
         n = len(ids) // block_size * block_size
         blocks = [ids[i:i + block_size] for i in range(0, n, block_size)]
         return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks],
-                "labels": [list(b) for b in blocks], "domain": [domain] * len(blocks)}
+                "labels": [[-100, *b[1:]] for b in blocks], "domain": [domain] * len(blocks)}
 
     bars = datasets.is_progress_bar_enabled()
     verbosity = transformers.logging.get_verbosity()

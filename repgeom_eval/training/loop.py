@@ -28,6 +28,7 @@ def train(cfg: TrainConfig, progress: bool = True, host: Any = None, overwrite: 
 
     ``output_dir`` must not hold an earlier run (its ``results.json``, ``model/`` or trainer checkpoints) unless
     ``overwrite``, and nothing written there may replace an input (:func:`check_train_outputs`)."""
+    _check_packages()  # before the Trainer's import, which a missing accelerate may break
     import torch
     import transformers
 
@@ -142,6 +143,17 @@ def _check_output_dir(path: Path) -> None:
         raise RepgeomError(f"output_dir {str(path)!r}: {str(existing)!r} is a file, not a directory")
     if existing is None or not os.access(existing, os.W_OK):
         raise RepgeomError(f"output_dir {str(path)!r} cannot be created: {str(existing)!r} is not writable")
+
+
+def _check_packages() -> None:
+    """The Trainer needs accelerate and the blocks are a datasets.Dataset: a missing one is one line naming the
+    extra, before transformers' own ImportError deep inside TrainingArguments."""
+    import importlib.util
+
+    missing = [m for m in ("accelerate", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RepgeomError(f"repgeom train needs the {' and '.join(missing)} package{'s' if len(missing) > 1 else ''}"
+                           " (not installed): pip install 'repgeom-eval[train]'")
 
 
 def _training_arguments(cfg: TrainConfig) -> tuple[Any, dict[str, Any]]:

@@ -162,8 +162,9 @@ class AuxLossTrainer(Trainer):
         return (total, outputs) if return_outputs else total
 
     def _ce_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
-        if self.loss_is_scaled_for_ga is not None:
-            return bool(self.loss_is_scaled_for_ga)
+        declared = getattr(self, "loss_is_scaled_for_ga", None)  # transformers 5.0.0 has no such attribute
+        if declared is not None:
+            return bool(declared)
         return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
                     or self.compute_loss_func is not None)
 
