@@ -146,7 +146,7 @@ def test_a_failing_plugin_ends_lm_eval_in_one_line_naming_it(tiny_model_dir, tmp
     with capsys.disabled():
         print("\n" + err[0])
     monkeypatch.setenv("REPGEOM_DEBUG", "1")
-    with pytest.raises(rg.errors.PluginError):
+    with pytest.raises(rg.PluginError):
         HarnessCLI().execute()
 
 

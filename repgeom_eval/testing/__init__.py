@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..spec.metric import Consumes, LayerBatch, Metric
-from .tiny_tokenizer import _training_text, make_tokenizer
+from .tiny_tokenizer import training_text, make_tokenizer
 
 TINY_KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "gpt_neox", "gpt_neox_sequential",
               "bert", "roberta", "xlm-roberta")
@@ -177,7 +177,7 @@ def task_records(schema: str, n: int, seed: int = 0, words: tuple[int, int] = (3
     import random
 
     rng = random.Random(seed)
-    vocab = " ".join(_training_text()[:30]).split()
+    vocab = " ".join(training_text()[:30]).split()
 
     def text(lo: int = words[0], hi: int = words[1]) -> str:
         return " ".join(rng.choice(vocab) for _ in range(rng.randint(lo, hi)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 _SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def _training_text() -> list[str]:
+def training_text() -> list[str]:
     try:
         from pydoc_data.topics import topics
 
@@ -25,7 +25,7 @@ def make_tokenizer(encoder: bool = False, vocab_size: int = 384):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tok.train_from_iterator(training_text(), trainer=trainer)
     if encoder:
         cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         tok.post_processor = processors.TemplateProcessing(
