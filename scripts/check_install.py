@@ -1,7 +1,7 @@
 """The install matrix: the built wheel, installed with one extra at a time in a fresh virtual environment, runs the
 commands that extra exists for, from a working directory outside the repository (``make check-install``).
 
-    python scripts/check_install.py                       # every extra (about 15 minutes on 2 cores)
+    python scripts/check_install.py                       # every extra (26 minutes on 2 shared cores)
     python scripts/check_install.py --extras lmeval mteb  # what CI runs
 
 For each extra: ``python -m venv``, ``pip install torch==2.13.0`` (the CPU build of this project's machines; set
