@@ -15,7 +15,6 @@ import torch
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.metric_specs import MetricSpec, fresh_metrics
 from repgeom_eval.measurement.plan import ShardPlan
-from repgeom_eval.measurement.pooling import pool64
 from repgeom_eval.spec.metric import Metric
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.plugin_system.host import PluginHost
@@ -55,16 +54,6 @@ class RunState:
 
     def metric_configs(self) -> dict[str, dict[str, Any]]:
         return {spec.name: spec.config(m) for spec, m in self.first_metrics()}
-
-    def add_energy(self, addr: Address, h: torch.Tensor, mask: torch.Tensor, original_rows: list[int]) -> None:
-        """Feed the energy diagnostic the raw mean-pooled vectors of the original texts of a batch."""
-        if addr not in self.energy or not original_rows:
-            return
-        from repgeom_eval.spec.metric import LayerBatch
-
-        sel = torch.tensor(original_rows, device=h.device)
-        vecs = pool64(h[sel], mask[sel], "mean")[0]
-        self.energy[addr].update(LayerBatch(str(addr), torch.tensor(original_rows), pooled=vecs))
 
     def count_shard(self, shard_no: int, sp: ShardPlan) -> None:
         """Counts that every process computes identically from the plan (so they are never summed over ranks)."""
