@@ -8,6 +8,9 @@
    forward-only loop over the same batches (benchmarks/bench_scale.py does the timing), per context length.
 3. **Peak GPU memory against the ``--dry-run`` estimate**: ``torch.cuda.max_memory_allocated`` of each run beside
    the estimate of the weights, one batch's captured hidden states and the states that live on the device.
+4. **No host synchronisation per batch**: ``torch.cuda.set_sync_debug_mode("warn")`` during ``measure --layers
+   all`` with the pooled suite (dispersion and the Gram metrics) over 2 and 6 batches; the synchronisations that
+   grow with the batches (tests/test_host_syncs.py counts the same on the CPU by call site).
 
 It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
 CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine).
@@ -77,6 +80,40 @@ def values_check(device: str, types: tuple[str, ...], n_texts: int) -> dict:
     return rows
 
 
+POOLED_SUITE = ["dispersion", "dataset_entropy", "effective_rank", "vendi"]
+
+
+def sync_check(device: str) -> dict:
+    if not device.startswith("cuda"):
+        return {"skipped": "CUDA only (tests/test_host_syncs.py counts conversions by call site on the CPU)"}
+    import torch
+
+    import repgeom_eval as rg
+    from repgeom_eval.testing.demo import python_doc_paragraphs
+
+    texts = python_doc_paragraphs(24)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = rg.save_tiny("llama", Path(tmp) / "llama", kind="causal")
+        loaded = rg.load_model(str(path), device=device)
+
+        def syncs(n_batches: int) -> int:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    result = rg.measure(loaded, texts[: 4 * n_batches], layers="all", metrics=POOLED_SUITE,
+                                        batch_size=4, progress=False)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            messages = [str(w.message) for w in seen] + list(result.warnings)
+            return sum("synchroniz" in m for m in messages)
+
+        few, many = syncs(2), syncs(6)
+    per_batch = (many - few) / 4
+    print(f"syncs: {few} over 2 batches, {many} over 6: {per_batch:g} per batch", flush=True)
+    return {"syncs_2_batches": few, "syncs_6_batches": many, "per_batch": per_batch, "ok": per_batch == 0}
+
+
 def memory_check(scale: dict, shape: str, device: str, dtype: str, tokens: int, batch: int) -> dict:
     """Peak GPU memory of each run against the estimate of what lives on the device."""
     from transformers import LlamaConfig
@@ -137,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     scale = bench_scale.per_shape(shape, scale_args, tokenizer, torch.device(args.device), getattr(torch, dtype))
     doc["scale"] = scale
     doc["memory"] = memory_check(scale, shape, args.device, dtype, tokens, batch)
+    try:
+        doc["syncs"] = sync_check(args.device)
+    except Exception as exc:  # noqa: BLE001 - a report, not a crash, on a machine lent for minutes
+        doc["syncs"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     doc["wall_s"] = time.perf_counter() - t0
     doc["ok"] = all(r["ok"] for r in doc["values"].values())
     print(json.dumps({"values_ok": doc["ok"], "wall_s": round(doc["wall_s"], 1),

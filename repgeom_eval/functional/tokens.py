@@ -38,6 +38,33 @@ def row_chunks(n_rows: int, row_elements: int, limit: int = BLOCK_ELEMENTS) -> I
         yield slice(lo, min(n_rows, lo + step))
 
 
+class _Layout:
+    """Where each text's real tokens are, read from the mask on the host once, when first asked (shared by the
+    blocks of every address of a batch)."""
+
+    def __init__(self, mask: torch.Tensor, n: torch.Tensor):
+        self.mask, self.n = mask, n
+        self._host: tuple[list[int], list[tuple[int, int] | None], tuple[int, int]] | None = None
+
+    def host(self) -> tuple[list[int], list[tuple[int, int] | None], tuple[int, int]]:
+        """(lengths, each text's ``(start, stop)`` or None where its positions are not consecutive, the span any
+        text uses)."""
+        if self._host is None:
+            mask, n = self.mask, self.n
+            b, t = mask.shape
+            pos = torch.arange(t, device=mask.device)
+            lo = torch.where(mask, pos, t).min(1).values if t else torch.zeros(b, dtype=torch.long)
+            hi = torch.where(mask, pos, -1).max(1).values + 1 if t else torch.zeros(b, dtype=torch.long)
+            contiguous = (hi - lo == n) | (n == 0)
+            lengths, lo_, hi_, ok_ = torch.stack([n, lo.to(n.device), hi.to(n.device),
+                                                  contiguous.to(n.dtype)]).tolist()  # one transfer
+            spans = [(a, z) if ok else None for a, z, ok in zip(lo_, hi_, ok_)]
+            real = [s for s, k in zip(spans, lengths) if k]
+            span = (min(s[0] for s in real), max(s[1] for s in real)) if real and None not in real else (0, t)
+            self._host = (lengths, spans, span)
+        return self._host
+
+
 class TokenBlock:
     """The real tokens of the B texts of ``hidden`` [B, T, D] under ``mask`` [B, T] (bool, True at real tokens).
 
@@ -47,29 +74,31 @@ class TokenBlock:
     def __init__(self, hidden: torch.Tensor, mask: torch.Tensor, like: "TokenBlock | None" = None):
         """``like``: a block over the same mask (another address of the same batch), whose layout is reused."""
         if like is not None and like.mask.shape == mask.shape[:2]:
-            self.hidden, self.mask = hidden, like.mask
-            self.n, self.lengths, self._spans, self.span = like.n, like.lengths, like._spans, like.span
+            self.hidden, self.mask, self.n, self._layout = hidden, like.mask, like.n, like._layout
         else:
-            self._layout(hidden, mask)
+            mask = mask.to(hidden.device).bool()
+            self.hidden, self.mask = hidden, mask
+            self.n = mask.sum(1)  # [B] long, on the device
+            self._layout = _Layout(mask, self.n)
         self._x64: torch.Tensor | None = None
         self._norms: torch.Tensor | None = None
         self._cache: dict[object, object] = {}
 
-    def _layout(self, hidden: torch.Tensor, mask: torch.Tensor) -> None:
-        mask = mask.to(hidden.device).bool()
-        b, t = mask.shape
-        self.hidden, self.mask = hidden, mask
-        self.n = mask.sum(1)  # [B] long, on the device
-        self.lengths: list[int] = self.n.tolist()
-        pos = torch.arange(t, device=mask.device)
-        lo = torch.where(mask, pos, t).min(1).values if t else torch.zeros(b, dtype=torch.long)
-        hi = torch.where(mask, pos, -1).max(1).values + 1 if t else torch.zeros(b, dtype=torch.long)
-        contiguous = (hi - lo == self.n) | (self.n == 0)
-        self._spans = [(int(a), int(z)) if ok else None for a, z, ok in
-                       zip(lo.tolist(), hi.tolist(), contiguous.tolist())]
-        real = [s for s, n in zip(self._spans, self.lengths) if n]
-        # the positions any text uses: Grams over [lo, hi) only (right padding: [0, longest))
-        self.span = (min(s[0] for s in real), max(s[1] for s in real)) if real and None not in real else (0, t)
+    # The per-text layout is read on the host, so on a GPU it costs a synchronisation: it is built on first use
+    # (the per-text metrics), never for pooled metrics (docs/how-to/large-models.md#host-synchronisations).
+    @property
+    def lengths(self) -> list[int]:
+        """Each text's number of real tokens."""
+        return self._layout.host()[0]
+
+    @property
+    def _spans(self) -> list[tuple[int, int] | None]:
+        return self._layout.host()[1]
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The positions any text uses, ``[lo, hi)``: Grams run over these only (right padding: ``[0, longest)``)."""
+        return self._layout.host()[2]
 
     @classmethod
     def padded(cls, hidden: torch.Tensor, mask: torch.Tensor) -> "TokenBlock":
@@ -77,7 +106,7 @@ class TokenBlock:
         return cls(hidden, mask)
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return int(self.mask.shape[0])
 
     @property
     def dim(self) -> int:
@@ -116,11 +145,11 @@ class TokenBlock:
             owned = x.dtype != torch.float64
             x = x.to(torch.float64)
             norms = torch.linalg.vector_norm(x, dim=-1)
-            if not bool(torch.isfinite(norms).all()):  # a NaN/inf at a pad (or a real token: it stays NaN below)
-                pads = ~self.mask
-                if bool((pads & ~torch.isfinite(norms)).any()):
-                    x = x.masked_fill_(pads.unsqueeze(-1), 0.0) if owned else x.masked_fill(pads.unsqueeze(-1), 0.0)
-                    norms = torch.linalg.vector_norm(x, dim=-1)
+            # A NaN/inf at a pad is zeroed (a real token's stays: the forward pass names it). Done without asking
+            # whether there is one, which on a GPU would wait for the device on every batch.
+            bad_pads = ~self.mask & ~torch.isfinite(norms)
+            fill = bad_pads.unsqueeze(-1)
+            x = x.masked_fill_(fill, 0.0) if owned else x.masked_fill(fill, 0.0)
             self._x64, self._norms = x, norms.masked_fill(~self.mask, 0.0)
         return self._x64
 

@@ -99,6 +99,11 @@ class RunConfig(TextsGroup, LayersGroup, RunGroup):
     run_dir: str | None = option(
         None, "--run-dir", metavar="DIR", key=False, writes="folder",
         help="checkpoint the metric states here after every shard, so a killed run can --resume")
+    state_device: str = option(
+        "model", "--state-device", choices=["model", "cpu"], key=False,
+        help="where the metric states live: with the model (default), or cpu: in host memory, so that only the "
+             "pooled vectors leave the GPU (the Grams of a wide model with --layers all may not fit beside it); "
+             "token metrics keep their few numbers per text with the model")
     resume: bool = option(False, "--resume", action="store_true", key=False, config=False,
                           help="continue the run checkpointed in --run-dir (same model, data and options)")
 

@@ -260,6 +260,7 @@ class MeasureRun:
                         self.processed += len(rows)
                         bar.update(len(rows))
                 if hasattr(sink, "shard_done"):
+                    fwd.check()  # nothing a NaN reached is checkpointed
                     sink.shard_done(shard_no, sp)
             if start_shard and recount and hasattr(sink, "shard_done"):  # a finished run: every shard was skipped
                 self._check_resumed_counts(recount, owned if self.need_originals else None)
@@ -411,7 +412,7 @@ class _MeasureSink:
 
     def __init__(self, run: MeasureRun):
         self.run = run
-        self.feeder = Feeder(run.specs, run.n_views, run.prep)
+        self.feeder = Feeder(run.specs, run.n_views, run.prep, run.config.state_device)
 
     def batch(self, addr, h, mask, items) -> None:
         state = self.run.state

@@ -161,10 +161,17 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
     if shared:
         notes.append("shared statistics (kept once, counted under the first metric): "
                      + ", ".join(f"{k} ← {v}" for k, v in sorted(shared.items())))
+    from repgeom_eval.spec.metric import Consumes
+
+    def home(spec: Any) -> str:  # --state-device cpu: the pooled metrics' states in host memory (RunConfig)
+        on_host = getattr(run, "state_device", "model") == "cpu" and spec.consumes != Consumes.TOKENS
+        return "cpu" if on_host else device.type
+
     for addr in addresses:
-        states = [metric_memory(m, width, device.type) for _, m in pairs]
+        states = [metric_memory(m, width, home(spec)) for spec, m in pairs]
         if energy_cls is not None:
-            energy = metric_memory(energy_cls(top_k=ENERGY_TOP), width, device.type)
+            energy = metric_memory(energy_cls(top_k=ENERGY_TOP), width,
+                                   "cpu" if getattr(run, "state_device", "model") == "cpu" else device.type)
             energy.metric = "(energy diagnostic)"
             states.append(energy)
         if run.per_text:  # one float64 score per text, metric and address

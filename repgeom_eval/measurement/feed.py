@@ -51,8 +51,12 @@ def split_rows(items: list[Item]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 class Feeder:
     """Feeds the metric states of every address from the batches of one pass."""
 
-    def __init__(self, specs: list[MetricSpec], n_views: int, prep: Preprocessor):
+    def __init__(self, specs: list[MetricSpec], n_views: int, prep: Preprocessor, state_device: str | None = None):
+        """``state_device``: ``"cpu"`` keeps the states of pooled and multi-view metrics in host memory (only the
+        pooled vectors travel); by default every state lives where the vectors it is fed are, the model's device."""
         self.prep = prep
+        self.to_host = state_device == "cpu"
+        self._placed: dict[int, torch.device] = {}  # id(metric) → the device its states were moved to
         view_poolings = sorted({s.pooling for s in specs if s.consumes == Consumes.VIEWS})  # type: ignore[type-var]
         self.n_views = n_views
         self._view_poolings = view_poolings
@@ -105,7 +109,9 @@ class Feeder:
             return raw[method]
 
         if energy is not None:
-            energy.update(LayerBatch(name, batch_rows, pooled=pooled_raw("mean")[0]))
+            mean = pooled_raw("mean")[0]
+            self._place(energy, mean.device)
+            energy.update(LayerBatch(name, batch_rows.to(mean.device, non_blocking=True), pooled=mean))
         pooled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         tokens: TokenBlock | None = None
         for spec, metric in metrics:
@@ -115,6 +121,7 @@ class Feeder:
                 if tokens is None:
                     tokens = self._token_block(name, block)
                 with spec.guard("update", name):
+                    self._place(metric, tokens.hidden.device)
                     fast = getattr(metric, "update_tokens", None)
                     if fast is not None:
                         fast(index, tokens)
@@ -124,10 +131,21 @@ class Feeder:
             if spec.pooling not in pooled:
                 vecs, owner = pooled_raw(spec.pooling)
                 vecs = self.prep(name, spec.pooling, vecs)
-                pooled[spec.pooling] = vecs.cpu(), index[owner.cpu()]
+                if self.to_host:
+                    pooled[spec.pooling] = vecs.cpu(), index[owner.cpu()]
+                else:  # no transfer to the host: nothing waits for the device
+                    pooled[spec.pooling] = vecs, index.to(owner.device, non_blocking=True)[owner]
             vecs, idx = pooled[spec.pooling]
             with spec.guard("update", name):
+                self._place(metric, vecs.device)
                 metric.update(LayerBatch(name, idx, pooled=vecs))
+
+    def _place(self, metric: Metric, device: torch.device) -> None:
+        """States live where the metric's vectors arrive (a resumed checkpoint's and a fresh metric's start in host
+        memory); moved once per metric and device."""
+        if self._placed.get(id(metric)) != device:
+            metric.to(device)
+            self._placed[id(metric)] = device
 
     def _token_block(self, name: str, block: TokenBlock) -> TokenBlock:
         """The token vectors the TOKENS metrics see: the captured ones, or with preprocessing their transform
@@ -148,7 +166,7 @@ class Feeder:
             buffer = self.buffers.setdefault((addr, method), ViewBuffer(self.n_views))
             vecs = torch.cat([pool64(b.hidden, b.mask, method, b)[0] for b in blocks])
             vecs = self.prep(str(addr), f"views:{method}", vecs)
-            for row, vec in zip(views.tolist(), vecs.cpu()):
+            for row, vec in zip(views.tolist(), vecs.cpu() if self.to_host else vecs):
                 buffer.add(items[row].text, items[row].view, vec)
             done = buffer.pop_complete()
             if done is None:
@@ -157,7 +175,9 @@ class Feeder:
             for spec, metric in metrics:
                 if spec.consumes == Consumes.VIEWS and spec.pooling == method:
                     with spec.guard("update", addr):
-                        metric.update(LayerBatch(str(addr), index, views=stacked[:, : int(metric.n_views)]))
+                        self._place(metric, stacked.device)
+                        metric.update(LayerBatch(str(addr), index.to(stacked.device),
+                                                 views=stacked[:, : int(metric.n_views)]))
 
 
 class StatsCollector:

@@ -123,17 +123,63 @@ def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None
         bad &= mask.to(bad.device)
     if bool(bad.any()):
         rows = bad.any(1).nonzero().flatten().tolist()
-        dtype = computed_in or h.dtype
-        if dtype in (torch.float16, torch.bfloat16):
-            cause = f"a {str(dtype).removeprefix('torch.')} overflow is the usual cause: try --dtype float32"
-        else:
-            cause = (f"in {str(dtype).removeprefix('torch.')} this is no overflow but the model's own code (some "
-                     "attention and expert kernels go wrong in float64, or with padding): try --dtype float32, "
-                     "--batch-size 1, or --model-arg attn_implementation=eager")
-        raise NonFiniteError(
-            f"NaN or inf in the hidden states at address {addr} for text id {ids[rows[0]]!r}"
-            f" ({len(rows)} text(s) of this batch affected); {cause}"
-        )
+        raise non_finite_error(addr, ids[rows[0]], len(rows), computed_in or h.dtype)
+
+
+def non_finite_error(addr: Address | str, text_id: Any, n_rows: int, dtype: torch.dtype) -> NonFiniteError:
+    """The error of :func:`check_finite`: the address, the first affected text, and the likely cause."""
+    if dtype in (torch.float16, torch.bfloat16):
+        cause = f"a {str(dtype).removeprefix('torch.')} overflow is the usual cause: try --dtype float32"
+    else:
+        cause = (f"in {str(dtype).removeprefix('torch.')} this is no overflow but the model's own code (some "
+                 "attention and expert kernels go wrong in float64, or with padding): try --dtype float32, "
+                 "--batch-size 1, or --model-arg attn_implementation=eager")
+    return NonFiniteError(f"NaN or inf in the hidden states at address {addr} for text id {text_id!r}"
+                          f" ({n_rows} text(s) of this batch affected); {cause}")
+
+
+class DeferredChecks:
+    """The checks of every batch's hidden states (a NaN or inf at a real token; real tokens whose vector is zero),
+    computed on the device and read on the host only every :attr:`EVERY` batches and when asked (:meth:`read`), so
+    that a GPU never waits for the host in between (docs/how-to/large-models.md#host-synchronisations). On the CPU,
+    where reading costs no wait, :class:`Forward` checks every batch at once instead."""
+
+    EVERY = 64
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Address, torch.Tensor, list[Any], torch.dtype]] = []
+        self._zeros: dict[Address, torch.Tensor] = {}
+        self._batches = 0
+
+    def add(self, addr: Address, h: torch.Tensor, real: torch.Tensor, names: list[Any], computed_in: torch.dtype):
+        # a token's sum over the width is NaN/inf exactly when its vector holds one (summed in float64, finite
+        # float32/16 values cannot overflow it)
+        bad_rows = ((~torch.isfinite(h.sum(-1, dtype=torch.float64))) & real).any(1)
+        self._pending.append((addr, bad_rows, names, computed_in))
+        zero = ((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum()
+        self._zeros[addr] = zero if addr not in self._zeros else self._zeros[addr] + zero
+
+    def batch_done(self) -> None:
+        self._batches += 1
+        if self._batches % self.EVERY == 0:
+            self.read_flags()
+
+    def read_flags(self) -> None:
+        """Raise :class:`NonFiniteError` for the first pending batch with a NaN or inf at a real token (one
+        transfer for all of them)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        home = pending[0][1].device
+        counts = torch.stack([b.sum().to(home) for _, b, _, _ in pending]).tolist()
+        for (addr, bad, names, dtype), n_bad in zip(pending, counts):
+            if n_bad:
+                first = int(bad.nonzero().flatten()[0])
+                raise non_finite_error(addr, names[first], int(n_bad), dtype)
+
+    def zero_counts(self) -> dict[Address, int]:
+        """Real tokens whose vector is zero, per address, since the start."""
+        return {addr: int(z) for addr, z in self._zeros.items()}
 
 
 @dataclass
@@ -158,6 +204,10 @@ class Forward:
             batch.logits         # [B, T, V]
     """
 
+    #: check each batch's hidden states at once (True) or on the device, read every few batches (False, see
+    #: :class:`DeferredChecks`); None: at once where they are on the CPU, deferred elsewhere
+    check_each_batch: bool | None = None
+
     def __init__(self, loaded: LoadedModel, points: Mapping[Address, HookPoint], logits: bool = False):
         self.loaded = loaded
         self.addresses = list(points)
@@ -169,6 +219,7 @@ class Forward:
         self.pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         self.zero_counts: dict[Address, list[int]] = {}  # address → [real tokens with a zero vector, real tokens]
         self._warned_rows = False
+        self.deferred = DeferredChecks()
 
     @classmethod
     def at(cls, loaded: LoadedModel, addresses: Sequence[Address], logits: bool = False) -> "Forward":
@@ -198,9 +249,19 @@ class Forward:
         if exc[0] is None:
             from repgeom_eval.measurement.degenerate import zero_vector_warning
 
+            self.check()
+            for addr, n_zero in self.deferred.zero_counts().items():
+                self.zero_counts[addr][0] += n_zero
+
             message = zero_vector_warning(self.loaded.info.name, self.zero_counts)
             if message:
                 warnings.warn(message, stacklevel=2)
+
+    def check(self) -> None:
+        """Read the deferred checks of the batches so far (:class:`DeferredChecks`): raises
+        :class:`NonFiniteError` naming the first text with a NaN or inf. Call it before saving anything the batches
+        fed (a checkpoint)."""
+        self.deferred.read_flags()
 
     def texts(self, strings: Sequence[str], max_length: int, padding_side: str = "right",
               row_ids: Sequence[Any] | None = None) -> Batch:
@@ -228,19 +289,26 @@ class Forward:
             captured = self._call(model_inputs(self.loaded, ids, mask, **extra))
             outputs_logits = None
         # on the model's device, beside the hidden states (pooling indexes both with the same rows)
-        bool_mask = (mask if mask is not None else torch.ones_like(ids)).bool().to(self.loaded.device)
+        host_mask = (mask if mask is not None else torch.ones_like(ids)).bool()
+        n_real = host_tokens(host_mask)
+        bool_mask = host_mask.to(self.loaded.device, non_blocking=True)
         names = list(row_ids) if row_ids is not None else list(range(len(ids)))
         hidden = {}
         for addr, h in captured.items():
             computed_in = h.dtype
             if h.dtype in (torch.float16, torch.bfloat16):
                 h = h.float()
-            check_finite(addr, h, bool_mask, names, computed_in)
             counts = self.zero_counts.setdefault(addr, [0, 0])
-            real = bool_mask.to(h.device)
-            counts[0] += int(((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum())  # one reduction, no copy
-            counts[1] += int(real.sum())
+            real = bool_mask.to(h.device, non_blocking=True)
+            counts[1] += n_real if n_real is not None else int(real.sum())
+            at_once = self.check_each_batch if self.check_each_batch is not None else h.device.type == "cpu"
+            if at_once:
+                check_finite(addr, h, real, names, computed_in)
+                counts[0] += int(((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum())  # one reduction
+            else:
+                self.deferred.add(addr, h, real, names, computed_in)
             hidden[addr] = h
+        self.deferred.batch_done()
         logits = outputs_logits
         if self.need_logits and logits is None:
             logits = _logits(self._capture.outputs)
@@ -293,6 +361,12 @@ class Forward:
 
 def _logits(outputs: Any) -> torch.Tensor:
     return outputs.logits if hasattr(outputs, "logits") else outputs[0]
+
+
+def host_tokens(mask: torch.Tensor) -> int | None:
+    """The real tokens of a mask held on the host (the tokenizer's, read without waiting for any device); None for
+    a mask on a device."""
+    return int(mask.sum()) if mask.device.type == "cpu" else None
 
 
 def padding_side_of(mask: torch.Tensor | None) -> str | None:

@@ -148,11 +148,13 @@ class RunState:
         if not dist.active:
             self.processed_by_rank = [self.n_processed]
             return
-        mine = self.state()
+        mine = on_host(self.state())  # a state on a GPU would arrive on the sender's device index
         parts = dist.gather({"metrics": mine["metrics"], "energy": mine["energy"], "processed": self.n_processed})
         if parts is None:
             return
         self.processed_by_rank = [part["processed"] for part in parts]
+        for m in [m for ms in self.states.values() for _, m in ms] + list(self.energy.values()):
+            m.to("cpu")  # merged in host memory, once per run
         for part in parts[1:]:
             for addr, ms in self.states.items():
                 for (spec, m), (_, other) in zip(ms, fresh_metrics(self.specs, addr)):
@@ -163,6 +165,17 @@ class RunState:
                 other = self._energy_cls(top_k=ENERGY_TOP)  # type: ignore[misc]
                 other.load_state_dict(part["energy"][str(addr)])
                 m.merge(other)
+
+
+def on_host(obj: Any) -> Any:
+    """``obj`` with every tensor in it moved to host memory (dicts and lists walked)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: on_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [on_host(v) for v in obj]
+    return obj
 
 
 def shard_counts(sp: ShardPlan, context: int) -> tuple[int, int, int, int]:

@@ -191,12 +191,13 @@ def build_inputs(device: torch.device, input_ids: torch.Tensor, attention_mask: 
     def takes(name: str) -> bool:
         return not accepted or name in accepted
 
-    inputs: dict[str, Any] = {"input_ids": input_ids.to(device)}
-    inputs.update({k: v.to(device) for k, v in extra.items() if takes(k)})
+    # non_blocking: a copy from the host that does not wait for the work already queued on a GPU
+    inputs: dict[str, Any] = {"input_ids": input_ids.to(device, non_blocking=True)}
+    inputs.update({k: v.to(device, non_blocking=True) for k, v in extra.items() if takes(k)})
     if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask.to(device)
+        inputs["attention_mask"] = attention_mask.to(device, non_blocking=True)
         if position_ids:
-            inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).to(device)
+            inputs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).to(device, non_blocking=True)
     if "use_cache" in accepted or "**" in accepted:  # Granite-MoE-hybrid takes it through **kwargs
         inputs["use_cache"] = False
     return inputs

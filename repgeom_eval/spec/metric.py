@@ -105,6 +105,17 @@ class Stateful:
         for name, default in self._defaults.items():
             setattr(self, name, copy.deepcopy(default))
 
+    def to(self, device: Any) -> "Stateful":
+        """Move every state to ``device`` (states already there stay as they are); returns self. The run calls it
+        before a state's first update on a device, so ``update`` may assume its states sit beside the vectors it
+        is fed. A class with ``state_device = "cpu"`` keeps its states in host memory."""
+        if self.state_device == "cpu":
+            return self
+        for name, reduce in self._reductions.items():
+            value = getattr(self, name)
+            setattr(self, name, [v.to(device) for v in value] if reduce == "cat" else value.to(device))
+        return self
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The state as tensors (``cat`` states concatenated along dim 0), e.g. for checkpoints or collectives."""
         out = {}
@@ -285,6 +296,12 @@ class Metric(Stateful):
         super().reset()
         for st in self.owned_statistics().values():
             st.reset()
+
+    def to(self, device: Any) -> "Metric":
+        super().to(device)
+        for st in self.owned_statistics().values():  # a borrowed statistic is moved by the metric that owns it
+            st.to(device)
+        return self
 
     def _keys(self) -> dict[tuple[str, str], str]:
         """(slot, state name) → the key under which an owned statistic's state is saved: its own name, or

@@ -64,7 +64,6 @@ class PooledGram(Statistic):
     """
 
     name = "pooled_gram"
-    state_device = "cpu"  # the rows and the Gram are kept in host memory
 
     def __init__(self, unit: bool = False) -> None:
         super().__init__()
@@ -79,7 +78,6 @@ class PooledGram(Statistic):
         z = batch.pooled.double()
         if self.unit:
             z = unit_rows(z)
-        z = z.cpu()
         self.n = self.n + z.shape[0]
         self.n_zero = self.n_zero + ((z * z).sum(-1) == 0).sum()
         self.rows.append(z)

@@ -1,0 +1,143 @@
+"""The hot loop of a run makes no tensor-to-host conversion per batch (issue 32, item 4): on a GPU each one would make
+the host wait for the device. Counted on the CPU by wrapping every Tensor method that hands a value to Python or to
+the host, per call site, over runs of 2 and 6 batches: a site whose count grows with the batches converts per batch.
+The only ones allowed read the tokenizer's mask, which lives on the host whatever the model's device is."""
+
+import collections
+import sys
+
+import pytest
+import torch
+
+from repgeom_eval.measurement.engine import measure
+from repgeom_eval.measurement.forward import Forward
+from repgeom_eval.modeling.loading import load_model
+from repgeom_eval.spec.errors import NonFiniteError
+
+CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+# (method, module, function): reads of the tokenizer's host mask (padding side, real-token count)
+HOST_SIDE = {("__bool__", "measurement/forward.py", "padding_side_of"),
+             ("__int__", "measurement/forward.py", "host_tokens")}
+POOLED_SUITE = ["dispersion", "dataset_entropy", "effective_rank", "vendi"]
+
+
+def _conversions(monkeypatch, loaded, texts, n_batches, metrics, **options):
+    counts = collections.Counter()
+
+    def wrap(method):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            where = frame.f_code.co_filename.replace("\\", "/")
+            if "/repgeom_eval/" in where:
+                counts[(method, where.split("/repgeom_eval/")[-1], frame.f_code.co_name)] += 1
+            return original(self, *args, **kwargs)
+        return counted
+
+    with monkeypatch.context() as m:
+        for method in CONVERSIONS:
+            m.setattr(torch.Tensor, method, wrap(method))
+        measure(loaded, texts[: 4 * n_batches], layers="all", metrics=metrics, batch_size=4, progress=False,
+                **options)
+    return counts
+
+
+def _per_batch(monkeypatch, loaded, texts, metrics, **options):
+    few = _conversions(monkeypatch, loaded, texts, 2, metrics, **options)
+    many = _conversions(monkeypatch, loaded, texts, 6, metrics, **options)
+    return {site: (many[site] - few[site]) / 4 for site in many if many[site] != few[site]}
+
+
+@pytest.fixture
+def loaded(tiny_model_dir):
+    return load_model(tiny_model_dir("llama"))
+
+
+def test_the_pooled_suite_converts_nothing_per_batch_on_the_device_path(monkeypatch, loaded, texts):
+    monkeypatch.setattr(Forward, "check_each_batch", False)  # what a GPU runs
+    per_batch = _per_batch(monkeypatch, loaded, texts, POOLED_SUITE)
+    assert set(per_batch) <= HOST_SIDE, per_batch
+
+
+def test_the_count_sees_the_checks_of_the_cpu_path(monkeypatch, loaded, texts):
+    # the counter is not blind: checking each batch at once (the CPU's way) converts per batch and per address
+    monkeypatch.setattr(Forward, "check_each_batch", True)
+    per_batch = _per_batch(monkeypatch, loaded, texts, ["dispersion"])
+    assert ("__bool__", "measurement/forward.py", "check_finite") in per_batch, per_batch
+    assert per_batch[("__bool__", "measurement/forward.py", "check_finite")] == 3  # 3 hidden states of 2 blocks
+
+
+def test_state_device_cpu_moves_the_pooled_vectors_per_batch(monkeypatch, loaded, texts):
+    monkeypatch.setattr(Forward, "check_each_batch", False)
+    per_batch = _per_batch(monkeypatch, loaded, texts, POOLED_SUITE, state_device="cpu")
+    # the vectors and their rows, of 2 poolings (last: dispersion; mean: the Gram metrics), at 3 addresses
+    assert per_batch.get(("cpu", "measurement/feed.py", "_feed_block")) == 12
+
+
+@pytest.mark.parametrize("at_once", [True, False])
+def test_deferred_and_immediate_checks_give_the_same_results(monkeypatch, loaded, texts, at_once):
+    monkeypatch.setattr(Forward, "check_each_batch", at_once)
+    result = measure(loaded, texts[:12], layers="all", metrics=POOLED_SUITE, batch_size=4, progress=False)
+    monkeypatch.setattr(Forward, "check_each_batch", None)
+    reference = measure(loaded, texts[:12], layers="all", metrics=POOLED_SUITE, batch_size=4, progress=False)
+    assert result.results == reference.results
+
+
+def _nan_message(monkeypatch, loaded, texts, at_once):
+    monkeypatch.setattr(Forward, "check_each_batch", at_once)
+    calls: list[int] = []
+
+    def poison_second_batch(module, args, output):
+        calls.append(1)
+        if len(calls) == 2:
+            output = output.clone()
+            output[2, 0] = float("nan")  # row 2's first position: a real token (right padding)
+        return output
+
+    handle = loaded.model.model.layers[1].register_forward_hook(poison_second_batch)
+    try:
+        with pytest.raises(NonFiniteError) as caught:
+            measure(loaded, texts[:12], layers="resid_post:[0,1]", batch_size=4, progress=False)
+    finally:
+        handle.remove()
+    return str(caught.value)
+
+
+def test_a_nan_is_named_with_the_same_text_when_checked_later(monkeypatch, loaded, texts):
+    at_once = _nan_message(monkeypatch, loaded, texts, True)
+    deferred = _nan_message(monkeypatch, loaded, texts, False)
+    assert "at address resid_post:1 for text id" in at_once and "(1 text(s) of this batch affected)" in at_once
+    assert deferred == at_once
+
+
+def test_deferred_zero_vectors_are_counted(monkeypatch, loaded, texts):
+    monkeypatch.setattr(Forward, "check_each_batch", False)
+
+    def zero_first_row(module, args, output):
+        output = output.clone()
+        output[0] = 0
+        return output
+
+    handle = loaded.model.model.layers[0].register_forward_hook(zero_first_row)
+    try:
+        result = measure(loaded, texts[:6], layers="resid_post:0", batch_size=6, progress=False)
+    finally:
+        handle.remove()
+    assert result.diagnostics["resid_post:0"]["dispersion"]["n_zero_vectors"] == 1
+
+
+def test_states_in_host_memory_give_the_same_numbers(loaded, texts):
+    kw = dict(layers="all", metrics=POOLED_SUITE, batch_size=4, progress=False)
+    on_host = measure(loaded, texts[:12], state_device="cpu", **kw)
+    assert on_host.results == measure(loaded, texts[:12], **kw).results
+    assert on_host.config["state_device"] == "cpu"
+
+
+def test_a_state_follows_the_vectors_it_is_fed():
+    from repgeom_eval.spec.metric import LayerBatch
+    from repgeom_eval.spec.statistics import PooledGram
+
+    gram = PooledGram(unit=True).to("meta")  # any device other than the host: the states move, the values follow
+    gram.update(LayerBatch("x", torch.arange(3, device="meta"), pooled=torch.ones(3, 4, device="meta")))
+    assert gram.n.device.type == "meta" and all(r.device.type == "meta" for r in gram.rows)
