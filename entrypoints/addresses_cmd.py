@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from repgeom_eval.spec.option_fields import option_like
 from repgeom_eval.modeling.option_groups import JsonGroup, LayersGroup, ModelGroup
+from repgeom_eval.modeling.options import ModelOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.plugin_system.host import get_host
 
     cfg = AddressesCommand.from_args(args)
-    loaded = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    loaded = load_model(cfg.model, options=ModelOptions.of(cfg))
     layout = loaded.layout
     rows: list[tuple[str, object, str]] = []  # (address, site, meaning)
     if cfg.layers:

@@ -181,22 +181,10 @@ def _main(argv: Sequence[str] | None) -> int:
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0
-        from repgeom_eval.modeling.options import ModelOptions
-
         options_class = getattr(args, "_options_class", None)  # the command's configuration (option_fields.Options)
-        if options_class is not None:  # flags and --config FILE, validated before anything runs
-            options = ModelOptions.of(options_class.from_args(args))
-        else:
-            options = ModelOptions.from_namespace(args)  # a command with hand-made flags (defaults where it has none)
-        if options == ModelOptions() and "repgeom_eval.modeling.loading" not in sys.modules:
-            # With default options there is nothing to set, and nothing to import until something loads a model
-            # (and torch with it): `repgeom plugins` need not import the loader just to set them.
-            return int(args._run(args) or 0)
-        from repgeom_eval.modeling.loading import use_model_options
-
-        with use_model_options(options):
-            rc = args._run(args)
-        return int(rc or 0)
+        if options_class is not None:  # flags and --config FILE, validated once, before anything runs; the command
+            options_class.from_args(args)  # reads the same object (from_args builds it once per namespace)
+        return int(args._run(args) or 0)
     except RepgeomError as exc:
         if debug:
             raise

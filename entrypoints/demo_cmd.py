@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     texts = python_doc_paragraphs(cfg.n_texts)
     console.print(f"[bold]repgeom demo[/bold]: {Path(model).name} over {len(texts)} paragraphs of the Python docs "
                   f"(pydoc_data.topics), every hidden state, pooling=last")
-    loaded = load_model(model, dtype=cfg.dtype)  # once, for every step
+    loaded = load_model(model, options=ModelOptions.of(cfg))  # once, for every step
     result = measure(loaded, texts, layers="all", metrics=["dispersion", "token_dispersion"], pooling="last",
                      batch_size=cfg.batch_size, max_length=cfg.max_length, dtype=cfg.dtype,
                      progress=_progress(cfg))

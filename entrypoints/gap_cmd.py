@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         if len(models) < 2:
             raise RepgeomError("--scores needs at least 2 models to correlate G with accuracy")
         scores = match_scores(models, read_scores(cfg.scores), cfg.scores)
-    result = screen(models, GapConfig.of(cfg))
+    result = screen(models, GapConfig.of(cfg), trust_remote_code=cfg.trust_remote_code)
     result.config["scores"] = cfg.scores
     if scores is not None:
         for row in result.rows:

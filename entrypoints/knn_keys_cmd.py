@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import KnnKeysConfig
 from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     figures = plot_files(cfg, "knn_keys", [""])
     outputs = guard_outputs(cfg, {"--output": cfg.output, "--plot-dir": figures}, {"--data": cfg.data}, cfg.model)
     with commit_together(outputs):  # every output, or none
-        result = knn_keys(cfg.model, cfg.data, KnnKeysConfig.of(cfg))
+        result = knn_keys(cfg.model, cfg.data, KnnKeysConfig.of(cfg), model_options=ModelOptions.of(cfg))
         if cfg.output:
             result.write(cfg.output)
         if figures:

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import MISSING, dataclass
 
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import KnnlmConfig
 from repgeom_eval.spec.option_fields import option
 from repgeom_eval.modeling.option_groups import ModelGroup, OutputGroup
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = guard_outputs(cfg, {"--output": cfg.output, "--store-dir": store},
                             {"--datastore": cfg.datastore, "--eval": cfg.eval}, cfg.model)
     with commit_together(outputs):
-        result = knnlm(cfg.model, cfg.datastore, cfg.eval, KnnlmConfig.of(cfg))
+        result = knnlm(cfg.model, cfg.datastore, cfg.eval, KnnlmConfig.of(cfg), model_options=ModelOptions.of(cfg))
         if cfg.output:
             result.write(cfg.output)
     res = result.results

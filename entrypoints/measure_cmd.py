@@ -11,6 +11,7 @@ from repgeom_eval.measurement.config import RunConfig
 from repgeom_eval.measurement.estimate import parse_size
 from repgeom_eval.spec.option_fields import option, option_like
 from repgeom_eval.modeling.option_groups import DataGroup, JsonGroup, ModelGroup, OutputGroup
+from repgeom_eval.modeling.options import ModelOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +117,7 @@ def dry_run(cfg: MeasureCommand) -> None:
     from repgeom_eval.measurement.estimate import estimate, human
 
     config = RunConfig.of(cfg, per_text=bool(cfg.per_text_path))
-    est = estimate(cfg.model, config)
+    est = estimate(cfg.model, config, ModelOptions.of(cfg))
     if cfg.json:
         print(json.dumps(est.to_dict(), indent=2))
         return
@@ -144,7 +145,7 @@ def dry_run(cfg: MeasureCommand) -> None:
 def _check_budget(cfg: MeasureCommand) -> None:
     from repgeom_eval.measurement.estimate import check_budget, count_texts, estimate
 
-    est = estimate(cfg.model, RunConfig.of(cfg, per_text=bool(cfg.per_text_path)))
+    est = estimate(cfg.model, RunConfig.of(cfg, per_text=bool(cfg.per_text_path)), ModelOptions.of(cfg))
     check_budget(est, int(cfg.state_memory or 0), count_texts(cfg.data))
 
 
@@ -176,7 +177,7 @@ def _measure_one(cfg: MeasureCommand, print_json: bool = True) -> dict | None:
 
     config = RunConfig.of(cfg, per_text=bool(cfg.per_text_path))
     with commit_together([cfg.output, cfg.per_text_path, cfg.save_preprocess_stats]):  # all of them, or none
-        result = measure(cfg.model, cfg.data, config)
+        result = measure(cfg.model, cfg.data, config, model_options=ModelOptions.of(cfg))
         if not result.is_main:
             return None  # a rank > 0 of a distributed run: the merged results and the files belong to rank 0
         if cfg.output:

@@ -244,27 +244,26 @@ def _run(cfg: MtebRunCommand) -> int:
     from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.measurement.distributed import Distributed
     from repgeom_eval.modeling.loading import model_files
-    from repgeom_eval.mteb_layers import resolve_tasks, write_summary
+    from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
     from repgeom_eval.mteb_layers.metrics import check_metrics
-    from repgeom_eval.mteb_layers.preprocess import check_method
     from repgeom_eval.output.files import check_creatable_dir, check_outputs
     from repgeom_eval.output.progress import progress_mode
+    from repgeom_eval.modeling.addresses import check_request_syntax
+    from repgeom_eval.modeling.options import ModelOptions
+    from repgeom_eval.mteb_layers.config import SweepConfig
+    from repgeom_eval.plugin_system.host import get_host
 
     metric_params = dict(cfg.metric_params or {})
     metrics = check_metrics(_words(cfg.metrics) or (), metric_params)  # before tasks and model are loaded
-    check_method(cfg.preprocess, cfg.preprocess_stats)
-    from repgeom_eval.modeling.addresses import check_request_syntax, layer_request
-    from repgeom_eval.plugin_system.host import get_host
-
-    request = layer_request(cfg.layers)  # the one grammar of every surface (docs/metrics.md#layer-addresses)
-    if request.auto:
+    # the sweep's options, checked once, here, before tasks and model; run_layers takes the object as it is
+    sweep = SweepConfig.of(cfg, revision=cfg.record_revision or cfg.revision, metrics=metrics,
+                           metric_params=metric_params, layer_pick_params=dict(cfg.layer_pick_params or {}) or None)
+    if sweep.layers.auto:
         from repgeom_eval.spec.layer_pick import make_pick
 
         make_pick(cfg.layer_pick, cfg.layer_pick_params)  # an unknown rule or parameter: before tasks and model
     else:
-        if cfg.layer_pick or cfg.layer_pick_params:
-            raise RepgeomError("--layer-pick and --layer-pick-param need --layer auto")
-        _named(check_request_syntax, request, get_host().layer_selectors.names())  # before tasks and model
+        _named(check_request_syntax, sweep.layers, get_host().layer_selectors.names())  # before tasks and model
     if cfg.preprocess_stats and not Path(cfg.preprocess_stats).is_file():
         raise RepgeomError(f"preprocess statistics file {cfg.preprocess_stats!r} does not exist")
     out = check_creatable_dir(cfg.output_folder, "--output-folder")
@@ -284,7 +283,9 @@ def _run(cfg: MtebRunCommand) -> int:
     mine = [t for i, t in enumerate(tasks) if dist.owns(i)]
     mode = "never" if cfg.no_progress or not dist.is_main else cfg.progress
     with progress_mode(mode):  # the bars of mteb_layers take an on/off switch; the mode says bars or log lines
-        result = _run_layers(cfg, request, mine, out, dist, metrics, metric_params, progress=mode != "never")
+        result = run_layers(cfg.model, mine, sweep.replace(output_folder=str(out), device=dist.device(cfg.device),
+                                                           progress=mode != "never"),
+                            model_options=ModelOptions.of(cfg))
     parts = dist.gather((result.rows, result.forward_passes))
     dist.close()
     if parts is None:
@@ -345,16 +346,3 @@ def _named(check, *args):
     except RepgeomError as exc:
         raise RepgeomError(f"--layer: {exc}") from None
 
-
-def _run_layers(cfg, request, mine, out, dist, metrics, metric_params, progress: bool):
-    from repgeom_eval.mteb_layers import run_layers
-
-    return run_layers(
-        cfg.model, mine, request, pooling=cfg.pooling, normalize=cfg.normalize,
-        max_length=cfg.max_length, batch_size=cfg.batch_size, dtype=cfg.dtype, device=dist.device(cfg.device),
-        output_folder=str(out), overwrite_strategy=cfg.overwrite_strategy, name=cfg.name,
-        revision=cfg.record_revision or cfg.revision, co2_tracker=cfg.co2_tracker,
-        prediction_folder=cfg.prediction_folder, num_proc=cfg.num_proc, progress=progress,
-        metrics=metrics, metric_params=metric_params, seed=cfg.seed, preprocess=cfg.preprocess,
-        preprocess_stats=cfg.preprocess_stats, allow_other_stats=cfg.allow_other_stats,
-        layer_pick=cfg.layer_pick, layer_pick_params=dict(cfg.layer_pick_params or {}))

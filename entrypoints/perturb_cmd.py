@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import PerturbConfig
 from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
 
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     figures = plot_files(cfg, "perturb", [""])
     outputs = guard_outputs(cfg, {"--output": cfg.output, "--plot-dir": figures}, {"--data": cfg.data}, cfg.model)
     with commit_together(outputs):  # every output, or none
-        result = perturb(cfg.model, cfg.data, PerturbConfig.of(cfg, layers=cfg.layer_request))
+        result = perturb(cfg.model, cfg.data, PerturbConfig.of(cfg, layers=cfg.layer_request),
+                         model_options=ModelOptions.of(cfg))
         if cfg.output:
             result.write(cfg.output)
         if figures:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import PplBinsConfig
 from repgeom_eval.spec.option_fields import option_like
 from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = guard_outputs(cfg, {"--output": cfg.output, "--per-chunk": cfg.per_chunk_path, "--plot-dir": figures},
                             {"--data": cfg.data}, cfg.model)
     with commit_together(outputs):  # every output, or none
-        result = ppl_bins(cfg.model, cfg.data, PplBinsConfig.of(cfg))
+        result = ppl_bins(cfg.model, cfg.data, PplBinsConfig.of(cfg), model_options=ModelOptions.of(cfg))
         if not result.is_main:
             return 0  # a rank > 0 of a distributed run: rank 0 writes the merged result
         if cfg.output:

@@ -11,7 +11,7 @@ import pytest
 
 import repgeom_eval as rg
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.modeling.loading import load_model, use_model_options
+from repgeom_eval.modeling.loading import load_model
 from repgeom_eval.modeling.options import ModelOptions
 
 TEXTS = ["one short text", "and another one, longer than the first", "a third", "four is here, with a comma",
@@ -73,11 +73,11 @@ def test_mteb_sweep_with_disk_offload_equals_one_device(realistic, tmp_path):
     spec = build_tasks(pydoc_documents(), "pydoc", size="small", seed=0)["PydocSTS"]
     rows = []
     for options in (ModelOptions(), offloaded(tmp_path)):
-        with warnings.catch_warnings(), use_model_options(options):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = run_layers(realistic("llama"), [make_task({"name": "PydocSTS", **spec})], "all",
                                 pooling="mean", output_folder=None, progress=False, metrics=["dispersion"],
-                                batch_size=4)
+                                batch_size=4, model_options=options)
         rows.append({(row["layer"], k): v for row in result.rows for k, v in row.items()
                      if isinstance(v, float) and k != "layer"})
     assert rows[0].keys() == rows[1].keys() and rows[0]

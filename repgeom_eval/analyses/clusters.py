@@ -29,6 +29,7 @@ import torch
 
 from ..spec.errors import RepgeomError
 from ..functional.dispersion import dispersion, unit
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, load_documents, tokenize_documents
 from .knn_keys import last_token_vectors
@@ -107,6 +108,8 @@ def clusters(
     data: Any,
     config: ClustersConfig | None = None,
     /,
+    *,
+    model_options: ModelOptions | None = None,
     **options: Any,
 ) -> AnalysisResult:
     """Within/between-cluster distances at ``layers`` for every model in ``models`` (same contexts for all).
@@ -130,7 +133,8 @@ def clusters(
     per_model: dict[str, Any] = {}
     infos = []
     for label, model in zip(labels, models):
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+        loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype=dtype, device=device, options=model_options)
         check_context(context_len, loaded.info.max_positions)
         addrs = list(resolve_request(layers, loaded).addresses)
         if found is None:

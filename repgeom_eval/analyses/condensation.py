@@ -17,6 +17,7 @@ from typing import Any
 
 from ..spec.errors import RepgeomError
 from ..functional.condensation import CONDENSATION_EPS, DEFAULT_BINS  # noqa: F401 - re-exported
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.modeling.loading import LoadedModel
 from repgeom_eval.analyses.configs import CondensationConfig
 from repgeom_eval.analyses.envelope import AnalysisResult
@@ -36,6 +37,8 @@ def condensation(
     data: Any,
     config: CondensationConfig | None = None,
     /,
+    *,
+    model_options: ModelOptions | None = None,
     **options: Any,
 ) -> AnalysisResult:
     """Per-layer condensation of every model in ``models`` over the same texts; returns the ``condensation``
@@ -69,7 +72,7 @@ def condensation(
     for label, model in zip(labels, models):
         r = measure(model, texts, layers=layers, metrics=["condensation"], batch_size=batch_size,
                     max_length=max_length, dtype=dtype, device=device, progress=progress,
-                    metric_params={"condensation": {"bins": bins, "eps": eps}})
+                    metric_params={"condensation": {"bins": bins, "eps": eps}}, model_options=model_options)
         addrs = list(r.results)
         values = [r.results[a]["condensation"] for a in addrs]
         summary = r.summary.get("condensation") or {}

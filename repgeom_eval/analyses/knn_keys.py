@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.output.progress import progress_bar
 
 from ..spec.errors import RepgeomError
@@ -79,6 +80,8 @@ def knn_keys(
     data: str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document],
     config: KnnKeysConfig | None = None,
     /,
+    *,
+    model_options: ModelOptions | None = None,
     **options: Any,
 ) -> AnalysisResult:
     """Dispersion of last-token vectors at each candidate address; returns the ``knn-keys`` result.
@@ -93,7 +96,8 @@ def knn_keys(
         raise RepgeomError(f"sample sizes must be at least 2 (dispersion is a mean over pairs), got {list(ns)}")
     docs, data_path = load_documents(data, text_field, source_field="source")
     t0 = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    loaded = model if isinstance(model, LoadedModel) else load_model(
+        model, dtype=dtype, device=device, options=model_options)
     t_load = time.perf_counter() - t0
     check_context(chunk_len, loaded.info.max_positions)
     addrs = []

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.output.progress import progress_bar
 
 from ..spec.errors import RepgeomError
@@ -211,6 +212,8 @@ def knnlm(
     eval_data: Any,
     config: KnnlmConfig | None = None,
     /,
+    *,
+    model_options: ModelOptions | None = None,
     **options: Any,
 ) -> AnalysisResult:
     """Build a datastore per key address from ``datastore`` text, evaluate perplexity on ``eval_data`` with and
@@ -238,7 +241,8 @@ def knnlm(
     store_docs, store_path = load_documents(datastore, text_field)
     eval_docs, eval_path = load_documents(eval_data, text_field)
     t0 = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    loaded = model if isinstance(model, LoadedModel) else load_model(
+        model, dtype=dtype, device=device, options=model_options)
     t_load = time.perf_counter() - t0
     if not loaded.layout.causal:
         raise RepgeomError(f"a kNN-LM needs a causal language model; {loaded.info.name} is a "

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.output.progress import progress_bar
 
 from ..spec.errors import RepgeomError
@@ -88,6 +89,8 @@ def perturb(
     data: Any,
     config: PerturbConfig | None = None,
     /,
+    *,
+    model_options: ModelOptions | None = None,
     **options: Any,
 ) -> AnalysisResult:
     """Run the requested ``sweeps`` and return the ``perturb`` result (per sweep: values × addresses tables).
@@ -109,7 +112,8 @@ def perturb(
     if n_prompts < 1:
         raise RepgeomError(f"number of prompts must be positive, got {n_prompts}")
     docs, data_path = load_documents(data, text_field)
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    loaded = model if isinstance(model, LoadedModel) else load_model(
+        model, dtype=dtype, device=device, options=model_options)
     max_len = lengths[-1]
     if loaded.info.max_positions and max_len > loaded.info.max_positions:
         raise RepgeomError(f"prompt length {max_len} exceeds the model context of {loaded.info.max_positions} tokens; "

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.output.progress import progress_bar
 
 from ..spec.errors import RepgeomError
@@ -220,6 +221,8 @@ def ppl_bins(
     data: str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document],
     config: PplBinsConfig | None = None,
     /,
+    *,
+    model_options: ModelOptions | None = None,
     **options: Any,
 ) -> AnalysisResult:
     """Run the perplexity-vs-dispersion analysis (see the module docstring); returns the ``ppl-bins`` result.
@@ -232,8 +235,8 @@ def ppl_bins(
     docs, data_path = load_documents(data, cfg.text_field, cfg.source_field)
     dist = Distributed.from_env(device)  # torchrun / accelerate launch: chunks spread over ranks, rows merged on 0
     t0 = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=cfg.dtype,
-                                                                      device=dist.device(device))
+    loaded = model if isinstance(model, LoadedModel) else load_model(
+        model, options=model_options, dtype=cfg.dtype, device=dist.device(device))
     t_load = time.perf_counter() - t0
     check_context(chunk_len, loaded.info.max_positions)
     addrs = list(resolve_request(layers, loaded).addresses)

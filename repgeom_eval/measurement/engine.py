@@ -130,9 +130,9 @@ def _measure_loaded(model, tokenizer, model_options, config, host, source, dist,
     """Load ``model`` (unless loaded) and run :class:`MeasureRun` (the body of :func:`measure`)."""
     t0 = time.perf_counter()
     if isinstance(model, (str, Path)):
-        from repgeom_eval.modeling.loading import loading_policy
+        from repgeom_eval.modeling.options import ModelOptions
 
-        opts = (model_options or loading_policy()).replace(dtype=config.dtype, device=dist.device(config.device))
+        opts = (model_options or ModelOptions()).replace(dtype=config.dtype, device=dist.device(config.device))
         loaded = load_model(str(model), host=host, options=opts)
     else:
         loaded = as_loaded(model, tokenizer, host=host)

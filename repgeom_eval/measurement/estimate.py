@@ -128,12 +128,12 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
     from repgeom_eval.measurement.metric_specs import instantiate_metrics, share_statistics
     from repgeom_eval.measurement.states import ENERGY_TOP, energy_metric
     from repgeom_eval.modeling.addresses import parse_request
-    from repgeom_eval.modeling.loading import (ModelInfo, auto_class, loading_policy, locate_model, resolve_device,
-                                               resolve_dtype)
+    from repgeom_eval.modeling.loading import ModelInfo, auto_class, locate_model, resolve_device, resolve_dtype
+    from repgeom_eval.modeling.options import ModelOptions
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()
-    opts = (options or loading_policy()).replace(dtype=run.dtype, device=run.device)
+    opts = (options or ModelOptions()).replace(dtype=run.dtype, device=run.device)
     device = resolve_device(opts.device_map and "cpu" or opts.device)
     dtype = resolve_dtype(opts.dtype, device)
     target, extra, source = locate_model(str(model))

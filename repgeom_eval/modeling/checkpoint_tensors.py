@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from repgeom_eval.spec.errors import RepgeomError, first_line
-from repgeom_eval.modeling.loading import loading_policy, locate_model
+from repgeom_eval.modeling.loading import locate_model
 
 # Output-embedding tensor names of checkpoints whose keys predate the model class (tried last, shape-checked).
 _LEGACY_OUTPUT_NAMES = ("lm_head.weight", "embed_out.weight", "output.weight")
@@ -104,7 +104,7 @@ def locate_checkpoint(model: str) -> tuple[Path, dict[str, Any], str]:
     return Path(snapshot), {}, "directory"
 
 
-def load_tokenizer(model: str) -> Any:
+def load_tokenizer(model: str, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a model directory, .gguf file or cached hub id (no weights are read)."""
     import transformers
     from transformers import AutoTokenizer
@@ -115,7 +115,7 @@ def load_tokenizer(model: str) -> Any:
             warnings.simplefilter("ignore")
             transformers.logging.set_verbosity_error()
             return AutoTokenizer.from_pretrained(str(directory), **extra,
-                                                 trust_remote_code=loading_policy().trust_remote_code)
+                                                 trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError, TypeError) as exc:
         raise RepgeomError(f"cannot load the tokenizer of model {model!r}: {first_line(exc)}") from None
     finally:
@@ -282,13 +282,13 @@ def _runs(sorted_ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _open_safetensors(name: str, directory: Path) -> OutputEmbeddings:
+def _open_safetensors(name: str, directory: Path, trust_remote_code: bool = False) -> OutputEmbeddings:
     from safetensors import safe_open
     from transformers import AutoConfig
 
     layout = _safetensors_layout(directory, name)
     try:
-        config = AutoConfig.from_pretrained(str(directory), trust_remote_code=loading_policy().trust_remote_code)
+        config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise RepgeomError(f"cannot read the model config of {name!r}: {first_line(exc)}") from None
     try:
@@ -380,20 +380,21 @@ def _open_gguf(name: str, path: Path) -> OutputEmbeddings:
 # -- the entry points --------------------------------------------------------------------------------------------------
 
 
-def open_output_embeddings(model: str | os.PathLike) -> OutputEmbeddings:
-    """Locate the output-embedding tensor of a checkpoint without loading it (see :func:`read_output_embeddings`)."""
+def open_output_embeddings(model: str | os.PathLike, trust_remote_code: bool = False) -> OutputEmbeddings:
+    """Locate the output-embedding tensor of a checkpoint without loading it (see :func:`read_output_embeddings`);
+    ``trust_remote_code`` lets transformers read a config class the checkpoint brings (its code is not run)."""
     name = str(model)
     t0 = time.perf_counter()
     directory, extra, source = locate_checkpoint(name)
     if source == "gguf":
         src = _open_gguf(name, directory / extra["gguf_file"])
     else:
-        src = _open_safetensors(name, directory)
+        src = _open_safetensors(name, directory, trust_remote_code)
     src.info.read_s = time.perf_counter() - t0
     return src
 
 
-def read_output_embeddings(model: str | os.PathLike) -> tuple[torch.Tensor, EmbeddingInfo]:
+def read_output_embeddings(model: str | os.PathLike, trust_remote_code: bool = False) -> tuple[torch.Tensor, EmbeddingInfo]:
     """The output-embedding matrix W [V, d] of a checkpoint, read alone (no model load, no forward pass).
 
     ``model`` is a local model directory with safetensors weights (single file or sharded), a ``.gguf`` file, or a
@@ -403,7 +404,7 @@ def read_output_embeddings(model: str | os.PathLike) -> tuple[torch.Tensor, Embe
     transformers' checkpoint-key renames, then legacy names; the shape must match.
     """
     t0 = time.perf_counter()
-    src = open_output_embeddings(model)
+    src = open_output_embeddings(model, trust_remote_code)
     W = src.full()
     src.info.read_s = time.perf_counter() - t0
     return W, src.info

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import re
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,8 @@ from repgeom_eval.modeling.layout import Layout
 from repgeom_eval.modeling.weights_check import check_loading_report, check_safetensors
 from repgeom_eval.modeling.options import ModelOptions
 
-__all__ = ["LoadedModel", "ModelInfo", "ModelOptions", "auto_class", "load_model", "loading_policy",
-           "locate_model", "model_files", "use_model_options", "wrap_model"]
+__all__ = ["LoadedModel", "ModelInfo", "ModelOptions", "auto_class", "load_model",
+           "locate_model", "model_files", "wrap_model"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,26 +83,6 @@ class LoadedModel:
             raise RepgeomError(f"{what} needs next-token logits, but model {self.info.name!r} lacks the tensors "
                                f"{shown} in its checkpoint, so its logits would be random; save the model with "
                                "its language-model head")
-
-
-_POLICY: list[ModelOptions] = [ModelOptions()]
-
-
-def loading_policy() -> ModelOptions:
-    """The model options in force (set by the CLI from the command's flags; see :func:`use_model_options`)."""
-    return _POLICY[-1]
-
-
-@contextlib.contextmanager
-def use_model_options(options: ModelOptions) -> Iterator[ModelOptions]:
-    """Within the block, :func:`load_model` (and the tokenizer reads of ``gap``) follow ``options``."""
-    _POLICY.append(options)
-    try:
-        yield options
-    finally:
-        _POLICY.pop()
-
-
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -189,8 +168,7 @@ def load_model(
     """Load model + tokenizer, find and check its layers (:mod:`~repgeom_eval.modeling.discovery`), put the model in
     eval mode on its device.
 
-    ``options`` (a :class:`~repgeom_eval.modeling.options.ModelOptions`; default: the options in force,
-    :func:`loading_policy`) say how: revision, dtype, device or device map, remote code, random initialisation, a
+    ``options`` (a :class:`~repgeom_eval.modeling.options.ModelOptions`; default: its defaults) say how: revision, dtype, device or device map, remote code, random initialisation, a
     PEFT adapter, quantization, other ``from_pretrained`` keywords; ``dtype`` and ``device``, when given, win.
 
     The checkpoint is measured as saved or refused: tensors that the measured hidden states read but the files lack,
@@ -206,7 +184,7 @@ def load_model(
 
     host = host or get_host()
     t_read = time.perf_counter()
-    opts = (options or loading_policy()).replace(dtype=dtype, device=device)
+    opts = (options or ModelOptions()).replace(dtype=dtype, device=device)
     dev = resolve_device(opts.device)
     torch_dtype = resolve_dtype(opts.dtype, dev)
     target, extra, source = locate_model(name)

@@ -4,8 +4,9 @@ The fields carry their command-line flags (``--revision``, ``--dtype``, ``--devi
 ``--trust-remote-code``, ``--allow-random-init``, ``--peft``, ``--quantization``), named after the
 ``--model_args`` keys lm-eval users know. Every command that loads a model composes its configuration with this group
 (with ``--model``: repgeom_eval/modeling/option_groups.py); the CLI takes the group out of the command's configuration
-(:meth:`~repgeom_eval.spec.option_fields.Options.of`) and :func:`repgeom_eval.modeling.loading.load_model` follows it
-(``use_model_options``); from Python, pass one as ``load_model(name, options=ModelOptions(...))``. Torch-free, so
+(:meth:`~repgeom_eval.spec.option_fields.Options.of`) and passes it on, as an argument, down to
+:func:`repgeom_eval.modeling.loading.load_model`; from Python, pass one as
+``load_model(name, options=ModelOptions(...))`` (or ``model_options=`` to ``measure``, ``run_layers`` and the analyses). Torch-free, so
 that ``--help`` stays instant.
 """
 

@@ -74,7 +74,8 @@ class LayerEmbedder:
 
     def __init__(self, model: Any, *, pooling: str = "auto", normalize: bool | None = None,
                  max_length: int | None = None, dtype: str | torch.dtype | None = "auto",
-                 device: str | torch.device | None = "cpu", host: PluginHost | None = None, tokenizer: Any = None):
+                 device: str | torch.device | None = "cpu", host: PluginHost | None = None, tokenizer: Any = None,
+                 model_options: Any = None):
         self.host = host or get_host()
         if pooling not in POOLING_CHOICES:
             raise RepgeomError(f"unknown pooling {pooling!r} (valid: {', '.join(POOLING_CHOICES)})")
@@ -93,7 +94,7 @@ class LayerEmbedder:
                     raise RepgeomError(f"{model!r} keeps its Hugging Face model in the sub-folder "
                                        f"{self.st.transformer_path!r}; download it and pass the local folder")
                 target = str(Path(model).expanduser() / self.st.transformer_path)
-            self.loaded = load_model(target, dtype=dtype, device=device, host=self.host)
+            self.loaded = load_model(target, dtype=dtype, device=device, host=self.host, options=model_options)
         if pooling == "st" and self.st is None:
             raise RepgeomError(f"--pooling st: {self.source!r} is not a sentence-transformers model (no modules.json "
                                "with a Pooling module); use mean, last or cls")

@@ -297,10 +297,11 @@ class AutoLayerEncoder(LayerEncoder):
 def layer_encoder(model: Any, layer: str | int = "final", *, pooling: str = "auto", normalize: bool | None = None,
                   max_length: int | None = None, dtype: str = "auto", device: str | None = "cpu",
                   name: str | None = None, revision: str | None = None, tokenizer: Any = None,
-                  layer_pick: str | None = None, layer_pick_params: dict[str, Any] | None = None) -> LayerEncoder:
-    """An mteb encoder for one layer of ``model``: a hub id, local folder, sentence-transformers folder or .gguf file,
-    or a model in memory (a ``SentenceTransformer``, with its own pooling; a transformers model with its
-    ``tokenizer``; a PEFT model). ``layer="auto"``: a layer picked per task by the rule ``layer_pick`` (default
+                  layer_pick: str | None = None, layer_pick_params: dict[str, Any] | None = None,
+                  model_options: Any = None) -> LayerEncoder:
+    """An mteb encoder for one layer of ``model``: a hub id, local folder, sentence-transformers folder or .gguf file
+    (loaded with ``model_options``, a :class:`~repgeom_eval.modeling.options.ModelOptions`), or a model in memory (a
+    ``SentenceTransformer``, with its own pooling; a transformers model with its ``tokenizer``; a PEFT model). ``layer="auto"``: a layer picked per task by the rule ``layer_pick`` (default
     ``min_dataset_entropy``) with ``layer_pick_params``, on the texts of the task's first encode call."""
     from .pick import is_auto
 
@@ -309,12 +310,12 @@ def layer_encoder(model: Any, layer: str | int = "final", *, pooling: str = "aut
 
         rule = make_pick(layer_pick, layer_pick_params)  # an unknown rule fails before the model loads
         embedder = LayerEmbedder(model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype,
-                                 device=device or "cpu", tokenizer=tokenizer)
+                                 device=device or "cpu", tokenizer=tokenizer, model_options=model_options)
         return AutoLayerEncoder(LayerSweep(embedder, embedder.addresses("all")), rule, name=name, revision=revision)
     if layer_pick or layer_pick_params:
         raise RepgeomError("a layer-pick rule needs layer='auto'")
     embedder = LayerEmbedder(model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype,
-                             device=device or "cpu", tokenizer=tokenizer)
+                             device=device or "cpu", tokenizer=tokenizer, model_options=model_options)
     addresses = embedder.addresses(layer)
     if len(addresses) != 1:
         raise RepgeomError(f"layer {layer!r} names {len(addresses)} addresses; an encoder embeds with one "

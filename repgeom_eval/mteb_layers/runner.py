@@ -27,15 +27,18 @@ from mteb.evaluate import OverwriteStrategy
 from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lines: --progress
 
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.modeling.addresses import LayerRequest, layer_request
+from repgeom_eval.modeling.addresses import LayerRequest
 from repgeom_eval.modeling.loading import LoadedModel
 
+from repgeom_eval.modeling.options import ModelOptions
+
+from .config import SweepConfig
 from .embedder import LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep
 from .geometry import GEOMETRY_KEYS, MASSIVE_KEYS, WARNINGS_KEY, ZERO_KEY, attach_geometry, sweep_warning
 from .metrics import SweepMetrics, check_metrics, metric_keys
 from .pick import PICK_KEY, pick_layer, role
-from .preprocess import PREPROCESS_KEY, check_method, file_digest, fit_on_texts, load_stats_file, record, task_texts
+from .preprocess import PREPROCESS_KEY, file_digest, fit_on_texts, load_stats_file, record, task_texts
 from .tasks import load_tasks_file
 
 
@@ -156,37 +159,23 @@ def _rows(result: Any, task: Any, encoder: LayerEncoder) -> list[dict[str, Any]]
 def run_layers(
     model: str | LoadedModel | LayerEmbedder,
     tasks: Sequence[Any],
-    layers: str | int | LayerRequest | Sequence[str | int] = "final",
+    config: SweepConfig | str | int | LayerRequest | Sequence[str | int] | None = None,
+    /,
     *,
-    pooling: str = "auto",
-    normalize: bool | None = None,
-    max_length: int | None = None,
-    batch_size: int = 32,
-    dtype: str = "auto",
-    device: str = "cpu",
-    output_folder: str | Path | None = "results",
-    overwrite_strategy: str = "only-missing",
-    name: str | None = None,
-    revision: str | None = None,
-    co2_tracker: bool = False,
-    prediction_folder: str | Path | None = None,
-    num_proc: int | None = None,
-    progress: bool = True,
-    metrics: str | Sequence[str] | None = None,
-    metric_params: dict[str, dict[str, Any]] | None = None,
-    seed: int = 0,
-    preprocess: str = "none",
-    preprocess_stats: str | Path | None = None,
-    allow_other_stats: bool = False,
     tokenizer: Any = None,
-    layer_pick: str | None = None,
-    layer_pick_params: dict[str, Any] | None = None,
     host: Any = None,
+    model_options: ModelOptions | None = None,
+    **options: Any,
 ) -> SweepResult:
     """Evaluate ``model`` at every address of ``layers`` on ``tasks`` (instances, or names for
     :func:`resolve_tasks`), with ``repgeom_*`` geometry next to each score, cached in ``output_folder`` (mteb's
     cache layout; ``None`` = no cache). ``model`` may also be a model in memory (a ``SentenceTransformer``, or a
-    transformers model with its ``tokenizer``).
+    transformers model with its ``tokenizer``); a name is loaded with ``model_options`` (revision, remote code, device
+    map ...; ``dtype`` and ``device`` of the sweep win).
+
+    The options are a :class:`~repgeom_eval.mteb_layers.config.SweepConfig`, given whole as ``config`` or as
+    keywords (``pooling="mean"``, ``batch_size=8``, ...); a layer request in its place is its ``layers``
+    (``run_layers(model, tasks, "all", pooling="mean")``).
 
     ``metrics``: registered metric names computed at every layer from the sweep's forward passes and written next to
     each score as ``repgeom.<metric>[.<sub>]`` (:mod:`repgeom_eval.mteb_layers.metrics`); ``metric_params``:
@@ -205,55 +194,49 @@ def run_layers(
     row, and ``SweepResult.picks``) records the choice, the rule and every layer's score (docs/picks.md).
     ``host``: the plugin host that provides the rules and the model's architecture (default: the process's)."""
     t_start = time.perf_counter()
-    try:
-        strategy = OverwriteStrategy.from_str(overwrite_strategy)
-    except (KeyError, ValueError):
-        raise RepgeomError(f"unknown overwrite strategy {overwrite_strategy!r} (valid: "
-                           f"{', '.join(s.value for s in OverwriteStrategy)})") from None
-    if batch_size < 1:
-        raise RepgeomError(f"batch size must be positive, got {batch_size}")
-    metric_names = check_metrics(metrics or (), metric_params)  # unknown names fail before the model loads
+    if config is not None and not isinstance(config, SweepConfig):
+        options, config = {"layers": config, **options}, None
+    cfg = SweepConfig.build(config, options)  # every option checked once, before anything loads
+    strategy = OverwriteStrategy.from_str(cfg.overwrite_strategy)
+    metric_names = check_metrics(cfg.metrics or (), cfg.metric_params)  # unknown names fail before the model loads
     rule = None
-    request = layer_request(layers)  # the one grammar (docs/metrics.md#layer-addresses): "resid_post:[0,1]" is 2 layers
+    request = cfg.layers
     if request.auto:
         from repgeom_eval.spec.layer_pick import make_pick
 
-        rule = make_pick(layer_pick, layer_pick_params, host)  # an unknown rule or parameter, before the model loads
-    elif layer_pick or layer_pick_params:
-        raise RepgeomError("a layer-pick rule (--layer-pick, --layer-pick-param) needs --layer auto")
-    check_method(preprocess, preprocess_stats)
+        rule = make_pick(cfg.layer_pick, cfg.layer_pick_params, host)  # an unknown rule or parameter: before loading
     task_list = [t for t in tasks if not isinstance(t, str)] + (
         resolve_tasks([t for t in tasks if isinstance(t, str)]) if any(isinstance(t, str) for t in tasks) else [])
     embedder = model if isinstance(model, LayerEmbedder) else LayerEmbedder(
-        model, pooling=pooling, normalize=normalize, max_length=max_length, dtype=dtype, device=device,
-        tokenizer=tokenizer, host=host)
+        model, pooling=cfg.pooling, normalize=cfg.normalize, max_length=cfg.max_length, dtype=cfg.dtype,
+        device=cfg.device, tokenizer=tokenizer, host=host, model_options=model_options)
     addresses = embedder.addresses("all" if rule is not None else request)
     file_prep, file_sha = None, None
-    if preprocess != "none" and preprocess_stats:
-        file_prep = load_stats_file(preprocess_stats, preprocess, embedder, addresses, allow_other_stats)
-        file_sha = file_digest(preprocess_stats)
+    if cfg.preprocess != "none" and cfg.preprocess_stats:
+        file_prep = load_stats_file(cfg.preprocess_stats, cfg.preprocess, embedder, addresses, cfg.allow_other_stats)
+        file_sha = file_digest(cfg.preprocess_stats)
     embedder.recipe = dataclasses.replace(
-        embedder.recipe, preprocess=preprocess,
-        preprocess_stats=None if preprocess == "none" else f"file-{file_sha[:16]}" if file_sha else "task")
-    sweep_metrics = SweepMetrics(metric_names, addresses, params=metric_params, pooling=embedder.recipe.pooling,
-                                 seed=seed) if metric_names else None
+        embedder.recipe, preprocess=cfg.preprocess,
+        preprocess_stats=None if cfg.preprocess == "none" else f"file-{file_sha[:16]}" if file_sha else "task")
+    sweep_metrics = SweepMetrics(metric_names, addresses, params=cfg.metric_params, pooling=embedder.recipe.pooling,
+                                 seed=cfg.seed) if metric_names else None
     if sweep_metrics is not None:
-        sweep_metrics.progress = progress
-    sweep = LayerSweep(embedder, addresses, progress=progress, metrics=sweep_metrics)
+        sweep_metrics.progress = cfg.progress
+    sweep = LayerSweep(embedder, addresses, progress=cfg.progress, metrics=sweep_metrics)
     if file_prep is not None:
         sweep.prep = file_prep
-        sweep.prep_record = record(preprocess, "file", file=str(preprocess_stats), sha256=file_sha,
+        sweep.prep_record = record(cfg.preprocess, "file", file=str(cfg.preprocess_stats), sha256=file_sha,
                                    pooling=embedder.recipe.pooling,
                                    accepted_from_other_model=file_prep.accepted_from_other_model)
-    encoders = {a: sweep.encoder(a, name=name, revision=revision) for a in addresses}
+    encoders = {a: sweep.encoder(a, name=cfg.name, revision=cfg.revision) for a in addresses}
     first = encoders[addresses[0]]
-    cache = mteb.ResultCache(output_folder) if output_folder is not None else None
+    cache = mteb.ResultCache(cfg.output_folder) if cfg.output_folder is not None else None
     out = SweepResult(model=first.name, revision=first.revision, layers=[str(a) for a in addresses],
-                      output_folder=str(output_folder) if output_folder is not None else None,
+                      output_folder=str(cfg.output_folder) if cfg.output_folder is not None else None,
                       layer_request=request.record())
-    encode_kwargs = {"batch_size": batch_size, "show_progress_bar": False}
+    encode_kwargs = {"batch_size": cfg.batch_size, "show_progress_bar": False}
     bar = tqdm(total=len(task_list) * (len(addresses) if rule is None else 2), unit="layer", desc="mteb",
-               disable=not progress)
+               disable=not cfg.progress)
     datasets_bars = not datasets.utils.are_progress_bars_disabled()
     datasets.utils.disable_progress_bars()  # one bar per row of mteb's preprocessing is noise; ours says enough
     try:
@@ -264,11 +247,11 @@ def run_layers(
                 loaded_here = not task.data_loaded
                 if loaded_here:
                     bar.set_description(f"{task.metadata.name} · loading data")
-                    _load(task, num_proc)
+                    _load(task, cfg.num_proc)
                 bar.set_description(f"{task.metadata.name} · layer pick")
                 _reseed(task)
                 texts = task_texts(task, first.mteb_model_meta, embedder, encode_kwargs)
-                picked = pick_layer(embedder, rule, texts, batch_size, progress=progress, host=host,
+                picked = pick_layer(embedder, rule, texts, cfg.batch_size, progress=cfg.progress, host=host,
                                     texts_note="every distinct text the task's evaluation embeds (all evaluated "
                                                "splits)")
                 sweep.forward_passes += 1
@@ -294,20 +277,21 @@ def run_layers(
                                           and strategy != OverwriteStrategy.ONLY_CACHE)
             if loaded_here:
                 bar.set_description(f"{task.metadata.name} · loading data")
-                _load(task, num_proc)
+                _load(task, cfg.num_proc)
             sweep.active = list(todo)
-            if picked is not None and preprocess == "none":  # the pick's pass answers the evaluations
+            if picked is not None and cfg.preprocess == "none":  # the pick's pass answers the evaluations
                 sweep.set_pooled(texts, {a: picked.pooled[a] for a in task_addresses})
-            if preprocess != "none" and file_prep is None:
+            if cfg.preprocess != "none" and file_prep is None:
                 sweep.prep = sweep.prep_record = None
                 if todo:  # statistics from the task's own texts: a dry run lists them, one pass embeds them
                     bar.set_description(f"{task.metadata.name} · preprocess statistics")
                     _reseed(task)
                     texts = task_texts(task, first.mteb_model_meta, embedder, encode_kwargs)
-                    sweep.prep, pooled = fit_on_texts(embedder, texts, todo, preprocess, batch_size, progress)
+                    sweep.prep, pooled = fit_on_texts(embedder, texts, todo, cfg.preprocess, cfg.batch_size,
+                                                      cfg.progress)
                     sweep.forward_passes += 1
                     sweep.set_pooled(texts, pooled)
-                    sweep.prep_record = record(preprocess, "task", n_texts=len(texts),
+                    sweep.prep_record = record(cfg.preprocess, "task", n_texts=len(texts),
                                                pooling=embedder.recipe.pooling)
             sweep.said = []
             try:
@@ -318,15 +302,15 @@ def run_layers(
                         result = mteb.evaluate(
                             encoders[addr], task, cache=cache,
                             overwrite_strategy=OverwriteStrategy.ALWAYS if addr in rerun else strategy,
-                            encode_kwargs=dict(encode_kwargs), show_progress_bar=False, co2_tracker=co2_tracker,
-                            prediction_folder=layer_predictions(prediction_folder, encoders[addr]),
-                            num_proc=num_proc)
+                            encode_kwargs=dict(encode_kwargs), show_progress_bar=False, co2_tracker=cfg.co2_tracker,
+                            prediction_folder=layer_predictions(cfg.prediction_folder, encoders[addr]),
+                            num_proc=cfg.num_proc)
                     except ValueError as exc:  # mteb's refusals (only-cache / never with missing results)
                         raise RepgeomError(f"{task.metadata.name} at {addr}: {exc}") from None
                     except OSError as exc:  # a full disk or a read-only cache while mteb writes its results
                         from repgeom_eval.output.files import write_error
 
-                        where = exc.filename or output_folder or prediction_folder or "the mteb cache"
+                        where = exc.filename or cfg.output_folder or cfg.prediction_folder or "the mteb cache"
                         clean = write_error(where, exc)
                         if clean is None:
                             raise

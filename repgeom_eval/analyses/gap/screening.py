@@ -86,13 +86,14 @@ def degenerate_rows(model: str, W: Any, T_pos: Sequence[int], Tbar_pos: Sequence
 
 
 def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: Any = None,
-           **options: Any) -> GapResult:
+           trust_remote_code: bool = False, **options: Any) -> GapResult:
     """Rank checkpoints by the dispersion gap G of their output projection (highest first).
 
     Reads each model's tokenizer, refuses models whose vocabularies differ (G compares models only within one
     tokenizer, paper A Limitations) unless ``force``, then per model reads W alone, resolves T (``domain``) and T̄
     (``reference``, excluding T) and computes within(T), within(T̄), between and G. The options: a
-    :class:`~repgeom_eval.analyses.configs.GapConfig`, or its fields as keywords.
+    :class:`~repgeom_eval.analyses.configs.GapConfig`, or its fields as keywords. ``trust_remote_code`` lets
+    transformers read config and tokenizer classes a checkpoint brings.
     """
     cfg = GapConfig.build(config, options)
     domain, reference, distance, seed, size, force = (cfg.domain, cfg.reference, cfg.distance, cfg.seed, cfg.size,
@@ -117,7 +118,7 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
     tok_s: dict[str, float] = {}
     for m in models:
         t0 = time.perf_counter()
-        tokenizers[m] = load_tokenizer(m)
+        tokenizers[m] = load_tokenizer(m, trust_remote_code)
         tok_s[m] = time.perf_counter() - t0
     first = models[0]
     differences = []
@@ -142,7 +143,7 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
     config_sets: dict[str, Any] = {}
     for m in models:
         t0 = time.perf_counter()
-        source = open_output_embeddings(m)
+        source = open_output_embeddings(m, trust_remote_code)
         info = source.info
         t1 = time.perf_counter()
         vocab = Vocabulary(tokenizers[m], n_rows=info.shape[0])
