@@ -171,7 +171,7 @@ def test_statistics_file_from_measure(tiny_model_dir, tmp_path, scored):
 
 def test_errors(tiny_model_dir, tmp_path, capsys):
     model = tiny_model_dir("gpt2")
-    with pytest.raises(RepgeomError, match="unknown preprocess 'zscore'"):
+    with pytest.raises(RepgeomError, match=r"preprocess: unknown value 'zscore' \(valid: none, center"):
         run_layers(model, [sts_task()], "final", preprocess="zscore", output_folder=None, progress=False)
     with pytest.raises(RepgeomError, match="--preprocess-stats has no effect without preprocessing"):
         run_layers(model, [sts_task()], "final", preprocess_stats="x.safetensors", output_folder=None,
