@@ -10,7 +10,7 @@ from repgeom_eval.analyses.configs import ClustersConfig
 from repgeom_eval.spec.option_fields import option_like
 from repgeom_eval.modeling.option_groups import DataGroup, ModelsGroup, PlotsGroup
 
-from .common import guard_outputs, plot_dir, plot_files, wide_console
+from .common import run_analysis, say_written, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,21 +30,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from repgeom_eval.analyses.clusters import clusters
-    from repgeom_eval.analyses.plots import figure_clusters, save_png
+    from repgeom_eval.analyses.plots import figure_clusters
     from repgeom_eval.output.console import fmt_number
-    from repgeom_eval.output.files import commit_together
 
     cfg = ClustersCommand.from_args(args)
-    figures = plot_files(cfg, "clusters", [""])
-    outputs = guard_outputs(cfg, {"--output": cfg.output, "--plot-dir": figures}, {"--data": cfg.data}, cfg.model)
-    with commit_together(outputs):  # every output, or none
-        result = clusters(list(cfg.model), cfg.data, ClustersConfig.of(cfg, layers=cfg.layer_request),
-                          model_options=ModelOptions.of(cfg))
-        if cfg.output:
-            result.write(cfg.output)
-        if figures:
-            plot_dir(cfg)
-            save_png(figure_clusters(result.to_dict()), figures[0])
+    result, figures = run_analysis(
+        cfg, lambda: clusters(list(cfg.model), cfg.data, ClustersConfig.of(cfg, layers=cfg.layer_request),
+                             model_options=ModelOptions.of(cfg)),
+        "clusters", {"": figure_clusters})
     console = wide_console()
     res = result.results
     table = Table(title=escape(f"{len(res['clusters'])} clusters · {result.data['n_contexts']} contexts · "
@@ -58,8 +51,5 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(escape(label) if i == 0 else "", escape(a),
                           *[fmt_number(m[key][i]) for key in ("within", "between", "ratio")])
     console.print(table)
-    for path in figures:
-        console.print(f"plot:    {escape(str(path))}", soft_wrap=True)
-    if cfg.output:
-        console.print(f"results: {escape(cfg.output)}", soft_wrap=True)
+    say_written(console, cfg, figures)
     return 0

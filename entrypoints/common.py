@@ -56,3 +56,43 @@ def wide_console(minimum: int = 100):
     from rich.console import Console
 
     return Console(width=max(Console().width, minimum))
+
+
+def run_analysis(cfg: Any, compute: Any, default_stem: str, figures: dict[str, Any] | None = None,
+                 inputs: dict | None = None, outputs: dict | None = None) -> tuple[Any, list[Path]]:
+    """The body every analysis command shares: name its figure files (``STEM{suffix}.png`` for each ``suffix →
+    make(result_dict)`` of ``figures``), guard every output against the inputs (default ``{"--data": cfg.data}``),
+    then run ``compute()`` and write the result and its figures together, all of them or none. ``outputs``: more
+    output flags than ``--output`` (e.g. ``--per-chunk``). Returns the result (None on a rank > 0 of a distributed
+    run: rank 0 writes the merged one) and the figure files."""
+    from repgeom_eval.output.files import commit_together
+
+    files = plot_files(cfg, default_stem, list(figures)) if figures else []
+    flags = {"--output": cfg.output, **(outputs or {})}
+    if figures:
+        flags["--plot-dir"] = files
+    paths = guard_outputs(cfg, flags, inputs if inputs is not None else {"--data": cfg.data}, cfg.model)
+    with commit_together(paths):  # every output, or none
+        result = compute()
+        if not getattr(result, "is_main", True):
+            return None, files
+        if cfg.output:
+            result.write(cfg.output)
+        if files:
+            from repgeom_eval.analyses.plots import save_png
+
+            plot_dir(cfg)  # creates --plot-dir
+            as_dict = result.to_dict()
+            for path, make in zip(files, figures.values()):  # type: ignore[union-attr]
+                save_png(make(as_dict), path)
+    return result, files
+
+
+def say_written(console: Any, cfg: Any, figures: list[Path]) -> None:
+    """The files an analysis command wrote: its figures, then its results."""
+    from rich.markup import escape
+
+    for path in figures:
+        console.print(f"plot:    {escape(str(path))}", soft_wrap=True)
+    if cfg.output:
+        console.print(f"results: {escape(cfg.output)}", soft_wrap=True)

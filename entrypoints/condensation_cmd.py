@@ -9,7 +9,7 @@ from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import CondensationConfig
 from repgeom_eval.modeling.option_groups import DataGroup, ModelsGroup, PlotsGroup
 
-from .common import guard_outputs, plot_dir, plot_files, wide_console
+from .common import run_analysis, say_written, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,21 +26,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from repgeom_eval.analyses.condensation import condensation
-    from repgeom_eval.analyses.plots import figure_condensation, save_png
+    from repgeom_eval.analyses.plots import figure_condensation
     from repgeom_eval.output.console import fmt_number
-    from repgeom_eval.output.files import commit_together
 
     cfg = CondensationCommand.from_args(args)
-    figures = plot_files(cfg, "condensation", [""])
-    outputs = guard_outputs(cfg, {"--output": cfg.output, "--plot-dir": figures}, {"--data": cfg.data}, cfg.model)
-    with commit_together(outputs):  # every output, or none
-        result = condensation(list(cfg.model), cfg.data, CondensationConfig.of(cfg, layers=cfg.layer_request),
-                              model_options=ModelOptions.of(cfg))
-        if cfg.output:
-            result.write(cfg.output)
-        if figures:
-            plot_dir(cfg)
-            save_png(figure_condensation(result.to_dict()), figures[0])
+    result, figures = run_analysis(
+        cfg, lambda: condensation(list(cfg.model), cfg.data, CondensationConfig.of(cfg, layers=cfg.layer_request),
+                                 model_options=ModelOptions.of(cfg)),
+        "condensation", {"": figure_condensation})
     console = wide_console()
     table = Table(title=escape(f"embedding condensation · {result.data['n_texts']} texts · mean token cosine"))
     table.add_column("model", style="bold")
@@ -51,8 +44,5 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(escape(label), *[fmt_number(x, 3) for x in (v[0], min(v), max(v), v[-1], m["spearman"],
                                                                   m["kendall"])])
     console.print(table)
-    for path in figures:
-        console.print(f"plot:    {escape(str(path))}", soft_wrap=True)
-    if cfg.output:
-        console.print(f"results: {escape(cfg.output)}", soft_wrap=True)
+    say_written(console, cfg, figures)
     return 0

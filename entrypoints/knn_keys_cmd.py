@@ -9,7 +9,7 @@ from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import KnnKeysConfig
 from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
 
-from .common import guard_outputs, plot_dir, plot_files, wide_console
+from .common import run_analysis, say_written, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,19 +26,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from repgeom_eval.analyses.knn_keys import knn_keys
-    from repgeom_eval.analyses.plots import figure_knn_keys, save_png
-    from repgeom_eval.output.files import commit_together
+    from repgeom_eval.analyses.plots import figure_knn_keys
 
     cfg = KnnKeysCommand.from_args(args)
-    figures = plot_files(cfg, "knn_keys", [""])
-    outputs = guard_outputs(cfg, {"--output": cfg.output, "--plot-dir": figures}, {"--data": cfg.data}, cfg.model)
-    with commit_together(outputs):  # every output, or none
-        result = knn_keys(cfg.model, cfg.data, KnnKeysConfig.of(cfg), model_options=ModelOptions.of(cfg))
-        if cfg.output:
-            result.write(cfg.output)
-        if figures:
-            plot_dir(cfg)
-            save_png(figure_knn_keys(result.to_dict()), figures[0])
+    result, figures = run_analysis(
+        cfg, lambda: knn_keys(cfg.model, cfg.data, KnnKeysConfig.of(cfg), model_options=ModelOptions.of(cfg)),
+        "knn_keys", {"": figure_knn_keys})
     res = result.results
     ns = result.config["ns"]
     console = wide_console()
@@ -56,8 +49,5 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"recommended key (most dispersed at N={ns[-1]}): [bold]{escape(res['recommended'])}[/]"
                   + ("" if res["consistent_across_N"] else " — the ranking changes with N"), soft_wrap=True)
-    for path in figures:
-        console.print(f"plot:    {escape(str(path))}", soft_wrap=True)
-    if cfg.output:
-        console.print(f"results: {escape(cfg.output)}", soft_wrap=True)
+    say_written(console, cfg, figures)
     return 0

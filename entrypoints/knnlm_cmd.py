@@ -11,7 +11,7 @@ from repgeom_eval.analyses.configs import KnnlmConfig
 from repgeom_eval.spec.option_fields import option
 from repgeom_eval.modeling.option_groups import ModelGroup, OutputGroup
 
-from .common import guard_outputs, wide_console
+from .common import run_analysis, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     from repgeom_eval.analyses.knnlm import knnlm
     from repgeom_eval.output.console import fmt_number
-    from repgeom_eval.output.files import check_creatable_dir, commit_together
+    from repgeom_eval.output.files import check_creatable_dir
 
     cfg = KnnlmCommand.from_args(args)
     store = []
@@ -42,12 +42,10 @@ def run(args: argparse.Namespace) -> int:
         check_creatable_dir(cfg.store_dir, "kNN store folder (--store-dir)")
         # the files every store holds (keys_*.npy and index_*.faiss are named after the key addresses)
         store = [os.path.join(cfg.store_dir, name) for name in ("manifest.json", "values.npy")]
-    outputs = guard_outputs(cfg, {"--output": cfg.output, "--store-dir": store},
-                            {"--datastore": cfg.datastore, "--eval": cfg.eval}, cfg.model)
-    with commit_together(outputs):
-        result = knnlm(cfg.model, cfg.datastore, cfg.eval, KnnlmConfig.of(cfg), model_options=ModelOptions.of(cfg))
-        if cfg.output:
-            result.write(cfg.output)
+    result, _ = run_analysis(
+        cfg, lambda: knnlm(cfg.model, cfg.datastore, cfg.eval, KnnlmConfig.of(cfg),
+                           model_options=ModelOptions.of(cfg)),
+        "knnlm", inputs={"--datastore": cfg.datastore, "--eval": cfg.eval}, outputs={"--store-dir": store})
     res = result.results
     lambdas = result.config["lambdas"]
     console = wide_console()

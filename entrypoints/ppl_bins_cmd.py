@@ -10,7 +10,7 @@ from repgeom_eval.analyses.configs import PplBinsConfig
 from repgeom_eval.spec.option_fields import option_like
 from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
 
-from .common import guard_outputs, plot_dir, plot_files, wide_console
+from .common import run_analysis, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,25 +28,17 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
-    from repgeom_eval.analyses.plots import figure_correlation_vs_depth, figure_ppl_vs_dispersion, save_png
+    from repgeom_eval.analyses.plots import figure_correlation_vs_depth, figure_ppl_vs_dispersion
     from repgeom_eval.analyses.ppl_bins import ppl_bins
-    from repgeom_eval.output.files import commit_together
 
     cfg = PplBinsCommand.from_args(args)
-    figures = plot_files(cfg, "ppl_bins", ["_scatter", "_by_depth"])
-    outputs = guard_outputs(cfg, {"--output": cfg.output, "--per-chunk": cfg.per_chunk_path, "--plot-dir": figures},
-                            {"--data": cfg.data}, cfg.model)
-    with commit_together(outputs):  # every output, or none
-        result = ppl_bins(cfg.model, cfg.data, PplBinsConfig.of(cfg), model_options=ModelOptions.of(cfg))
-        if not result.is_main:
-            return 0  # a rank > 0 of a distributed run: rank 0 writes the merged result
-        if cfg.output:
-            result.write(cfg.output)
-        out = result.to_dict()
-        if figures:
-            plot_dir(cfg)  # creates --plot-dir
-            save_png(figure_ppl_vs_dispersion(out), figures[0])
-            save_png(figure_correlation_vs_depth(out), figures[1])
+    result, figures = run_analysis(
+        cfg, lambda: ppl_bins(cfg.model, cfg.data, PplBinsConfig.of(cfg), model_options=ModelOptions.of(cfg)),
+        "ppl_bins", {"_scatter": figure_ppl_vs_dispersion, "_by_depth": figure_correlation_vs_depth},
+        outputs={"--per-chunk": cfg.per_chunk_path})
+    if result is None:
+        return 0  # a rank > 0 of a distributed run: rank 0 writes the merged result
+    out = result.to_dict()
 
     table = correlation_table(out)
     need = 4 + sum(max(len(line) for line in str(c.header).splitlines()) + 3 for c in table.columns[1:]) + \

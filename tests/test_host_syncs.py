@@ -113,17 +113,12 @@ def test_a_nan_is_named_with_the_same_text_when_checked_later(monkeypatch, loade
 
 def test_deferred_zero_vectors_are_counted(monkeypatch, loaded, texts):
     monkeypatch.setattr(Forward, "check_each_batch", False)
-
-    def zero_first_row(module, args, output):
-        output = output.clone()
-        output[0] = 0
-        return output
-
-    handle = loaded.model.model.layers[0].register_forward_hook(zero_first_row)
+    zero_text_0 = loaded.model.model.layers[0].register_forward_hook(
+        lambda module, args, output: output.index_fill(0, torch.tensor([0]), 0.0))
     try:
         result = measure(loaded, texts[:6], layers="resid_post:0", batch_size=6, progress=False)
     finally:
-        handle.remove()
+        zero_text_0.remove()
     assert result.diagnostics["resid_post:0"]["dispersion"]["n_zero_vectors"] == 1
 
 

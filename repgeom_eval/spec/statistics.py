@@ -59,8 +59,9 @@ class PooledGram(Statistic):
     States: ``gram`` (Σ zzᵀ, D×D float64), ``rows`` (rows not folded yet), ``n`` and ``n_zero`` (zero rows). Rows
     are kept as they come while there are at most D of them, so that for N ≤ D the Gram is Z Zᵀ (N×N), the smaller
     form and paper B's branch rule (``ZᵀZ if N > D else ZZᵀ``, docs/metrics.md#dataset_entropy). Past D rows they are
-    folded into ``gram``, and from then on every batch is folded as it arrives: the state is D² floats plus one
-    batch, with a peak of about 2·D² at the first fold. Shards merge exactly (sums add, row lists concatenate).
+    folded into ``gram`` in place, and from then on every batch is folded as it arrives: the state is D² floats plus
+    one batch, with a peak of about 2·D² at the first fold (the rows held and the sum), what ``--dry-run`` counts.
+    Shards merge exactly (sums add, row lists concatenate).
     """
 
     name = "pooled_gram"
@@ -83,10 +84,10 @@ class PooledGram(Statistic):
         self.rows.append(z)
         held = sum(r.shape[0] for r in self.rows)
         if self.gram.numel() or held > z.shape[1]:
-            r = torch.cat(self.rows)
+            if self.gram.numel() == 0:
+                self.gram = z.new_zeros((z.shape[1], z.shape[1]))
+            fold_rows(self.gram, self.rows)
             self.rows = []
-            g = r.T @ r
-            self.gram = g if self.gram.numel() == 0 else self.gram + g
 
     def gram_matrix(self) -> tuple[torch.Tensor, int, int] | None:
         """(the smaller linear Gram of all rows seen, N, D), or None before any row."""
@@ -95,7 +96,7 @@ class PooledGram(Statistic):
             if r is None or r.shape[0] == 0:
                 return None
             return linear_gram(r), r.shape[0], r.shape[1]
-        g = self.gram if r is None else self.gram + r.T @ r
+        g = self.gram if r is None else fold_rows(self.gram.clone(), self.rows)  # one D×D beside the state
         return g, int(self.n), g.shape[0]
 
     def check_state(self, state, width=None):
@@ -104,3 +105,30 @@ class PooledGram(Statistic):
         if not (self.is_count(n) and self.is_count(n_zero) and n_zero <= n):
             problems.append(f"counts n={float(n)}, n_zero={float(n_zero)} are not whole numbers with n_zero ≤ n")
         return problems
+
+
+FOLD_ROWS = 256  # rows per product when a Gram is folded
+
+
+def fold_rows(gram: "torch.Tensor", rows: list) -> "torch.Tensor":
+    """``gram += Σ rᵀr`` over the rows of ``rows`` (a list of [n_i, D] blocks), in place, in blocks of
+    :data:`FOLD_ROWS` consecutive rows of their concatenation: no copy of all the rows and no D×D temporary beside
+    the sum. The blocks depend only on the rows, not on how the list splits them, so a run resumed from a
+    checkpoint (whose rows come back as one block) folds exactly as the run that was never stopped."""
+    pending: list = []
+    count = 0
+    for r in rows:
+        start = 0
+        while start < r.shape[0]:
+            take = min(FOLD_ROWS - count, r.shape[0] - start)
+            pending.append(r[start:start + take])
+            count += take
+            start += take
+            if count == FOLD_ROWS:
+                block = pending[0] if len(pending) == 1 else torch.cat(pending)
+                gram.addmm_(block.T, block)
+                pending, count = [], 0
+    if pending:
+        block = pending[0] if len(pending) == 1 else torch.cat(pending)
+        gram.addmm_(block.T, block)
+    return gram
