@@ -1,0 +1,156 @@
+"""Benchmark: the metric states' peak memory against the ``--dry-run`` estimate, with more texts than the width.
+
+Question (issue 32): does a run hold what ``repgeom measure --dry-run`` says its states need, and do three Gram
+metrics cost what the shared-statistics design says (``vendi`` and ``dataset_entropy centering=none`` one Gram of the
+unit vectors, ``effective_rank`` one of the raw vectors, ``dataset_entropy``'s default global centring the vectors
+themselves)?
+
+Method: a random-init Llama built from transformers' own config class (``LlamaConfig``, the test tokenizer of
+``repgeom_eval.testing.make_tokenizer``), width D = 2048 by default and 2 blocks (3 hidden states, ``--layers all``), over N = D + 256 short texts (N > D,
+so every Gram is folded into its D×D form), 16 texts a batch: wide enough that the states stand well above the
+noise of the forward pass's own memory. Each case runs in a fresh subprocess that imports everything first and
+loads the model, returns the memory loading freed to the system (``malloc_trim``), resets the process's peak RSS (``/proc/self/clear_refs``), and reports how far the peak
+(``VmHWM``) rose above the resident memory during ``measure`` (one glibc arena, so that memory freed is memory
+reused). The state part of a case is that rise minus the rise of ``dispersion`` alone (whose
+states are a few D-vectors), set against the estimate's difference for the same N (``estimate().for_texts(N)``).
+The estimate counts 2·D² per Gram: the D×D sum plus up to D rows held before the first fold, its peak.
+
+    .venv/bin/python benchmarks/bench_state_memory.py              # about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_state_memory.py --write      # also benchmarks/results/bench_state_memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = {
+    "dispersion (baseline)": ["dispersion"],
+    "one Gram: vendi": ["dispersion", "vendi"],
+    "three Gram metrics, shared (vendi, effective_rank, dataset_entropy centering=none)":
+        ["dispersion", "vendi", "effective_rank", "dataset_entropy"],
+    "three Gram metrics, defaults (dataset_entropy keeps the centred vectors)":
+        ["dispersion", "vendi", "effective_rank", "dataset_entropy"],
+}
+# vendi pools the last token by default, dataset_entropy the mean: at one pooling they read one unit Gram
+PARAMS = {"one Gram: vendi": {"vendi": {"pooling": "mean"}},
+          "three Gram metrics, shared (vendi, effective_rank, dataset_entropy centering=none)":
+          {"dataset_entropy": {"centering": "none"}, "vendi": {"pooling": "mean"}},
+          "three Gram metrics, defaults (dataset_entropy keeps the centred vectors)": {"vendi": {"pooling": "mean"}}}
+
+
+def _kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def texts(n: int) -> list[str]:
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics.values()).split()
+    return [" ".join(words[(i * 7) % (len(words) - 12):][: 4 + i % 8]) for i in range(n)]
+
+
+def child(model: str, case: str, n: int, batch: int) -> None:
+    import torch  # noqa: F401  - imported first: the baseline holds them
+    import transformers  # noqa: F401
+
+    from repgeom_eval.measurement.config import RunConfig
+    from repgeom_eval.measurement.engine import measure
+    from repgeom_eval.measurement.estimate import estimate
+
+    torch.set_num_threads(2)
+    from repgeom_eval.modeling.loading import load_model
+
+    config = RunConfig(layers="all", metrics=CASES[case], metric_params=PARAMS.get(case, {}), batch_size=batch,
+                       progress=False)
+    est = estimate(model, config)
+    data = texts(n)
+    loaded = load_model(model)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what loading freed goes back to the system: a base that is the model
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM: the peak below is the run's, not the load's
+    base = _kib("VmRSS")
+    t0 = time.perf_counter()
+    result = measure(loaded, data, config)
+    print(json.dumps({"base_kib": base, "peak_kib": _kib("VmHWM"), "seconds": time.perf_counter() - t0,
+                      "estimate_bytes": est.for_texts(n), "state_bytes_at_end": result.timings["state_bytes"],
+                      "addresses": len(result.results)}))
+
+
+def build(path: Path, width: int, blocks: int) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from repgeom_eval.testing import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=blocks,
+                         num_attention_heads=8, num_key_value_heads=8, vocab_size=len(tokenizer) + 16,
+                         max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--child", nargs=3, metavar=("MODEL", "CASE", "N"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], int(args.child[2]), args.batch)
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    n = args.width + 256  # more texts than the width: every Gram is folded
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build(Path(tmp) / "m", args.width, args.blocks)
+        for case in CASES:
+            env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # glibc: one arena, so freed memory is reused, not kept
+            out = subprocess.run([sys.executable, __file__, "--batch", str(args.batch), "--child", model, case, str(n)],
+                                 capture_output=True, text=True, check=True, env=env)
+            rows[case] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(case, rows[case], flush=True)
+    base = rows["dispersion (baseline)"]
+    table = {}
+    for case, row in rows.items():
+        if row is base:
+            continue
+        measured = ((row["peak_kib"] - row["base_kib"]) - (base["peak_kib"] - base["base_kib"])) * 1024
+        estimated = row["estimate_bytes"] - base["estimate_bytes"]
+        table[case] = {"state_peak_bytes_measured": measured, "state_bytes_estimated": estimated,
+                       "measured_over_estimate": round(measured / estimated, 3),
+                       "within_25_percent": abs(measured / estimated - 1) <= 0.25,
+                       "state_bytes_at_end": row["state_bytes_at_end"] - base["state_bytes_at_end"]}
+        print(f"{case}: peak {measured / 2**20:.1f} MiB, estimate {estimated / 2**20:.1f} MiB, "
+              f"ratio {measured / estimated:.2f}")
+    doc = {"benchmark": "bench_state_memory", "machine": {"platform": platform.platform(), "python":
+           platform.python_version()}, "width": args.width, "blocks": args.blocks, "addresses": base["addresses"],
+           "n_texts": n, "batch": args.batch, "runs": rows, "state_part": table,
+           "method": "rise of peak RSS during measure (model loaded before, VmHWM reset), minus the rise with dispersion alone; fresh process per case"}
+    if args.write:
+        out = Path(__file__).resolve().parent / "results" / "bench_state_memory.json"
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
