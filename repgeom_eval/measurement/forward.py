@@ -140,7 +140,7 @@ def non_finite_error(addr: Address | str, text_id: Any, n_rows: int, dtype: torc
 
 class DeferredChecks:
     """The checks of every batch's hidden states (a NaN or inf at a real token; real tokens whose vector is zero),
-    computed on the device and read on the host only every :attr:`EVERY` batches and when asked (:meth:`read`), so
+    computed on the device and read on the host only every :attr:`EVERY` batches and when asked (:meth:`read_flags`), so
     that a GPU never waits for the host in between (docs/how-to/large-models.md#host-synchronisations). On the CPU,
     where reading costs no wait, :class:`Forward` checks every batch at once instead."""
 
