@@ -75,13 +75,19 @@ def test_state_device_cpu_moves_the_pooled_vectors_per_batch(monkeypatch, loaded
     assert per_batch.get(("cpu", "measurement/feed.py", "_feed_block")) == 12
 
 
-@pytest.mark.parametrize("at_once", [True, False])
-def test_deferred_and_immediate_checks_give_the_same_results(monkeypatch, loaded, texts, at_once):
-    monkeypatch.setattr(Forward, "check_each_batch", at_once)
-    result = measure(loaded, texts[:12], layers="all", metrics=POOLED_SUITE, batch_size=4, progress=False)
-    monkeypatch.setattr(Forward, "check_each_batch", None)
-    reference = measure(loaded, texts[:12], layers="all", metrics=POOLED_SUITE, batch_size=4, progress=False)
-    assert result.results == reference.results
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "gemma", "phi3", "gpt_neox", "bert"])
+def test_the_device_path_gives_the_cpu_paths_numbers(monkeypatch, tiny_model_dir, texts, kind):
+    # deferred checks, states placed by the run, lazy layout: the same numbers on causal and encoder models alike,
+    # token metrics included (they read the lazy per-text layout)
+    model = load_model(tiny_model_dir(kind))
+    kw = dict(layers="all", metrics=POOLED_SUITE + ["token_dispersion", "prompt_entropy"], batch_size=4,
+              padding_side="left", progress=False)
+    monkeypatch.setattr(Forward, "check_each_batch", False)
+    deferred = measure(model, texts[:12], **kw)
+    monkeypatch.setattr(Forward, "check_each_batch", True)
+    at_once = measure(model, texts[:12], **kw)
+    assert deferred.results == at_once.results
+    assert deferred.diagnostics == at_once.diagnostics
 
 
 def _nan_message(monkeypatch, loaded, texts, at_once):
