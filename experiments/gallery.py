@@ -581,11 +581,11 @@ def auroc_test(name: str, scores: Sequence[float], labels: Sequence[float], expe
 
 
 def statistic_test(name: str, statistic: str, estimate: float, draws: Any, n: int, null: float = 0.0,
-                   expect: str = "below") -> StatTest:
-    """Any other statistic, from its bootstrap ``draws`` alone (more than SMALL units): the percentile interval and
-    twice the share of draws on the far side of ``null`` when the interval holds the estimate; else the normal
-    interval and p from the draws' s.d."""
-    return _from_draws(name, statistic, estimate, draws, n, None, "", null, expect)
+                   expect: str = "below", p: float | None = None, test: str = "") -> StatTest:
+    """Any other statistic, from its bootstrap ``draws`` (more than SMALL units): the percentile interval when it
+    holds the estimate, else the normal interval from the draws' s.d.; the p of ``test`` when given (a permutation
+    test, say), else twice the share of draws on the far side of ``null`` (or the normal p with the s.d.)."""
+    return _from_draws(name, statistic, estimate, draws, n, p, test, null, expect)
 
 
 def _from_draws(name: str, statistic: str, est: float, draws: Any, n: int, p: float | None, test: str,

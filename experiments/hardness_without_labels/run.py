@@ -46,6 +46,9 @@ LAYERS = "resid_post:[0,4,8,12,16,20,24,29]"  # c_i at these block outputs too, 
 SEED = 17
 BOOTSTRAP = 2000
 SCORINGS = ("acc", "acc_norm")
+# Under the letter prompt every choice is one letter of one byte, so acc_norm (per byte) is acc by construction: the
+# cell is asked and counted once.
+SCORED = {"quiz": SCORINGS, "cloze": SCORINGS, "letter": ("acc",)}
 CHANCE = 0.25  # four choices
 MAIN = ("quiz", "acc")  # the gallery's first protocol: the row the calibration side observation is made on
 # name → (how result.md describes it, lm-eval doc_to_text, doc_to_choice); each choice is scored as lm-eval's
@@ -196,10 +199,96 @@ def per_seed_spearman(curve: dict) -> list[float]:
     return [float(r) for r in rowwise_spearman(xs, per_seed)]
 
 
-def slice_test(name: str, curve: dict):
-    """Paper A's slice curve as a test over the slice seeds (the unit: each seed is one draw of the slices): the mean
-    of the per-seed ρ against 0 (gallery.mean_test; 10 seeds: t-interval and exact sign-flip p)."""
+def seed_test(name: str, curve: dict):
+    """The slice curve as `repgeom slices` draws it, over its seeds (exploratory: every seed draws from the same
+    questions, so this covers the slice draws, not the choice of questions)."""
     return gallery.mean_test(name, per_seed_spearman(curve), 0.0, "above")
+
+
+def unit_vectors(per_question: dict):
+    """The questions' vectors (final layer, last prompt token) as float64 unit rows [N, d]."""
+    import numpy as np
+
+    from repgeom_eval.analyses.queries import decode_vector
+
+    u = np.stack([decode_vector(v) for v in per_question["vector"]]).astype(np.float64)
+    return u / np.linalg.norm(u, axis=1, keepdims=True)
+
+
+def pair_sums(weights, u):
+    """Per row of ``weights`` ([B, N] question counts, a resample each): the sum of unit vectors S, the count n and
+    Σ w² — with them the mean cosine over pairs of distinct questions is (‖S‖² − Σw²) / (n² − Σw²) (a question
+    drawn twice is not paired with itself). O(B·N·d), no N×N matrix (docs/metrics.md, the dispersion identity)."""
+    return weights @ u, weights.sum(axis=1), (weights * weights).sum(axis=1)
+
+
+def class_dispersion(weights, u):
+    """Dispersion (mean pairwise cosine distance) of the questions ``weights`` selects, per row."""
+    s, n, q = pair_sums(weights, u)
+    return 1.0 - ((s * s).sum(axis=1) - q) / (n * n - q)
+
+
+def slice_gap(u, correct, weights):
+    """Paper A's slice curve end to end: the dispersion of the correctly answered questions minus that of the wrongly
+    answered ones, per row of ``weights``. A random slice's dispersion is unbiased for its class's, so this is the
+    curve's all-correct slice minus its all-wrong slice without the draw of the slices."""
+    y = correct[None, :]
+    return class_dispersion(weights * y, u) - class_dispersion(weights * (1.0 - y), u)
+
+
+def expected_curve(u, correct, fractions, size, weights):
+    """E[slice dispersion] at each fraction for slices of ``size`` drawn as `repgeom slices` draws them
+    (round(size·f) correct, the rest wrong, without replacement), per row of ``weights``: [B, fractions]."""
+    import numpy as np
+
+    y = correct[None, :]
+    sc, nc, qc = pair_sums(weights * y, u)
+    sw, nw, qw = pair_sums(weights * (1.0 - y), u)
+    cc = ((sc * sc).sum(axis=1) - qc) / (nc * nc - qc)
+    ww = ((sw * sw).sum(axis=1) - qw) / (nw * nw - qw)
+    cw = (sc * sw).sum(axis=1) / (nc * nw)
+    out = []
+    for f in fractions:
+        k = round(size * f)
+        m = size - k
+        out.append(1.0 - (k * (k - 1) * cc + m * (m - 1) * ww + 2 * k * m * cw) / (size * (size - 1)))
+    return np.stack(out, axis=1)
+
+
+def question_weights(n: int, draws: int = BOOTSTRAP, seed: int = 0):
+    """[draws, n] counts of each question in the library's seeded bootstrap resamples of the questions."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import bootstrap_indices
+
+    idx = bootstrap_indices(n, draws, seed)
+    w = np.zeros((draws, n))
+    np.add.at(w, (np.arange(draws)[:, None], idx), 1.0)
+    return w
+
+
+def label_permutations(correct, draws: int = BOOTSTRAP, seed: int = 0):
+    """[draws, n] 0/1 rows: the correctness labels shuffled over the questions (class sizes kept)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(correct) for _ in range(draws)])
+
+
+def gap_test(name: str, u, correct):
+    """The slice statistic (all-correct minus all-wrong dispersion) against 0 with the questions as the unit: the
+    percentile interval of the bootstrap over questions (gallery.statistic_test rules) and the permutation p of the
+    correctness labels (two-sided, 2000 shuffles, seed 0, (1 + #|gap*| ≥ |gap|) / (1 + 2000))."""
+    import numpy as np
+
+    ones = np.ones((1, correct.size))
+    estimate = float(slice_gap(u, correct, ones)[0])
+    draws = slice_gap(u, correct, question_weights(correct.size))
+    perms = label_permutations(correct)
+    null = class_dispersion(perms, u) - class_dispersion(1.0 - perms, u)
+    p = float((1 + np.sum(np.abs(null) >= abs(estimate) - 1e-15)) / (1 + null.size))
+    return gallery.statistic_test(name, "D(correct) − D(wrong)", estimate, draws, int(correct.size), 0.0, "above",
+                                  p=p, test=f"permutation of the correctness labels ({null.size} shuffles)")
 
 
 SAID = {gallery.FOLLOWS: "follows", gallery.OPPOSITE: "the opposite", gallery.CANNOT_TELL: "cannot tell at this size"}
@@ -211,12 +300,15 @@ def ci(interval: dict, digits: int = 2) -> str:
 
 
 def flips(verdicts: dict[tuple[str, str], str]) -> str:
-    """What changes the slice-curve verdict: the scoring within a prompt, the prompt within a scoring."""
+    """What changes a verdict: the scoring within a prompt, the prompt within a scoring."""
     prompts = list(dict.fromkeys(p for p, _ in verdicts))
-    by_scoring = [f"under the {p} prompt ({', '.join(f'{s}: {SAID[verdicts[p, s]]}' for s in SCORINGS)})"
-                  for p in prompts if len({verdicts[p, s] for s in SCORINGS}) > 1]
-    by_prompt = [f"with {s} ({', '.join(f'{p}: {SAID[verdicts[p, s]]}' for p in prompts)})"
-                 for s in SCORINGS if len({verdicts[p, s] for p in prompts}) > 1]
+    scorings = list(dict.fromkeys(s for _, s in verdicts))
+    of = lambda p: [s for s in scorings if (p, s) in verdicts]  # noqa: E731
+    at = lambda s: [p for p in prompts if (p, s) in verdicts]  # noqa: E731
+    by_scoring = [f"under the {p} prompt ({', '.join(f'{s}: {SAID[verdicts[p, s]]}' for s in of(p))})"
+                  for p in prompts if len({verdicts[p, s] for s in of(p)}) > 1]
+    by_prompt = [f"with {s} ({', '.join(f'{p}: {SAID[verdicts[p, s]]}' for p in at(s))})"
+                 for s in scorings if len({verdicts[p, s] for p in at(s)}) > 1]
     if not by_scoring and not by_prompt:
         return "Neither the prompt nor the scoring changes this verdict."
     parts = []
@@ -227,6 +319,22 @@ def flips(verdicts: dict[tuple[str, str], str]) -> str:
     return "What flips it: " + ", and ".join(parts) + "."
 
 
+def cells(prompts: dict) -> list[tuple[str, str]]:
+    """The (prompt, scoring) pairs counted: each prompt's distinct scorings (SCORED), in order."""
+    return [(p, s) for p in prompts for s in SCORED.get(p, SCORINGS)]
+
+
+def curve_band(u, y, curve: dict) -> dict:
+    """The expected slice curve and its 95 % percentile band over the question bootstrap."""
+    import numpy as np
+
+    ones = np.ones((1, y.size))
+    est = expected_curve(u, y, curve["fractions"], curve["size"], ones)[0]
+    draws = expected_curve(u, y, curve["fractions"], curve["size"], question_weights(y.size))
+    low, high = np.nanpercentile(draws, [2.5, 97.5], axis=0)
+    return {"estimate": [float(x) for x in est], "low": [float(x) for x in low], "high": [float(x) for x in high]}
+
+
 def summarize(doc: dict) -> dict:
     """result.json with the summary, verdicts and interval tables recomputed from its data."""
     import numpy as np
@@ -234,24 +342,27 @@ def summarize(doc: dict) -> dict:
     d = doc["data"]
     prompts = d["prompts"]
     main_prompt, main_scoring = d["main"]
-    intervals: dict = {}
-    from repgeom_eval.functional.bootstrap import rowwise_mean
-
+    main = (main_prompt, main_scoring)
+    keys = cells(prompts)
+    intervals: dict = {p: {} for p in prompts}
     rows, layer_rows, at_chance = [], [], []
-    slice_tests, auc_tests = {}, {}
+    gap_tests, seed_tests, auc_tests = {}, {}, {}
     for prompt, pd in prompts.items():
         q = pd["per_question"]
-        intervals[prompt] = {}
-        for scoring in SCORINGS:
+        u = unit_vectors(q)
+        for scoring in SCORED.get(prompt, SCORINGS):
             y = np.asarray(q[scoring], float)
             curve = pd["slices"][scoring]
+            gap_tests[prompt, scoring] = gap_test(f"slice gap {prompt}/{scoring}", u, y)
             auc_tests[prompt, scoring] = auroc_test(f"AUROC {prompt}/{scoring}", q["c"], y)
+            seed_tests[prompt, scoring] = gallery.explore(seed_test(f"slice ρ over seeds {prompt}/{scoring}", curve))
             known = [i for i, v in enumerate(q["prompt_ppl"]) if v is not None]
             pp = gallery.explore(auroc_test(f"AUROC −(prompt ppl) {prompt}/{scoring}",
                                             [q["prompt_ppl"][i] for i in known], y[known], flip=True))
-            slice_tests[prompt, scoring] = slice_test(f"slice ρ {prompt}/{scoring}", curve)
             acc = gallery.explore(gallery.mean_test(f"accuracy {prompt}/{scoring}", list(y), CHANCE, "above"))
-            intervals[prompt][scoring] = {"accuracy": acc.as_dict(), "auroc_prompt_perplexity": pp.as_dict()}
+            intervals[prompt][scoring] = {"accuracy": acc.as_dict(), "auroc_prompt_perplexity": pp.as_dict(),
+                                          "slice_spearman_seeds": seed_tests[prompt, scoring].as_dict(),
+                                          "expected_curve": curve_band(u, y, curve)}
             if acc.verdict != gallery.FOLLOWS:
                 at_chance.append(f"{prompt}/{scoring}")
         y = np.asarray(q["acc"], float)
@@ -260,54 +371,61 @@ def summarize(doc: dict) -> dict:
             for k, v in q["c_by_layer"].items()}
         for k, v in intervals[prompt]["acc_by_layer"].items():
             layer_rows.append([prompt, f"resid_post:{k}", v["estimate"], ci(v, 3), v["p"], gallery.exploratory_cell(v)])
-    main = (main_prompt, main_scoring)
-    slice_finding = gallery.decide(list(slice_tests.values()), slice_tests[main].name,
-                                   "slices of lower dispersion are less accurate")
+    gap_finding = gallery.decide(list(gap_tests.values()), gap_tests[main].name,
+                                 "slices of lower dispersion are less accurate")
     auc_finding = gallery.decide(list(auc_tests.values()), auc_tests[main].name,
                                  "lower-dispersion questions are harder")
-    for (prompt, scoring), t in slice_tests.items():
-        intervals[prompt][scoring]["slice_spearman"] = slice_finding["tests"][t.name]
-        intervals[prompt][scoring]["auroc"] = auc_finding["tests"][auc_tests[prompt, scoring].name]
-    verdict_rho = {k: slice_finding["tests"][t.name]["verdict"] for k, t in slice_tests.items()}
-    verdict_auc = {k: auc_finding["tests"][t.name]["verdict"] for k, t in auc_tests.items()}
-    for prompt, pd in prompts.items():
-        q = pd["per_question"]
-        for scoring in SCORINGS:
-            curve, iv_ = pd["slices"][scoring], intervals[prompt][scoring]
-            a, r, acc, pp = iv_["auroc"], iv_["slice_spearman"], iv_["accuracy"], iv_["auroc_prompt_perplexity"]
-            rows.append([prompt, scoring, float(np.mean(q[scoring])), ci(acc, 3), a["estimate"], ci(a, 3),
-                         a["p_holm"], SAID[verdict_auc[prompt, scoring]], curve["spearman"], r["estimate"], ci(r),
-                         r["p_holm"], SAID[verdict_rho[prompt, scoring]],
-                         f"{curve['dispersion_mean'][0]:.4f} → {curve['dispersion_mean'][-1]:.4f}",
-                         curve["size"], pp["estimate"]])
-    keys = list(verdict_rho)
+    for key in keys:
+        prompt, scoring = key
+        intervals[prompt][scoring]["slice_gap"] = gap_finding["tests"][gap_tests[key].name]
+        intervals[prompt][scoring]["auroc"] = auc_finding["tests"][auc_tests[key].name]
+    verdict_gap = {k: gap_finding["tests"][gap_tests[k].name]["verdict"] for k in keys}
+    verdict_auc = {k: auc_finding["tests"][auc_tests[k].name]["verdict"] for k in keys}
+    for prompt, scoring in keys:
+        q = prompts[prompt]["per_question"]
+        curve, iv_ = prompts[prompt]["slices"][scoring], intervals[prompt][scoring]
+        a, g, r, acc, pp = (iv_["auroc"], iv_["slice_gap"], iv_["slice_spearman_seeds"], iv_["accuracy"],
+                            iv_["auroc_prompt_perplexity"])
+        rows.append([prompt, scoring, float(np.mean(q[scoring])), ci(acc, 3), g["estimate"], ci(g, 4), g["p_holm"],
+                     SAID[verdict_gap[prompt, scoring]], a["estimate"], ci(a, 3), a["p_holm"],
+                     SAID[verdict_auc[prompt, scoring]], curve["spearman"], r["estimate"], ci(r), r["p"],
+                     f"{curve['dispersion_mean'][0]:.4f} → {curve['dispersion_mean'][-1]:.4f}", curve["size"],
+                     pp["estimate"]])
     count = lambda verdicts, v: sum(verdicts[k] == v for k in keys)  # noqa: E731
     tally = lambda verdicts: ", ".join(f"{SAID[v]} in {count(verdicts, v)}" for v in  # noqa: E731
                                        (gallery.FOLLOWS, gallery.OPPOSITE, gallery.CANNOT_TELL) if count(verdicts, v))
     iv = intervals
-    row_text = lambda p, s, what: (  # noqa: E731
-        f"{p}/{s} {gallery.show_test(iv[p][s][what], 2, what != 'auroc')}")
+    row_text = lambda p, s, what, digits=2: (  # noqa: E731
+        f"{p}/{s} {gallery.show_test(iv[p][s][what], digits, what != 'auroc')}")
     cal = d.get("calibration") or {}
     side = (f" Side observation, not counted against paper A (which does not offer dispersion as a calibrated accuracy "
             f"predictor): on the {main_prompt} prompt with {main_scoring}, `repgeom slices --calibrate` predicts slice "
             f"accuracy with test MAE {cal['mae_mean']:.3f} ± {cal['mae_se']:.3f} (s.e. over {cal['seeds']} seeds) "
             f"against {d['calibration_mae_constant']:.3f} for always predicting 0.5." if cal.get("mae_mean") is not None
             and d.get("calibration_mae_constant") is not None else "")
-    n_seeds = slice_finding["tests"][slice_tests[main].name]["n"]
+    n_seeds = seed_tests[main].n
+    seeds_follow = [f"{p}/{s}" for p, s in keys if seed_tests[p, s].verdict == gallery.FOLLOWS]
+    seeds_opposite = [f"{p}/{s}" for p, s in keys if seed_tests[p, s].verdict == gallery.OPPOSITE]
     summary = [
         f"SmolLM2-135M-Instruct (GGUF) answered the same {d['questions']} WordNet questions (definition → word, 3 "
         f"distractors from the same lexicographer file) under {len(prompts)} prompts ({', '.join(prompts)}) in one "
-        "`lm_eval --include_path` command with repgeom hardness YAMLs, each scored with acc and acc_norm, then "
-        f"`repgeom slices` on each of the {len(keys)} (prompt, scoring) pairs. Not covered: other quizzes, larger "
-        "models.",
-        "Paper A's slice curve (main finding): slices of lower dispersion are less accurate, i.e. Spearman ρ(fraction "
-        f"correct, slice dispersion) above 0. Primary test: {main_prompt}/{main_scoring}, the mean over the "
-        f"{n_seeds} slice seeds of each seed's ρ (t-interval, exact sign-flip p over the seeds); family: the "
-        f"{len(keys)} (prompt, scoring) pairs, Holm: "
-        + "; ".join(f"{row_text(p, s, 'slice_spearman')} {SAID[verdict_rho[p, s]]}" for p, s in keys)
-        + f" — {tally(verdict_rho)} of {len(keys)}; primary: {SAID[slice_finding['verdict']]}. " + flips(verdict_rho)
+        "`lm_eval --include_path` command with repgeom hardness YAMLs, scored with acc and acc_norm (the letter "
+        "prompt once: its choices are single letters, where the two are the same), then `repgeom slices` on each of "
+        f"the {len(keys)} (prompt, scoring) pairs; each question's final-layer vector is kept. Not covered: other "
+        "quizzes, larger models.",
+        "Paper A's slice curve (main finding): slices of lower dispersion are less accurate. Primary test: "
+        f"{main_prompt}/{main_scoring}, the dispersion of the correctly answered questions minus that of the wrongly "
+        "answered ones (the curve's all-correct slice minus its all-wrong slice, without the draw of slices), above "
+        f"0, with the {d['questions']} questions as the unit (percentile bootstrap over questions; permutation p of "
+        f"the correctness labels); family: the {len(keys)} (prompt, scoring) pairs, Holm: "
+        + "; ".join(f"{row_text(p, s, 'slice_gap', 4)} {SAID[verdict_gap[p, s]]}" for p, s in keys)
+        + f" — {tally(verdict_gap)} of {len(keys)}; primary: {SAID[gap_finding['verdict']]}. " + flips(verdict_gap)
         + (f" Under {', '.join(at_chance)} the accuracy is not above chance, so there the curve sorts questions by "
-           "which choice the model favours rather than by what it knows." if at_chance else ""),
+           "which choice the model favours rather than by what it knows." if at_chance else "")
+        + f" Exploratory, unadjusted: over the {n_seeds} slice seeds of `repgeom slices` (the slice draws only; "
+        f"every seed draws from the same questions) the mean per-seed ρ is above 0 in {len(seeds_follow)} of "
+        f"{len(keys)} ({', '.join(seeds_follow) or 'none'}) and below in {len(seeds_opposite)} "
+        f"({', '.join(seeds_opposite) or 'none'}).",
         "Question ranking (AUROC of c_i for correctness above 0.5: lower-dispersion questions are harder). Primary "
         f"test: {main_prompt}/{main_scoring} (percentile bootstrap over the {d['questions']} questions, Mann-Whitney "
         f"p); family: the {len(keys)} pairs, Holm: "
@@ -320,39 +438,70 @@ def summarize(doc: dict) -> dict:
         + ", ".join(f"{p}/{s} {iv[p][s]['auroc_prompt_perplexity']['estimate']:.2f}" for p, s in keys) + "." + side,
     ]
     tables = [
-        gallery.finding_table(slice_finding, "slices of lower dispersion are less accurate (paper A's slice curve; "
-                                             "mean per-seed Spearman ρ above 0)"),
+        gallery.finding_table(gap_finding, "slices of lower dispersion are less accurate (paper A's slice curve; "
+                                           "D(correct) − D(wrong) above 0, questions as the unit)"),
         gallery.finding_table(auc_finding, "lower-dispersion questions are harder (AUROC of c_i above 0.5)"),
-        {"title": "One row per (prompt, scoring): accuracy, AUROC of c_i for correctness and the slice curve, with 95 % "
-                  "intervals, Holm-adjusted p and verdicts (each family: the six pairs)",
-         "header": ["prompt", "scoring", "accuracy", "95 % interval", "AUROC c_i", "95 % interval", "p (Holm)",
-                    "verdict", "slice ρ (seed-mean curve)", "mean per-seed ρ", "95 % interval", "p (Holm)", "verdict",
+        {"title": "One row per (prompt, scoring): accuracy, the slice statistic D(correct) − D(wrong), AUROC of c_i "
+                  "for correctness and the slice curve over seeds (exploratory), with 95 % intervals, Holm-adjusted p "
+                  f"and verdicts (each family: the {len(keys)} pairs)",
+         "header": ["prompt", "scoring", "accuracy", "95 % interval", "D(correct) − D(wrong)", "95 % interval",
+                    "p (Holm)", "verdict", "AUROC c_i", "95 % interval", "p (Holm)", "verdict",
+                    "slice ρ (seed-mean curve)", "mean per-seed ρ", "95 % interval", "p (exploratory)",
                     "slice D at 0 % → 100 % correct", "slice size", "AUROC −(prompt ppl)"], "rows": rows},
         {"title": "AUROC of c_i for correctness (acc) at every block output read, per prompt (same forward pass; "
                   "exploratory, unadjusted Mann-Whitney p)",
          "header": ["prompt", "layer", "AUROC", "95 % interval", "p", "verdict"], "rows": layer_rows},
-        {"title": "Prompts", "header": ["name", "prompt → continuation"],
-         "rows": [[p, pd["prompt"]] for p, pd in prompts.items()]},
+        {"title": "Prompts", "header": ["name", "prompt → continuation", "scorings counted"],
+         "rows": [[p, pd["prompt"], ", ".join(SCORED.get(p, SCORINGS))] for p, pd in prompts.items()]},
+        protocol_table(d),
     ]
     notes = [gallery.RULE_NOTE,
-             "Units: the slice curve's unit is the slice seed (each seed draws one slice per fraction from the same "
-             f"questions), so its test is over the {n_seeds} seeds' own ρ, not a bootstrap of {n_seeds} units; it "
-             "covers the slice draws, not the choice of questions. The ρ of the seed-mean curve (what `repgeom "
-             "slices` prints) is shown beside it. AUROCs: the questions are the unit (percentile bootstrap, 2000 "
-             "resamples, seed 0, where it holds its estimate; Mann-Whitney U p).",
+             "Units: the questions are the unit of replication. The slice statistic D(correct) − D(wrong) is "
+             "computed from every question's kept vector (mean cosine distance over pairs of distinct questions, "
+             "by the O(N·d) sum identity); its interval is the percentile bootstrap over the questions (2000 "
+             "resamples, seed 0; a question drawn twice is not paired with itself) and its p the two-sided "
+             "permutation test of the correctness labels (2000 shuffles, seed 0). A random slice's dispersion is "
+             "unbiased for its class's, so the statistic is the slice curve's two ends without the noise of the "
+             "slice draws; the figure's band is the expected curve under the same bootstrap. The slice seeds of "
+             "`repgeom slices` all draw from the same questions, so a test over them shrinks toward a point however "
+             "few the questions: it is shown, exploratory only. AUROCs: percentile bootstrap over the questions, "
+             "Mann-Whitney U p.",
              "The calibration MAE is a side observation and does not enter a verdict: paper A does not present "
              "dispersion as a calibrated accuracy predictor. The calibration figure is the run's own (its test "
              "slices are not kept in result.json) and is not redrawn."]
     figures = [{"file": "slices.png", "caption": "Controlled slices, one panel per prompt (columns) and scoring (rows): "
-                "slice dispersion against the fraction of correctly answered questions (mean ± s.e. over seeds), "
-                "SmolLM2-135M-Instruct on the WordNet quiz; titles give ρ of the seed-mean curve and the mean per-seed ρ with its 95 % "
-                "t-interval over the seeds"},
+                "slice dispersion against the fraction of correctly answered questions, SmolLM2-135M-Instruct on the "
+                "WordNet quiz; points: `repgeom slices` (mean ± s.e. over its seeds), line and band: the expected "
+                "slice dispersion from every question's vector with its 95 % band over a bootstrap of the questions; "
+                "titles give D(correct) − D(wrong) with its interval"},
                {"file": "auroc_by_layer.png", "caption": "AUROC of c_i for correctness (acc) at each block output, "
                 "per prompt, with 95 % intervals (bootstrap over questions); dashed: chance"}]
     figures += [f for f in doc["figures"] if f["file"] == "calibration.png"]
     out = gallery.regenerated(doc, summary, tables, notes, intervals, figures)
-    out["data"]["findings"] = gallery.stable({"slice_curve": slice_finding, "question_ranking": auc_finding})
+    out["data"]["findings"] = gallery.stable({"slice_curve": gap_finding, "question_ranking": auc_finding})
     return out
+
+
+def protocol_table(d: dict) -> dict:
+    """Where this run departs from paper A's hardness protocol (Tables 3–4, Fig. 8)."""
+    return {"title": "Protocol: paper A against this run",
+            "header": ["", "paper A", "this run", "why"],
+            "rows": [
+                ["model", "the paper's LLMs", "SmolLM2-135M-Instruct (GGUF, Q4_1 dequantized to float32)",
+                 "the only offline decoder here"],
+                ["queries", "a labelled benchmark pool", f"{d['questions']} WordNet questions generated at run time",
+                 "no benchmark data offline"],
+                ["vector", "last token, final layer, of the context scored", "the same", ""],
+                ["slices", "100 queries at each mixing ratio (grid not stated), 10 seeds, mean ± std",
+                 "100 queries at 0 %, 10 %, …, 100 % correct, 10 seeds, mean ± s.e.", "the grid is our choice"],
+                ["statistic", "correlation of slice dispersion with slice accuracy",
+                 "D(correct) − D(wrong) over every question (the curve's ends, no draw noise); the seeds' ρ "
+                 "exploratory", "the questions, not the seeds, are the unit of replication"],
+                ["scoring", "the benchmark's", "acc and acc_norm (the letter prompt once)",
+                 "the verdict can hang on it"],
+                ["tests", "none stated", "bootstrap and label permutation over questions; Holm over the prompt × "
+                 "scoring family", "one primary test per finding"],
+            ]}
 
 
 # -- figures --------------------------------------------------------------------------------------------------------
@@ -367,15 +516,24 @@ def slices_figure(prompts: dict, intervals: dict):
                              sharex=True, squeeze=False)
     for col, (prompt, pd) in enumerate(prompts.items()):
         for row, scoring in enumerate(SCORINGS):
-            curve, r = pd["slices"][scoring], intervals[prompt][scoring]["slice_spearman"]
             ax = axes[row][col]
-            ax.errorbar([100 * f for f in curve["fractions"]], curve["dispersion_mean"], yerr=curve["dispersion_se"],
-                        marker="o", ms=3, capsize=2, color=f"C{col}")
-            ax.set_title(f"{prompt}, {scoring}: ρ = {curve['spearman']:.2f}; per seed {r['estimate']:.2f}\n"
-                         f"({ci(r)})", fontsize=8)
+            if scoring not in SCORED.get(prompt, SCORINGS):
+                ax.axis("off")
+                ax.text(0.5, 0.5, f"{prompt}, {scoring}:\nthe same as acc\n(one-letter choices)", ha="center",
+                        va="center", fontsize=8, transform=ax.transAxes)
+                continue
+            curve, g = pd["slices"][scoring], intervals[prompt][scoring]["slice_gap"]
+            band = intervals[prompt][scoring]["expected_curve"]
+            xs = [100 * f for f in curve["fractions"]]
+            ax.fill_between(xs, band["low"], band["high"], color=f"C{col}", alpha=0.2, lw=0)
+            ax.plot(xs, band["estimate"], color=f"C{col}", lw=1)
+            ax.errorbar(xs, curve["dispersion_mean"], yerr=curve["dispersion_se"], ls="none", marker="o", ms=3,
+                        capsize=2, color=f"C{col}")
+            ax.set_title(f"{prompt}, {scoring}: D(correct) − D(wrong)\n= {g['estimate']:+.4f} ({ci(g, 4)})",
+                         fontsize=8)
             ax.grid(alpha=0.3)
             ax.tick_params(labelsize=7)
-            if row == len(SCORINGS) - 1:
+            if row == len(SCORINGS) - 1 or SCORINGS[row + 1] not in SCORED.get(prompt, SCORINGS):
                 ax.set_xlabel("correct questions in the slice (%)", fontsize=8)
             if col == 0:
                 ax.set_ylabel("slice dispersion D", fontsize=8)
@@ -456,7 +614,7 @@ def main(argv=None) -> None:
 
     import numpy as np
 
-    from repgeom_eval.analyses.queries import SAMPLES_FIELD, decode_vector
+    from repgeom_eval.analyses.queries import SAMPLES_FIELD, decode_vector, encode_vector
 
     exp = Experiment("hardness_without_labels", "Hardness without labels: question dispersion on a WordNet quiz",
                      "paper A, Tables 3–4 (hardness slices) and Fig. 8", doc=__doc__, argv=argv, configure=configure)
@@ -497,7 +655,7 @@ def main(argv=None) -> None:
             {"doc_id": s["doc_id"], "acc": float(s["acc"]), "acc_norm": float(s["acc_norm"]), "ppl": it["ppl"],
              "prompt_ppl": it["prompt_ppl"]} for s, it in zip(samples, items)])
         curves = {}
-        for scoring in SCORINGS:
+        for scoring in SCORED[prompt]:
             sl_path = exp.workdir / f"slices_{prompt}_{scoring}.json"
             source = [out, "--task", task] if scoring == "acc" else [records, "--vectors", vector_file,
                                                                      "--correct-field", scoring]
@@ -527,6 +685,9 @@ def main(argv=None) -> None:
             "per_question": {
                 "acc": [float(s["acc"]) for s in samples], "acc_norm": [float(s["acc_norm"]) for s in samples],
                 "c": [float(s["repgeom_dispersion"]) for s in samples],
+                # the question's vector (final layer, last prompt token), float32 base64: the question-level
+                # bootstrap of the slice statistic resamples these
+                "vector": [encode_vector(v) for v in vectors],
                 "prompt_ppl": [it["prompt_ppl"] for it in items], "answer_ppl": [it["ppl"] for it in items],
                 "c_by_layer": {name.split("@")[1].split(":")[1]: [float(s[name]) for s in samples]
                                for name in layer_names}},
