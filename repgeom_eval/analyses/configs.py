@@ -66,9 +66,17 @@ class PplBinsConfig(TextsGroup, ChunksGroup, LayersGroup, RunGroup):
                                         "(default: {default})")
     per_chunk_path: str | None = option(None, "--per-chunk", writes="file", metavar="OUT.jsonl", key=False, config=False,
                                         help="also write every chunk's perplexity and dispersions")
+    run_dir: str | None = option(None, "--run-dir", metavar="DIR", key=False, writes="folder",
+                                 help="append every chunk's values here as they are computed, so a killed run can "
+                                      "--resume (analyses/chunk_log.py)")
+    resume: bool = option(False, "--resume", action="store_true", key=False, config=False,
+                          help="continue the run in --run-dir: only the chunks it lacks are computed (same model, "
+                               "data and options)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.resume and not self.run_dir:
+            raise RepgeomError("resume needs the run directory of the run to continue (--run-dir DIR)")
         if self.n_chunks is not None and self.per_source is not None:
             raise RepgeomError("give --n-chunks (a uniform sample) or --per-source (the same number from every "
                                "source), not both")

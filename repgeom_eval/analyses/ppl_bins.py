@@ -50,6 +50,8 @@ from repgeom_eval.output.files import write_jsonl
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import (Chunk, Document, check_context, corpus_chunks, describe, load_documents,
                      sample_chunks, sample_per_source)
+from repgeom_eval.analyses.chunk_log import ChunkLog, chunks_digest
+from repgeom_eval.measurement.checkpoint import model_identity
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.forward import Forward, next_token_logprobs
 from repgeom_eval.analyses.envelope import AnalysisResult
@@ -125,16 +127,25 @@ def resolve_group_size(group_size: int | str, chunks_per_source: dict[str, int])
 
 
 def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Sequence[Any], batch_size: int = 4,
-                     progress: bool = True, dist: Distributed | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     progress: bool = True, dist: Distributed | None = None,
+                     log: ChunkLog | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(perplexity [N], token dispersion [N, n_addresses]) of every chunk; one forward pass per batch.
 
     Under ``torch.distributed`` (``dist``), batch ``b`` runs on rank ``b % world`` — the same batches as one
     process, so the same numbers — and the per-chunk rows are gathered on rank 0; other ranks get empty arrays.
+    With a ``log`` (``--run-dir``), batches whose chunks it holds are read back instead of run, and every batch
+    run is appended to it (analyses/chunk_log.py).
     """
     dist = dist or Distributed()
     ppl = np.full(len(chunks), np.nan, dtype=np.float64)
     disp = np.full((len(chunks), len(addresses)), np.nan, dtype=np.float64)
     mine = [(b, lo) for b, lo in enumerate(range(0, len(chunks), batch_size)) if dist.owns(b)]
+    if log is not None:
+        for i, (p, d) in log.done.items():
+            if i < len(chunks):
+                ppl[i], disp[i] = p, d
+        mine = [(b, lo) for b, lo in mine
+                if not all(i in log.done for i in range(lo, min(lo + batch_size, len(chunks))))]
     with Forward.at(loaded, addresses, logits=True) as runner, progress_bar(
             total=sum(min(batch_size, len(chunks) - lo) for _, lo in mine), unit="chunk", desc="ppl-bins",
             progress=progress, disable=not dist.is_main) as bar:
@@ -147,6 +158,9 @@ def chunk_statistics(loaded: LoadedModel, chunks: Sequence[Chunk], addresses: Se
             for j, addr in enumerate(addresses):
                 values, _ = token_dispersion(out.hidden[addr], out.mask.to(out.hidden[addr].device))
                 disp[lo:lo + len(batch), j] = values.cpu().numpy()
+            if log is not None:
+                rows = range(lo, lo + len(batch))
+                log.append(rows, ppl[rows.start:rows.stop], disp[rows.start:rows.stop])
             bar.update(len(batch))
     if not dist.active:
         return ppl, disp
@@ -264,8 +278,22 @@ def ppl_bins(
             f"({len(docs)} documents, packing {packing!r}), but {MIN_GROUPS} groups of {group_size} need "
             f"{group_size * MIN_GROUPS}; give more text, or lower --group-size or --chunk-len")
 
+    log = None
+    if cfg.run_dir is not None:
+        if dist.active:
+            raise RepgeomError("--run-dir with several processes is not supported by ppl-bins yet; run it in one "
+                               "process, or drop --run-dir")
+        log = ChunkLog.open(cfg.run_dir, {
+            "kind": KIND, "model": model_identity(loaded), "chunks": chunks_digest(sampled), "n_chunks": len(sampled),
+            "addresses": names, "chunk_len": chunk_len, "batch_size": batch_size, "dtype": loaded.info.dtype},
+            cfg.resume)
+    resumed = len(log.done) if log is not None else 0
     t0 = time.perf_counter()
-    ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, cfg.progress, dist)
+    try:
+        ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, cfg.progress, dist, log)
+    finally:
+        if log is not None:
+            log.close()
     t_forward = time.perf_counter() - t0
 
     result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
@@ -317,6 +345,9 @@ def ppl_bins(
         write_jsonl(cfg.per_chunk_path, ({"source": c.source, "doc": c.doc, "start": c.start, "ppl": float(ppl[i]),
                                       "dispersion": dict(zip(names, disp[i].tolist()))}
                                      for i, c in enumerate(sampled)))
+    if cfg.run_dir is not None:
+        result.data["run_dir"] = {"path": str(cfg.run_dir), "chunks_read_back": resumed,
+                                  "chunks_computed": len(sampled) - resumed}
     result.timings = {"load_model_s": t_load, "tokenize_s": t_tok, "forward_s": t_forward,
                       "total_s": time.perf_counter() - t_start,
                       "tokens_per_s": result.data["n_tokens_used"] / max(t_forward, 1e-9)}
