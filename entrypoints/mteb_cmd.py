@@ -302,6 +302,10 @@ def _run(cfg: MtebRunCommand) -> int:
         scores = ", ".join(f"{a} {v:.4f}" for a, v in pick["scores"].items())
         console.print(f"layer pick for {task}: {pick['chosen']} by {pick['rule']} "
                       f"({pick['direction']} of {len(pick['scores'])} layers: {scores})", highlight=False)
+    for rule in dict.fromkeys(pick["rule"] for pick in picks.values()):  # once per rule: what it is known to do
+        evidence = next(p.get("evidence") for p in picks.values() if p["rule"] == rule)
+        console.print(f"{rule} measured against final: {evidence or 'never measured (no evidence declared)'}",
+                      highlight=False, soft_wrap=True)
     console.print(f"results: {out}")
     if cfg.summary:
         written = write_summary(out)

@@ -213,6 +213,12 @@ def test_docs_picks_quotes_the_gallery_hit_rates_as_result_json_holds_them():
     assert block, "docs/picks.md lost its label-free rules block"
     quoted = [line[2:] for line in block.group(1).splitlines() if line.startswith("- ")]
     assert quoted == doc["data"]["label_free_rules"]["quotes"]
+    from repgeom_eval.spec.layer_pick import MinDatasetEntropy
+
+    primary = doc["data"]["label_free_pick"]["quotes"][0]  # SmolLM2-135M, raw: the gallery's primary setting
+    assert primary.startswith("SmolLM2-135M, raw: ")
+    assert primary.removeprefix("SmolLM2-135M, raw: ") in MinDatasetEntropy.evidence, \
+        "the built-in rule's evidence (printed by --layer auto) is no longer what the gallery measured"
     flat = " ".join(text.split())
     for table in doc["tables"]:
         if table["title"].startswith("Label-free"):

@@ -67,7 +67,7 @@ def pick_layer(embedder: LayerEmbedder, rule: LayerPick, texts: Sequence[str], b
         "chosen": chosen, "rule": rule.name, "params": dict(rule.params), "direction": rule.direction,
         "quantity": rule.quantity, "scores": scores, "n_texts": len(texts), "texts": texts_note,
         "vectors": f"{embedder.recipe.pooling}-pooled hidden states, before preprocessing and unit normalisation",
-        "compared_with": "final",
+        "compared_with": "final", "evidence": rule.evidence,
     }
     try:
         from repgeom_eval.plugin_system.host import get_host
