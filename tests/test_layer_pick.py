@@ -149,6 +149,9 @@ def test_cli_auto(tiny_model_dir, tmp_path, capsys):
                  "--output-folder", str(tmp_path / "o"), "--no-progress", "--no-summary"]) == 0
     out = capsys.readouterr().out
     assert "layer pick for PydocSTS:" in out and "by min_dataset_entropy (min of 3 layers: embed" in out
+    flat = " ".join(out.split())
+    assert "min_dataset_entropy measured against final: gallery, SmolLM2-135M, raw" in flat
+    assert "Not a better default than final" in flat
 
 
 def test_layer_encoder_auto_picks_on_the_first_encode(tiny_model_dir, specs):

@@ -65,13 +65,17 @@ PPL_FRACTION, CLOZE_FRACTION = 0.05, 0.15  # stable_key < 0.05: perplexity; [0.0
 BURN_IN = 1 / 3  # scratch family: checkpoints before ceil(BURN_IN * max_steps) are not screened (paper A: 120k/700k)
 ITEMS_PER_FILE = 3  # completion items taken from one held-out file at most
 CONTEXT_LINES = 2  # lines of code before the completed line
-FAMILIES = ("finetune", "scratch")
+FAMILIES = ("finetune", "scratch")  # trajectories: checkpoints of one run, ranked for free by the step
+VARIANTS = "variants"  # between variants at equal step: fine-tunes of SmolLM2 on data mixtures × learning rates
+MIXTURES = {"code": "Python code only", "code+prose": "Python code and Python-documentation prose, half each"}
 SIZES = {
     False: {"train_finetune_chars": 600_000, "train_scratch_chars": 4_000_000, "ppl_files": 4, "ppl_chunk_chars": 1000,
-            "cloze_items": 120, "tbar_size": 1000, "sets": {"finetune": [], "scratch": []}},
+            "cloze_items": 120, "tbar_size": 1000, "sets": {"finetune": [], "scratch": [], VARIANTS: []},
+            "variant_steps": 32, "variant_lrs": (2e-5, 6e-5, 2e-4, 6e-4)},
     True: {"train_finetune_chars": 60_000, "train_scratch_chars": 300_000, "ppl_files": 2, "ppl_chunk_chars": 400,
-           "cloze_items": 16, "tbar_size": 300,
-           "sets": {"finetune": ["data.block_size=32", "training.per_device_train_batch_size=2",
+           "cloze_items": 16, "tbar_size": 300, "variant_steps": 2, "variant_lrs": (1e-4, 1e-3),
+           "sets": {VARIANTS: ["data.block_size=32", "training.per_device_train_batch_size=2"],
+                    "finetune": ["data.block_size=32", "training.per_device_train_batch_size=2",
                                  "training.max_steps=2", "training.save_steps=1"],
                     "scratch": ["from_scratch.n_layer=2", "from_scratch.n_embd=64", "from_scratch.n_head=2",
                                 "from_scratch.vocab_size=1024", "data.block_size=64",
@@ -80,7 +84,8 @@ SIZES = {
 }
 ENGLISH_WORD = re.compile(r"(?<![\w'])[a-z]{2,}(?![\w'])")  # a whole lower-case word (not "ll" of "it'll")
 IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
-LABELS = {"finetune": "SmolLM2-135M fine-tuned on Python code", "scratch": "GPT-2 from scratch on Python code"}
+LABELS = {"finetune": "SmolLM2-135M fine-tuned on Python code", "scratch": "GPT-2 from scratch on Python code",
+          VARIANTS: "SmolLM2-135M fine-tunes at equal step (data mixture × learning rate)"}
 
 
 # -- data -------------------------------------------------------------------------------------------------------------
@@ -101,6 +106,17 @@ def split(docs: list[str], size: dict[str, Any]) -> dict[str, list[str]]:
                 if n[name] < size[f"{name}_chars"]:
                     out[name].append(doc)
                     n[name] += len(doc)
+    return out
+
+
+def capped(texts: list[str], chars: int) -> list[str]:
+    """The first texts whose lengths add up to at most ``chars`` (at least one)."""
+    out, n = [], 0
+    for t in texts:
+        if out and n + len(t) > chars:
+            break
+        out.append(t)
+        n += len(t)
     return out
 
 
@@ -238,16 +254,24 @@ def lm_eval_numbers(folder: Path, tokenizer: Any) -> dict[str, float]:
     is exp(−Σ log-likelihood / Σ tokens) over the held-out chunks (the rolling log-likelihoods in the samples)."""
     results = json.loads(max(folder.rglob("results_*.json")).read_text(encoding="utf-8"))
     r = results["results"]
-    ll, n_tokens = 0.0, 0
-    for line in max(folder.rglob("samples_screening_ppl_*.jsonl")).read_text(encoding="utf-8").splitlines():
-        sample = json.loads(line)
+    chunks = sorted((json.loads(line) for line in
+                     max(folder.rglob("samples_screening_ppl_*.jsonl")).read_text(encoding="utf-8").splitlines()),
+                    key=lambda x: x["doc_id"])
+    chunk_ll, chunk_tokens = [], []
+    for sample in chunks:
         value = sample["filtered_resps"][0]
-        ll += float(value[0] if isinstance(value, list) else value)
-        n_tokens += len(tokenizer(sample["doc"]["text"], add_special_tokens=False)["input_ids"])
+        chunk_ll.append(float(value[0] if isinstance(value, list) else value))
+        chunk_tokens.append(len(tokenizer(sample["doc"]["text"], add_special_tokens=False)["input_ids"]))
+    items = sorted((json.loads(line) for line in
+                    max(folder.rglob("samples_screening_completion_*.jsonl")).read_text(encoding="utf-8").splitlines()),
+                   key=lambda x: x["doc_id"])
     c = r["screening_completion"]
+    n_tokens = sum(chunk_tokens)
     return {"acc": c["acc,none"], "acc_stderr": c["acc_stderr,none"], "acc_norm": c["acc_norm,none"],
-            "bits_per_byte": r["screening_ppl"]["bits_per_byte,none"], "ppl": math.exp(-ll / n_tokens),
-            "ppl_tokens": n_tokens, "eval_s": float(results.get("total_evaluation_time_seconds", "nan"))}
+            "bits_per_byte": r["screening_ppl"]["bits_per_byte,none"], "ppl": math.exp(-sum(chunk_ll) / n_tokens),
+            "ppl_tokens": n_tokens, "chunk_loglik": chunk_ll, "chunk_tokens": chunk_tokens,
+            "item_acc": [float(x["acc"]) for x in items],
+            "eval_s": float(results.get("total_evaluation_time_seconds", "nan"))}
 
 
 def checkpoints(run: Path) -> list[tuple[int, Path]]:
@@ -289,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         tbar_file.write_text("\n".join(words) + "\n", encoding="utf-8")
         for name in ("train_finetune", "train_scratch"):
             write_jsonl(data / f"{name}.jsonl", [{"text": t} for t in parts[name]])
+        prose = capped(gallery.pydoc_paragraphs(), size["train_finetune_chars"])
+        write_jsonl(data / "train_prose.jsonl", [{"text": t} for t in prose])
         write_jsonl(data / "heldout_ppl.jsonl", [{"text": t} for t in chunks])
         write_jsonl(data / "completion.jsonl", items)
         tasks = work / "tasks"
@@ -303,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
                  "train_finetune_chars": sum(map(len, parts["train_finetune"])),
                  "train_scratch_files": len(parts["train_scratch"]),
                  "train_scratch_chars": sum(map(len, parts["train_scratch"])),
+                 "train_prose_paragraphs": len(prose), "train_prose_chars": sum(map(len, prose)),
                  "ppl_chunks": len(chunks), "ppl_chars": sum(map(len, chunks)), "completion": cloze_info,
                  "tbar": tbar_info}
 
@@ -336,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
             for _, p in saved:
                 shutil.rmtree(p, ignore_errors=True)
 
+    families[VARIANTS] = train_variants(exp, size, gguf, tbar_file, tasks)
+
     exp.finish(["(written by summarize)"] * 3, data={
         "families": families, "data": data_info, "burn_in": BURN_IN,
         "token_sets": {"domain": DOMAIN, "reference": "data/tbar_words.txt (frequent whole English words)",
@@ -344,8 +373,56 @@ def main(argv: list[str] | None = None) -> None:
     gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
 
 
+def variant_name(mixture: str, lr: float) -> str:
+    return f"{mixture}_lr{lr:g}"
+
+
+def train_variants(exp: Experiment, size: dict[str, Any], gguf: str, tbar_file: Path, tasks: Path) -> dict[str, Any]:
+    """The between-variant family: SmolLM2 fine-tuned for the same number of steps on each data mixture at each
+    learning rate (one `repgeom train` each, config_finetune.yaml with the mixture's domains), the final checkpoints
+    screened and evaluated like a trajectory's. The step ranks nothing here."""
+    import yaml
+
+    work = exp.workdir
+    steps = size["variant_steps"]
+    base = yaml.safe_load((HERE / "config_finetune.yaml").read_text(encoding="utf-8"))
+    names, models, runs, train_s = [], [], [], []
+    sets = [a for x in size["sets"][VARIANTS] for a in ("--set", x)]
+    for mixture in MIXTURES:
+        for lr in size["variant_lrs"]:
+            name = variant_name(mixture, lr)
+            config = dict(base, output_dir=f"run_{name}")
+            config["data"] = dict(base["data"], domains=dict(base["data"]["domains"]))
+            if mixture == "code+prose":
+                config["data"]["domains"]["prose"] = {"train": "data/train_prose.jsonl"}
+            config["training"] = dict(base["training"], max_steps=steps, save_steps=steps, learning_rate=lr)
+            path = work / f"config_{name}.yaml"
+            path.write_text(f"# {name}: written by run.py from config_finetune.yaml ({MIXTURES[mixture]}, "
+                            f"learning rate {lr:g}, {steps} steps)\n" + yaml.safe_dump(config, sort_keys=False),
+                            encoding="utf-8")
+            with exp.step(f"{VARIANTS}: train {name} (repgeom train)"):
+                train_s.append(exp.run("repgeom", "train", "--config", path.name, "--set", f"model={gguf}", *sets,
+                                       "--overwrite", "--no-progress", log=f"train_{name}"))
+            run = work / f"run_{name}"
+            runs.append(json.loads((run / "results.json").read_text(encoding="utf-8")))
+            saved = checkpoints(run)
+            names.append(name)
+            models.append(str(saved[-1][1]))
+    f = evaluate_family(exp, VARIANTS, [steps] * len(models), models, tbar_file, tasks, runs[0], sum(train_s), steps,
+                        [steps], names=names)
+    f["variants"] = [{"name": n, "mixture": n.rsplit("_lr", 1)[0], "learning_rate": float(n.rsplit("_lr", 1)[1]),
+                      "train_s": t, "last_logged_train_ce": (r.get("train_log") or [{}])[-1].get("ce")}
+                     for n, t, r in zip(names, train_s, runs)]
+    f["training"]["learning_rate"] = None  # one per variant (see variants)
+    if not exp.smoke:  # 540 MB a checkpoint: free the disk once measured
+        for m in models:
+            shutil.rmtree(m, ignore_errors=True)
+    return f
+
+
 def evaluate_family(exp: Experiment, fam: str, steps: list[int], models: list[str], tbar_file: Path, tasks: Path,
-                    trained: dict[str, Any], train_s: float, first: int, saved_steps: list[int]) -> dict[str, Any]:
+                    trained: dict[str, Any], train_s: float, first: int, saved_steps: list[int],
+                    names: list[str] | None = None) -> dict[str, Any]:
     """The screen (timed), lm_eval on every variant (timed), and G with both distances against both scores."""
     work = exp.workdir
     gap_args = ["--domain", DOMAIN, "--reference", tbar_file]
@@ -359,15 +436,15 @@ def evaluate_family(exp: Experiment, fam: str, steps: list[int], models: list[st
     tokenizer = AutoTokenizer.from_pretrained(models[-1])
     evals, walls = [], []
     with exp.step(f"{fam}: evaluate (lm_eval per variant: perplexity + completion)"):
-        for step, model in zip(steps, models):
-            out = work / "lm_eval" / f"{fam}_step{step}"
+        for step, model, tag in zip(steps, models, names or [f"step{x}" for x in steps]):
+            out = work / "lm_eval" / f"{fam}_{tag}"
             shutil.rmtree(out, ignore_errors=True)
             walls.append(exp.run(
                 "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},dtype=float32", "--device", "cpu",
                 "--batch_size", 16, "--include_path", tasks, "--tasks", "screening_ppl,screening_completion",
-                "--log_samples", "--output_path", out, log=f"lm_eval_{fam}_step{step}"))
+                "--log_samples", "--output_path", out, log=f"lm_eval_{fam}_{tag}"))
             evals.append(lm_eval_numbers(out, tokenizer))
-            print(f"[{exp.name}] {fam} step {step}: ppl {evals[-1]['ppl']:.3f}, completion acc "
+            print(f"[{exp.name}] {fam} {tag}: ppl {evals[-1]['ppl']:.3f}, completion acc "
                   f"{evals[-1]['acc']:.3f} ({walls[-1]:.0f} s)", flush=True)
 
     scores = {"ppl": [e["ppl"] for e in evals], "completion_acc": [e["acc"] for e in evals]}
@@ -392,8 +469,8 @@ def evaluate_family(exp: Experiment, fam: str, steps: list[int], models: list[st
     first_row = gap_rows["cosine"][models[0]]
     screen = {r["model"]: r for r in screen_doc["results"]}
     return {
-        "label": LABELS[fam], "steps": steps, "models": [Path(m).name if fam == "scratch" or i else "base (step 0)"
-                                                         for i, m in enumerate(models)],
+        "label": LABELS[fam], "steps": steps,
+        "models": names or [Path(m).name if fam == "scratch" or i else "base (step 0)" for i, m in enumerate(models)],
         "saved_steps": saved_steps, "first_screened_step": first,
         "G_cosine": G["cosine"]["G"], "G_euclidean": G["euclidean"]["G"],
         "components": {d: {k: v for k, v in G[d].items() if k != "G"} for d in DISTANCES},
@@ -401,6 +478,10 @@ def evaluate_family(exp: Experiment, fam: str, steps: list[int], models: list[st
         "ppl": scores["ppl"], "completion_acc": scores["completion_acc"],
         "acc_stderr": [e["acc_stderr"] for e in evals], "acc_norm": [e["acc_norm"] for e in evals],
         "bits_per_byte": [e["bits_per_byte"] for e in evals], "ppl_tokens": evals[0]["ppl_tokens"],
+        # per item, so that item noise enters the intervals: each completion item's 0/1 result, each held-out
+        # chunk's summed log-likelihood (its token count is the same for every variant of a family)
+        "item_acc": [e["item_acc"] for e in evals], "chunk_loglik": [e["chunk_loglik"] for e in evals],
+        "chunk_tokens": evals[0]["chunk_tokens"],
         "repgeom_spearman": rho,
         "wall_s": {"screen": screen_s, "screen_core_sum": sum(r["timings"]["total_s"] for r in screen.values()),
                    "evaluation": sum(walls), "evaluation_core_sum": sum(e["eval_s"] for e in evals),
@@ -446,17 +527,75 @@ def series(f: dict[str, Any], key: str) -> list[float]:
     return f["components"][distance][comp]
 
 
-def family_intervals(f: dict[str, Any]) -> dict[str, Any]:
-    """Every pair's Spearman ρ over the family's checkpoints (gallery.correlation_test: percentile bootstrap over the
-    checkpoints where it holds its estimate, else Fisher z; the t test of ρ), as StatTest objects."""
-    out = {}
-    pairs = dict(PAIRS)
+def outcome_draws(f: dict[str, Any], key: str, n: int = 2000, seed: int = 1) -> Any:
+    """[n, variants]: ``key`` (completion_acc or ppl) of every variant recomputed on a bootstrap resample of the
+    evaluation's own units (the completion items; the held-out chunks, perplexity = exp(−Σ ll / Σ tokens)), the same
+    resample for every variant (they answered the same items). None where result.json keeps no per-item values."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import bootstrap_indices
+
+    units = {"completion_acc": "item_acc", "ppl": "chunk_loglik"}.get(key)
+    if units is None or units not in f:
+        return None
+    values = np.asarray(f[units], float)  # [variants, units]
+    idx = bootstrap_indices(values.shape[1], n, seed)
+    counts = np.zeros((n, values.shape[1]))
+    np.add.at(counts, (np.arange(n)[:, None], idx), 1.0)
+    if key == "completion_acc":
+        return counts @ values.T / values.shape[1]
+    tokens = counts @ np.asarray(f["chunk_tokens"], float)
+    return np.exp(-(counts @ values.T) / tokens[:, None])
+
+
+def item_noise(f: dict[str, Any], x: str, y: str) -> dict[str, Any]:
+    """The draws for a pair: ``joint`` (variants and items resampled together, the interval a family with more than
+    SMALL variants uses) and ``items`` (the variants fixed, only the items resampled: how much item noise alone
+    moves ρ). Empty where neither series has per-item values."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import bootstrap_indices
+
+    dx, dy = outcome_draws(f, x), outcome_draws(f, y)
+    if dx is None and dy is None:
+        return {}
+    base = lambda key, d: np.broadcast_to(np.asarray(series(f, key), float), (2000, len(f["steps"]))) if d is None \
+        else d  # noqa: E731
+    xs, ys = base(x, dx), base(y, dy)
+    idx = bootstrap_indices(len(f["steps"]), 2000, 0)
+    rows = np.arange(2000)[:, None]
+    return {"joint": gallery._corr(xs[rows, idx], ys[rows, idx], "spearman"),
+            "items": gallery._corr(xs, ys, "spearman")}
+
+
+def trajectory(f: dict[str, Any]) -> bool:
+    """A family of one run's checkpoints (the step ranks them for free), not variants at equal step."""
+    return len(set(f["steps"])) > 1
+
+
+def family_intervals(f: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every pair's Spearman ρ over the family's variants (gallery.correlation_test: with more than SMALL variants
+    the percentile bootstrap over variants and items together where it holds its estimate, else Fisher z; up to
+    SMALL, Fisher z and the exact permutation p), as StatTest objects; and, beside them, the interval from item noise
+    alone (exploratory). Pairs with the step only for trajectories."""
+    import numpy as np
+
+    from repgeom_eval.functional.bootstrap import percentile_interval
+
+    out, alone = {}, {}
+    pairs = {k: v for k, v in PAIRS.items() if trajectory(f) or "steps" not in v[:2]}
     for d in DISTANCES:
         for c in COMPONENTS:
             pairs[f"{d[:3]}_{c}_ppl"] = (f"{d}:{c}", "ppl", None)
     for name, (x, y, expect) in pairs.items():
-        out[name] = gallery.correlation_test(name, series(f, x), series(f, y), "spearman", expect or "below")
-    return out
+        noise = item_noise(f, x, y)
+        out[name] = gallery.correlation_test(name, series(f, x), series(f, y), "spearman", expect or "below",
+                                             noise.get("joint"))
+        if noise:
+            low, high, valid = percentile_interval(noise["items"], gallery.LEVEL)
+            alone[name] = {"low": float(low), "high": float(high), "resamples": int(valid),
+                           "sd": float(np.nanstd(noise["items"], ddof=1))}
+    return out, alone
 
 
 def detrended(f: dict[str, Any]) -> dict[str, Any]:
@@ -504,16 +643,23 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     """result.json with the summary, tables, notes, intervals and verdicts recomputed from its per-variant values."""
     d = doc["data"]
     fams = d["families"]
-    tests = {fam: family_intervals(f) for fam, f in fams.items()}
-    # the finding: one primary test (the from-scratch family, cosine G against perplexity: paper A's setting, a
-    # training run past its burn-in), judged with every paper-predicted pair of both families, Holm over the eight
+    tests, alone = {}, {}
+    for fam, f in fams.items():
+        tests[fam], alone[fam] = family_intervals(f)
+    # the finding: one primary test, fixed before the variants were run: cosine G against perplexity between the
+    # variants at equal step (paper A's screening of variants; within a trajectory the step ranks the checkpoints
+    # for free), judged with every paper-predicted pair of every family, Holm over them all
     predicted = [k for k, (_, _, expect) in PAIRS.items() if expect]
+    primary = f"{VARIANTS}: Gcos_ppl" if VARIANTS in fams else "scratch: Gcos_ppl"
     family = [replace(tests[fam][k], name=f"{fam}: {k}") for fam in fams for k in predicted]
-    finding = gallery.decide(family, "scratch: Gcos_ppl", "within a family, higher G marks the better checkpoint")
+    finding = gallery.decide(family, primary, "within a family, higher G marks the better variant")
     intervals = {fam: {k: (finding["tests"][f"{fam}: {k}"] if k in predicted else gallery.explore(t).as_dict())
                        for k, t in tests[fam].items()} for fam in fams}
+    for fam in fams:
+        for k, a in alone[fam].items():
+            intervals[fam][k]["item_noise_alone"] = a
     verdict = {fam: {k: intervals[fam][k]["verdict"] for k in predicted} for fam in fams}
-    trend = {fam: detrended(f) for fam, f in fams.items()}
+    trend = {fam: detrended(f) for fam, f in fams.items() if trajectory(f)}
 
     def same_as_step(fam: str) -> str:
         same = [name for name, k in (("cosine", "Gcos_step"), ("Euclidean", "Geuc_step"))
@@ -530,38 +676,51 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         return f"{iv['estimate']:+.2f} ({iv['low']:+.2f} to {iv['high']:+.2f})"
 
     ft, sc = fams["finetune"], fams["scratch"]
+    va = fams.get(VARIANTS)
     info, comp = d["data"], d["data"]["completion"]
-    n_total = len(ft["steps"]) + len(sc["steps"])
+    n_total = sum(len(f["steps"]) for f in fams.values())
     arch = lambda f: f"{f['model']['n_layers']}-layer width-{f['model']['hidden_size']}"  # noqa: E731
     tr = lambda f: f["training"]  # noqa: E731
+    third = ""
+    if va is not None:
+        lrs = sorted({v["learning_rate"] for v in va["variants"]})
+        mixes = list(dict.fromkeys(v["mixture"] for v in va["variants"]))
+        third = (f"; (3) between variants at equal step, no step to rank them: {len(va['steps'])} fine-tunes of "
+                 f"SmolLM2-135M, each {va['steps'][0]} steps of {tr(va)['per_device_train_batch_size']}×"
+                 f"{va['block_size']} tokens, on each data mixture ({', '.join(f'{m}: {MIXTURES[m]}' for m in mixes)}) "
+                 f"at each constant learning rate ({', '.join(f'{x:g}' for x in lrs)})")
     line1 = (
-        f"Two families screened on their own, {n_total} variants in all: (1) {LABELS['finetune']} with `repgeom "
-        f"train` ({tr(ft)['max_steps']} steps of {tr(ft)['per_device_train_batch_size']}×{ft['block_size']} tokens, "
-        f"learning rate {tr(ft)['learning_rate']:g} {tr(ft)['lr_scheduler_type']}), the base model (step 0, "
+        f"{len(fams)} families screened on their own, {n_total} variants in all: (1) {LABELS['finetune']} with "
+        f"`repgeom train` ({tr(ft)['max_steps']} steps of {tr(ft)['per_device_train_batch_size']}×{ft['block_size']} "
+        f"tokens, learning rate {tr(ft)['learning_rate']:g} {tr(ft)['lr_scheduler_type']}), the base model (step 0, "
         f"under-adapted) and {len(ft['steps']) - 1} checkpoints (steps {ft['steps'][1]}–{ft['steps'][-1]}); (2) a "
         f"{arch(sc)} {LABELS['scratch']} ({tr(sc)['max_steps']} steps of {tr(sc)['per_device_train_batch_size']}×"
         f"{sc['block_size']} tokens, {tr(sc)['lr_scheduler_type']} at {tr(sc)['learning_rate']:g}), the first "
         f"{sc['first_screened_step']} steps dropped as burn-in ({d['burn_in']:.0%} of the run; paper A drops 120k of "
-        f"700k), "
-        f"{len(sc['steps'])} checkpoints (steps {sc['steps'][0]}–{sc['steps'][-1]}). Each screened with `repgeom "
-        f"gap` (T = python_keywords, T̄ = the {d['token_sets']['reference_words']} most frequent whole lower-case "
-        f"English words of fortunes and the KJV Bible, cosine and Euclidean G) and evaluated with `lm_eval` (held-out "
-        f"code perplexity over {info['ppl_chunks']} chunks, {info['ppl_chars']} characters; {comp['items']}-item 4-way "
-        f"completion of a held-out line's last name). Not covered: models past 135M parameters, paper A's real "
-        f"model families (CodeLlama, math-tuned Qwen), more than one training run per family, held-out code unseen "
-        f"in SmolLM2's pretraining (the standard library is public).")
+        f"700k), {len(sc['steps'])} checkpoints (steps {sc['steps'][0]}–{sc['steps'][-1]}){third}. Each screened "
+        f"with `repgeom gap` (T = python_keywords, T̄ = the {d['token_sets']['reference_words']} most frequent whole "
+        "lower-case English words of fortunes and the KJV Bible, cosine and Euclidean G) and evaluated with "
+        f"`lm_eval` (held-out code perplexity over {info['ppl_chunks']} chunks, {info['ppl_chars']} characters; "
+        f"{comp['items']}-item 4-way completion of a held-out line's last name; every item's and chunk's result "
+        "kept). Not covered: models past 135M parameters, paper A's real model families (CodeLlama, math-tuned "
+        "Qwen), more than one training run per setting, held-out code unseen in SmolLM2's pretraining (the standard "
+        "library is public).")
     parts = []
     for fam, f in fams.items():
         w = f["wall_s"]
+        moves = (f"perplexity {f['ppl'][0]:.2f} → {f['ppl'][-1]:.2f} (min {min(f['ppl']):.2f}), completion "
+                 f"{f['completion_acc'][0]:.2f} → {f['completion_acc'][-1]:.2f}" if trajectory(f) else
+                 f"perplexity {min(f['ppl']):.2f} to {max(f['ppl']):.2f}, completion {min(f['completion_acc']):.2f} "
+                 f"to {max(f['completion_acc']):.2f}")
         parts.append(
             f"{fam} (n = {len(f['steps'])}): ρ(G cos, ppl) = {show(fam, 'Gcos_ppl')}, ρ(G cos, completion) = "
             f"{show(fam, 'Gcos_acc')}, ρ(G euc, ppl) = {show(fam, 'Geuc_ppl')}, ρ(G euc, completion) = "
-            f"{show(fam, 'Geuc_acc')}; perplexity {f['ppl'][0]:.2f} → {f['ppl'][-1]:.2f} (min {min(f['ppl']):.2f}), "
-            f"completion {f['completion_acc'][0]:.2f} → {f['completion_acc'][-1]:.2f}; over the family G cos spans "
-            f"{span(f['G_cosine']):.2g} % of its value, G euc {span(f['G_euclidean']):.2g} %; screen {w['screen']:.0f} s "
-            f"against {w['evaluation']:.0f} s of evaluation ({w['evaluation'] / w['screen']:.0f}×)")
-    line2 = ("Spearman ρ within each family with 95 % intervals (percentile bootstrap over the checkpoints, 2000 "
-             "resamples, seed 0, where it holds its own estimate, else Fisher z): " + "; ".join(parts) + ".")
+            f"{show(fam, 'Geuc_acc')}; {moves}; over the family G cos spans {span(f['G_cosine']):.2g} % of its value, "
+            f"G euc {span(f['G_euclidean']):.2g} %; screen {w['screen']:.0f} s against {w['evaluation']:.0f} s of "
+            f"evaluation ({w['evaluation'] / w['screen']:.0f}×)")
+    line2 = ("Spearman ρ within each family with 95 % intervals (more than 10 variants: percentile bootstrap over "
+             "the variants and the evaluation's items together, 2000 resamples, where it holds its own estimate, "
+             "else Fisher z; at most 10: Fisher z): " + "; ".join(parts) + ".")
     vparts = []
     holm = lambda fam, k: f"Holm p {intervals[fam][k]['p_holm']:.2g}"  # noqa: E731
     for fam in fams:
@@ -569,11 +728,12 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         vparts.append(f"{fam}: cosine G with perplexity {SAID[v['Gcos_ppl']]} ({holm(fam, 'Gcos_ppl')}), with "
                       f"completion {SAID[v['Gcos_acc']]} ({holm(fam, 'Gcos_acc')}); Euclidean G with perplexity "
                       f"{SAID[v['Geuc_ppl']]} ({holm(fam, 'Geuc_ppl')}), with completion {SAID[v['Geuc_acc']]} "
-                      f"({holm(fam, 'Geuc_acc')}); step baseline ρ(step, ppl) = {show(fam, 'step_ppl')}, and "
-                      f"ρ(G cos, step) = {show(fam, 'Gcos_step')}, ρ(G euc, step) = {show(fam, 'Geuc_step')}"
-                      + same_as_step(fam))
+                      f"({holm(fam, 'Geuc_acc')})"
+                      + (f"; step baseline ρ(step, ppl) = {show(fam, 'step_ppl')}, and ρ(G cos, step) = "
+                         f"{show(fam, 'Gcos_step')}, ρ(G euc, step) = {show(fam, 'Geuc_step')}" + same_as_step(fam)
+                         if trajectory(fams[fam]) else ""))
     tparts = []
-    for fam in fams:
+    for fam in trend:
         fd = [k for k in trend[fam] if trend[fam][k]["first_differences"]["verdict"] == gallery.FOLLOWS]
         ps = [k for k in trend[fam] if trend[fam][k]["partial_on_step"]["verdict"] == gallery.FOLLOWS]
         undefined = [k for k in trend[fam] if not math.isfinite(trend[fam][k]["partial_on_step"]["estimate"])]
@@ -583,12 +743,17 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                       f"({', '.join(ps) or 'none'}; ρ(G cos, ppl | step) = "
                       f"{show_t(trend[fam]['Gcos_ppl']['partial_on_step'])})"
                       + (f", undefined for {', '.join(undefined)}" if undefined else ""))
-    picks = {fam: checkpoint_pick(f) for fam, f in fams.items()}
-    line3 = (PAPER + f" Primary test: {finding['primary']} (Spearman ρ, "
-             f"{gallery.short_method(intervals['scratch']['Gcos_ppl']['interval'])}, t test of ρ); family: the {len(family)} paper-predicted pairs of both families, Holm. Verdicts — "
-             + "; ".join(vparts) + f"; primary: {SAID[finding['verdict']]}. Within a run the training step "
-             "ranks the checkpoints for free, so agreement with the step is not evidence that G beats it; "
+    picks = {fam: checkpoint_pick(f) if trajectory(f) else variant_pick(f) for fam, f in fams.items()}
+    noise = [f"{fam} ρ(G cos, completion) {a['low']:+.2f} to {a['high']:+.2f}" for fam in fams
+             for k, a in alone[fam].items() if k == "Gcos_acc"]
+    p_iv = intervals[primary.split(": ")[0]]["Gcos_ppl"]
+    line3 = (PAPER + f" Primary test: {finding['primary']} (Spearman ρ, {gallery.short_method(p_iv['interval'])}, "
+             f"{p_iv['test']}); family: the {len(family)} paper-predicted pairs of the {len(fams)} families, Holm. "
+             "Verdicts — " + "; ".join(vparts) + f"; primary: {SAID[finding['verdict']]}. Within a run the training "
+             "step ranks the checkpoints for free, so agreement with the step is not evidence that G beats it; "
              "exploratory, with the shared trend taken out (unadjusted p): " + "; ".join(tparts) + ". "
+             + (f"Item noise alone (the variants fixed, the completion items resampled) moves "
+                f"{'; '.join(noise)}. " if noise else "")
              + pick_sentence(picks))
     summary = [line1, line2, line3]
 
@@ -598,17 +763,21 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         for k, iv in intervals[fam].items():
             x, y, _ = PAIRS.get(k, (None, None, None))
             label = f"ρ({x}, {y})" if x else f"ρ({k.split('_', 1)[1].rsplit('_', 1)[0]} [{k[:3]}], ppl)"
+            a = iv.get("item_noise_alone")
             rows.append([fam, label, iv["estimate"], ci_cell(iv), gallery.short_method(iv["interval"]), n, iv["p"],
                          iv["p_holm"] if iv["p_holm"] is not None else "n/a",
-                         SAID[iv["verdict"]] if k in verdict[fam] else context_cell(iv)])
-    tables = [gallery.finding_table(finding, "within a family, higher G marks the better checkpoint (paper A Fig. 9)"),
-              {"title": "Spearman ρ within each family with 95 % intervals (percentile bootstrap over checkpoints "
-                        "where it holds its estimate, else Fisher z); verdicts from the Holm-adjusted p over the "
-                        "paper-predicted pairs",
-               "header": ["family", "pair", "ρ", "95 % CI", "interval", "n", "p", "p (Holm)", "verdict"],
+                         SAID[iv["verdict"]] if k in verdict[fam] else context_cell(iv),
+                         ci_cell(a) if a else "n/a"])
+    tables = [gallery.finding_table(finding, "within a family, higher G marks the better variant (paper A Fig. 9)"),
+              {"title": "Spearman ρ within each family with 95 % intervals (more than 10 variants: percentile "
+                        "bootstrap over variants and items together where it holds its estimate, else Fisher z; at "
+                        "most 10: Fisher z and the exact permutation p); verdicts from the Holm-adjusted p over the "
+                        "paper-predicted pairs; last column: the interval from item noise alone (variants fixed)",
+               "header": ["family", "pair", "ρ", "95 % CI", "interval", "n", "p", "p (Holm)", "verdict",
+                          "item noise alone (95 %)"],
                "rows": rows},
-              {"title": "Detrended (first differences) and partial-on-step Spearman ρ beside the raw ones "
-                        "(exploratory, unadjusted p)",
+              {"title": "Detrended (first differences) and partial-on-step Spearman ρ beside the raw ones, for the "
+                        "trajectories (exploratory, unadjusted p)",
                "header": ["family", "pair", "raw ρ", "95 % CI", "verdict (Holm)", "ρ of first differences", "95 % CI",
                           "p", "verdict", "partial ρ on step", "95 % CI", "p", "verdict"],
                "rows": [[fam, k, intervals[fam][k]["estimate"], ci_cell(intervals[fam][k]),
@@ -616,7 +785,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                          *[x for part in ("first_differences", "partial_on_step")
                            for x in (number(t[part]["estimate"]), ci_cell(t[part]), number(t[part]["p"]),
                                      gallery.exploratory_cell(t[part]))]]
-                        for fam in fams for k, t in trend[fam].items()]}]
+                        for fam in trend for k, t in trend[fam].items()]}]
     for fam, f in fams.items():
         tables.append({
             "title": f"{fam}: per variant ({f['label']}; G: T = python_keywords, T̄ = frequent English words; ppl: "
@@ -639,6 +808,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                              round(f["wall_s"]["evaluation"] / f["wall_s"]["screen"], 1),
                              round(f["wall_s"]["train"], 1)] for fam, f in fams.items()]})
     tables.append(pick_table(picks))
+    tables.append(protocol_table(fams))
     tbar = info["tbar"]
     notes = [
         gallery.RULE_NOTE,
@@ -646,11 +816,15 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         "the outcome, so a trend both share over the steps drops out; the partial ρ on the step removes the step's "
         "rank from the ranks of both (undefined where one of them is a monotone function of the step). Neither is "
         "part of the finding's family.",
-        "Intervals resample the checkpoints of a family (the unit result.json keeps per value): they are successive "
-        "states of one run (or one fine-tune), not independent draws, and n is small, so the intervals describe how "
-        "stable the ranking is across these checkpoints, not a population of runs. Per-item completion results and "
-        "the G of resampled token sets are not kept, so neither can be resampled here. Families are never pooled: "
-        "their G, perplexities and tokenizers are not on one scale.",
+        "Units: a family's variants, and inside each variant the evaluation's own items (the completion items, the "
+        "held-out chunks), both kept in result.json. With more than 10 variants the interval resamples both at "
+        "once (the variants, and the same items for every variant, since they answered the same ones); with at "
+        "most 10 (the between-variant family) it is the Fisher-z interval with the exact permutation p over the "
+        "variants, and the item-noise-alone interval beside it shows how far the items move ρ by themselves. A "
+        "trajectory's checkpoints are successive states of one run, not independent draws, so its intervals "
+        "describe how stable the ranking is across them, not a population of runs. Families are never pooled: "
+        "their G, perplexities and tokenizers are not on one scale. The primary test is the between-variant "
+        "family's (fixed before it was run): there the step ranks nothing.",
         f"T = python_keywords (keyword.kwlist, {len(__import__('keyword').kwlist)} words; entries with and without "
         f"a leading space). T̄: the {tbar['n_words']} most frequent whole lower-case words (2+ letters) of the "
         f"Debian fortunes and the KJV Bible, general English that is not code, T's words excluded (least frequent "
@@ -674,8 +848,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"lm_eval multiple_choice (acc: the continuation's log-likelihood). With {comp['items']} items one "
         "variant's accuracy has a binomial s.e. (lm_eval's) of "
         + ", ".join(f"{sum(f['acc_stderr']) / len(f['acc_stderr']):.3f} on average in {fam}" for fam, f in fams.items())
-        + "; the completion accuracies of a family differ by less than that in many pairs, and the bootstrap over "
-        "checkpoints does not include this item noise, so the intervals with completion are too narrow.",
+        + "; the completion accuracies of a family differ by less than that in many pairs, which is why the "
+        "intervals resample the items too.",
         "Timing: the screen is one `repgeom gap --distance cosine` process over all variants of a family; the "
         "evaluation is one `lm_eval` process per variant (process start and model load included; its own evaluation "
         "time is given separately). Both ran on a 2-core machine shared with other jobs, so the walls are noisy.",
@@ -695,6 +869,40 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     out["data"]["findings"] = gallery.stable({"screening": finding})
     out["data"]["detrended"] = gallery.stable(trend)
     return out
+
+
+def protocol_table(fams: dict[str, Any]) -> dict[str, Any]:
+    """Where this run departs from paper A's screening protocol (Fig. 9)."""
+    return {"title": "Protocol: paper A against this run",
+            "header": ["", "paper A", "this run", "why"],
+            "rows": [
+                ["models", "billion-parameter families (e.g. CodeLlama against Llama 2, math-tuned Qwen)",
+                 "SmolLM2-135M fine-tunes and a 4-layer GPT-2 from scratch", "what trains on 2 CPU cores"],
+                ["variants", "checkpoints of one run after burn-in, and variants of one base",
+                 ", ".join(f"{fam}: {len(f['steps'])}" for fam, f in fams.items()),
+                 "the between-variant family has no step to rank it"],
+                ["token sets", "a domain's tokens T against general tokens T̄", "T = Python keywords, T̄ = 1000 "
+                 "frequent English words of fortunes and the KJV Bible", "offline sources"],
+                ["quality", "downstream benchmark accuracy", "held-out code perplexity (4 chunks) and a 120-item "
+                 "4-way completion", "no benchmark data offline"],
+                ["tests", "correlation shown", "Spearman ρ per family, Holm over the paper-predicted pairs of every "
+                 "family; intervals over variants and items", "one primary test per finding"],
+            ]}
+
+
+def variant_pick(f: dict[str, Any]) -> dict[str, Any]:
+    """Between variants: the largest cosine G against the variant of lowest held-out perplexity; with no step,
+    the label-free baseline is a random pick (expected rank (n + 1) / 2)."""
+    steps, ppl, acc, g = f["steps"], f["ppl"], f["completion_acc"], f["G_cosine"]
+    i = max(range(len(g)), key=lambda j: g[j])
+    order = sorted(range(len(ppl)), key=lambda j: ppl[j])
+    best = order[0]
+    n = len(ppl)
+    return {"rule": "largest cosine G", "n_candidates": n, "variant": f["models"][i], "step": steps[i],
+            "G_cosine": g[i], "ppl": ppl[i], "completion_acc": acc[i], "held_out_variant": f["models"][best],
+            "held_out_step": steps[best], "held_out_ppl": ppl[best], "held_out_completion_acc": acc[best],
+            "ppl_ratio": ppl[i] / ppl[best], "rank_by_ppl": order.index(i) + 1, "is_held_out_choice": i == best,
+            "random_expected_rank": (n + 1) / 2, "random_at_least_as_good": (order.index(i) + 1) / n}
 
 
 def ci_cell(t: dict[str, Any]) -> str:
@@ -742,27 +950,51 @@ def checkpoint_pick(f: dict[str, Any]) -> dict[str, Any]:
 
 
 def pick_sentence(picks: dict[str, dict[str, Any]]) -> str:
-    parts = [f"{fam}: step {p['step']} (perplexity {p['ppl']:.2f}, {p['ppl_ratio'] - 1:+.1%} over the held-out "
-             f"choice, step {p['held_out_step']}; rank {p['rank_by_ppl']} of {p['n_candidates']}; the last checkpoint, "
-             f"step {p['last_step']}, which the step baseline also picks: rank {p['last_rank_by_ppl']}, so the pick is "
-             f"{p['pick_vs_last']} than the baselines)" for fam, p in picks.items()]
-    return ("The training callback's label-free pick (largest cosine G among the screened variants) against the "
-            "held-out choice (lowest perplexity) and the baselines: " + "; ".join(parts)
+    parts = []
+    for fam, p in picks.items():
+        if "last_step" in p:
+            parts.append(f"{fam}: step {p['step']} (perplexity {p['ppl']:.2f}, {p['ppl_ratio'] - 1:+.1%} over the "
+                         f"held-out choice, step {p['held_out_step']}; rank {p['rank_by_ppl']} of {p['n_candidates']}; "
+                         f"the last checkpoint, step {p['last_step']}, which the step baseline also picks: rank "
+                         f"{p['last_rank_by_ppl']}, so the pick is {p['pick_vs_last']} than the baselines)")
+        else:
+            parts.append(f"{fam}: {p['variant']} (perplexity {p['ppl']:.2f}, {p['ppl_ratio'] - 1:+.1%} over the "
+                         f"held-out choice, {p['held_out_variant']}; rank {p['rank_by_ppl']} of {p['n_candidates']}, "
+                         f"against {p['random_expected_rank']:g} expected of a random pick, which does at least as "
+                         f"well with probability {p['random_at_least_as_good']:.2f})")
+    return ("The label-free pick (largest cosine G among the screened variants; the training callback's rule) "
+            "against the held-out choice (lowest perplexity) and the baselines: " + "; ".join(parts)
             + " (one run each, so no interval).").replace("same than the baselines", "the baselines' own pick")
 
 
 def pick_table(picks: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {"title": "Label-free checkpoint pick (GeometryCallback's pick_checkpoint over the screened variants) "
-                     "against the held-out choice (lowest perplexity) and the baselines: the last checkpoint, and the "
-                     "step (latest step; the same checkpoint); ranks by held-out perplexity; one run each, no interval",
-            "header": ["family", "picked step", "G (cosine)", "pick ppl", "pick rank by ppl", "last checkpoint = step "
-                       "baseline", "last ppl", "last rank by ppl", "pick vs baselines", "held-out step",
-                       "held-out ppl", "ppl ratio", "pick completion acc", "last completion acc",
+    rows = []
+    for fam, p in picks.items():
+        last = "last_step" in p
+        rows.append([fam, p.get("variant", p["step"]), p["G_cosine"], p["ppl"],
+                     f"{p['rank_by_ppl']}/{p['n_candidates']}",
+                     p["last_step"] if last else "none (equal steps); random pick",
+                     p["last_ppl"] if last else "n/a",
+                     f"{p['last_rank_by_ppl']}/{p['n_candidates']}" if last else
+                     f"{p['random_expected_rank']:g} expected",
+                     p["pick_vs_last"] if last else f"a random pick at least as good: {p['random_at_least_as_good']:.2f}",
+                     p.get("held_out_variant", p["held_out_step"]), p["held_out_ppl"], p["ppl_ratio"],
+                     p["completion_acc"], p.get("last_completion_acc", "n/a"), p["held_out_completion_acc"]])
+    return {"title": "Label-free pick (largest cosine G; GeometryCallback's pick_checkpoint for the trajectories) "
+                     "against the held-out choice (lowest perplexity) and the baselines: the last checkpoint and the "
+                     "step (the same checkpoint) for a trajectory, a random pick between variants at equal step; "
+                     "ranks by held-out perplexity; one run each, no interval",
+            "header": ["family", "pick", "G (cosine)", "pick ppl", "pick rank by ppl", "baseline (last checkpoint "
+                       "= step)", "baseline ppl", "baseline rank by ppl", "pick vs baselines", "held-out choice",
+                       "held-out ppl", "ppl ratio", "pick completion acc", "baseline completion acc",
                        "held-out completion acc"],
-            "rows": [[fam, p["step"], p["G_cosine"], p["ppl"], f"{p['rank_by_ppl']}/{p['n_candidates']}",
-                      p["last_step"], p["last_ppl"], f"{p['last_rank_by_ppl']}/{p['n_candidates']}",
-                      p["pick_vs_last"], p["held_out_step"], p["held_out_ppl"], p["ppl_ratio"], p["completion_acc"],
-                      p["last_completion_acc"], p["held_out_completion_acc"]] for fam, p in picks.items()]}
+            "rows": rows}
+
+
+def short_name(variant: str) -> str:
+    """code+prose_lr0.0002 → c+p 2e-04"""
+    mixture, _, lr = variant.rpartition("_lr")
+    return f"{'c+p' if 'prose' in mixture else 'c'} {float(lr):.0e}" if mixture else variant
 
 
 def draw(doc: dict[str, Any], out: Path) -> None:
@@ -775,20 +1007,25 @@ def draw(doc: dict[str, Any], out: Path) -> None:
     fams = d["families"]
     fig, axes = plt.subplots(4, len(fams), figsize=(4.2 * len(fams), 8.0), sharex="col", squeeze=False)
     for col, (fam, f) in enumerate(fams.items()):
-        steps = f["steps"]
         ax = axes[:, col]
-        ax[0].plot(steps, f["G_cosine"], "o-", color="tab:purple", ms=3)
+        if trajectory(f):
+            xs, style = f["steps"], "o-"
+            ax[3].set_xlabel("training step")
+        else:  # variants at equal step: one point each, by name
+            xs, style = list(range(len(f["models"]))), "o"
+            ax[3].set_xticks(xs, [short_name(m) for m in f["models"]], rotation=60, fontsize=7)
+            ax[3].set_xlabel(f"variant (all at step {f['steps'][0]})")
+        ax[0].plot(xs, f["G_cosine"], style, color="tab:purple", ms=3)
         ax[0].set_ylabel("G (cosine)")
-        ax[0].set_title(f"{fam}: {f['label']}", fontsize=9)
-        ax[1].plot(steps, f["G_euclidean"], "s-", color="tab:blue", ms=3)
+        ax[0].set_title(f"{fam}: {f['label']}", fontsize=8)
+        ax[1].plot(xs, f["G_euclidean"], style.replace("o", "s"), color="tab:blue", ms=3)
         ax[1].set_ylabel("G (Euclidean)")
-        ax[2].plot(steps, f["ppl"], "o-", color="tab:red", ms=3)
+        ax[2].plot(xs, f["ppl"], style, color="tab:red", ms=3)
         ax[2].set_ylabel("held-out perplexity")
-        ax[3].errorbar(steps, f["completion_acc"], yerr=[1.96 * e for e in f["acc_stderr"]], fmt="o-",
+        ax[3].errorbar(xs, f["completion_acc"], yerr=[1.96 * e for e in f["acc_stderr"]], fmt=style,
                        color="tab:green", capsize=2, ms=3)
         ax[3].axhline(0.25, color="gray", lw=0.8, ls=":")
         ax[3].set_ylabel("completion acc (4-way)")
-        ax[3].set_xlabel("training step")
     fig.suptitle("G of the output embeddings (no forward pass) and held-out code quality, per family", fontsize=10)
     fig.tight_layout()
     gallery.save_figure(fig, out / "gap_vs_step.png")
@@ -801,7 +1038,8 @@ def draw(doc: dict[str, Any], out: Path) -> None:
                                                    ("G_cosine", "completion_acc", "Gcos_acc", "completion acc"),
                                                    ("G_euclidean", "completion_acc", "Geuc_acc", "completion acc"))):
             ax = axes[row, col]
-            ax.scatter(f[gkey], f[ykey], c=f["steps"], cmap="viridis", s=14)
+            ax.scatter(f[gkey], f[ykey], c=f["steps"] if trajectory(f) else range(len(f["steps"])), cmap="viridis",
+                       s=14)
             ax.set_xlabel(f"{fam}: G ({gkey.split('_')[1]})", fontsize=8)
             ax.set_ylabel(yl, fontsize=8)
             i = iv[fam][k]
@@ -811,7 +1049,8 @@ def draw(doc: dict[str, Any], out: Path) -> None:
     for row, (fam, f) in enumerate(fams.items()):
         for col, (gkey, ykey) in enumerate((("G_cosine", "ppl"), ("G_euclidean", "ppl"),
                                             ("G_cosine", "completion_acc"), ("G_euclidean", "completion_acc"))):
-            label_points(axes[row, col], f[gkey], f[ykey], f["steps"])
+            label_points(axes[row, col], f[gkey], f[ykey],
+                         f["steps"] if trajectory(f) else [short_name(m) for m in f["models"]])
     gallery.save_figure(fig, out / "gap_vs_ppl.png")
 
 
