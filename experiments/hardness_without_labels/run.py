@@ -3,7 +3,7 @@ are for the model, and are slices of lower dispersion less accurate? (paper A, T
 under three prompts and two scorings, because the answer can hang on both.
 
     .venv/bin/python experiments/hardness_without_labels/run.py --smoke   # 40 questions, about 5 minutes on a loaded machine
-    .venv/bin/python experiments/hardness_without_labels/run.py           # 600 questions × 3 prompts, 49 min measured on 2 shared cores
+    .venv/bin/python experiments/hardness_without_labels/run.py           # 600 questions × 3 prompts, 10 min measured on 2 quiet cores (49 min shared)
 
 1. A multiple-choice quiz is generated from WordNet (Debian package ``wordnet``), seeded and deterministic: a
    noun's gloss, its head word and 3 distractors from the same lexicographer file (so all four are, say, animals
@@ -21,8 +21,10 @@ under three prompts and two scorings, because the answer can hang on both.
    for ``acc`` (the task's own correctness; with ``--calibrate`` for the quiz prompt), and on the same question
    vectors written out with ``--vectors --correct-field acc_norm`` for ``acc_norm``.
 4. From the samples: accuracy, AUROC of c_i for correctness per (prompt, scoring) with bootstrap intervals over
-   the questions, the same per layer, and the label-free baseline of the prompt's own perplexity; the slice
-   curve's Spearman ρ with a bootstrap interval over the slice seeds. Paper A's slice curve is the main verdict.
+   the questions, the same per layer, and the label-free baseline of the prompt's own perplexity. Paper A's slice
+   curve is the main verdict, with the questions as the unit: each question's final-layer vector is kept, and the
+   statistic D(correct) − D(wrong) (the curve's two ends) gets a bootstrap over questions and a permutation p of
+   the correctness labels; the seeds' ρ is shown as exploratory.
 """
 
 from __future__ import annotations
