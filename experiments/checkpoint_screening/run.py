@@ -593,8 +593,10 @@ def family_intervals(f: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
                                              noise.get("joint"))
         if noise:
             low, high, valid = percentile_interval(noise["items"], gallery.LEVEL)
+            finite = np.asarray(noise["items"], float)
+            finite = finite[np.isfinite(finite)]
             alone[name] = {"low": float(low), "high": float(high), "resamples": int(valid),
-                           "sd": float(np.nanstd(noise["items"], ddof=1))}
+                           "sd": float(finite.std(ddof=1)) if finite.size > 1 else math.nan}
     return out, alone
 
 
@@ -673,6 +675,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         iv = intervals[fam][k]
         if not math.isfinite(iv["estimate"]):
             return "undefined (a constant series)"
+        if not math.isfinite(iv["low"]):
+            return f"{iv['estimate']:+.2f} (no interval)"
         return f"{iv['estimate']:+.2f} ({iv['low']:+.2f} to {iv['high']:+.2f})"
 
     ft, sc = fams["finetune"], fams["scratch"]
@@ -745,7 +749,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                       + (f", undefined for {', '.join(undefined)}" if undefined else ""))
     picks = {fam: checkpoint_pick(f) if trajectory(f) else variant_pick(f) for fam, f in fams.items()}
     noise = [f"{fam} ρ(G cos, completion) {a['low']:+.2f} to {a['high']:+.2f}" for fam in fams
-             for k, a in alone[fam].items() if k == "Gcos_acc"]
+             for k, a in alone[fam].items() if k == "Gcos_acc" and math.isfinite(a["low"])]
     p_iv = intervals[primary.split(": ")[0]]["Gcos_ppl"]
     line3 = (PAPER + f" Primary test: {finding['primary']} (Spearman ρ, {gallery.short_method(p_iv['interval'])}, "
              f"{p_iv['test']}); family: the {len(family)} paper-predicted pairs of the {len(fams)} families, Holm. "
@@ -906,12 +910,14 @@ def variant_pick(f: dict[str, Any]) -> dict[str, Any]:
 
 
 def ci_cell(t: dict[str, Any]) -> str:
-    return f"{t['low']:+.3f} to {t['high']:+.3f}" if math.isfinite(t["low"]) else "n/a"
+    return f"{t['low']:+.3f} to {t['high']:+.3f}" if math.isfinite(t["low"]) else "n/a"  # n/a: a perfect ρ
 
 
 def show_t(t: dict[str, Any]) -> str:
     if not math.isfinite(t["estimate"]):
         return "undefined"
+    if not math.isfinite(t["low"]):
+        return f"{t['estimate']:+.2f} (no interval, p {t['p']:.2g})"
     return f"{t['estimate']:+.2f} ({t['low']:+.2f} to {t['high']:+.2f}, p {t['p']:.2g})"
 
 
