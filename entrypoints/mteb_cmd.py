@@ -146,7 +146,8 @@ class MtebExampleTasksCommand(Options):
 
     folder: str = option(MISSING, "FOLDER", help="folder to write into (created if missing)")
     source: str = option("pydoc", "--source", choices=["pydoc", "fortunes"])
-    size: str = option("medium", "--size", choices=["small", "medium", "large"])
+    size: str = option("medium", "--size", choices=["small", "medium", "large", "xlarge"],
+                       help="small, medium (default), large, or xlarge: 10 topics, 300 evaluated items a task")
     seed: int = option(0, "--seed", type=int)
     overwrite: bool = option(False, "--overwrite", action="store_true",
                              help="replace files in FOLDER whose content differs (an edited tasks file, other tasks)")

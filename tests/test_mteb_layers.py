@@ -347,6 +347,28 @@ def test_example_tasks_never_replace_other_content_without_overwrite(tmp_path, c
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == written
 
 
+def test_xlarge_tasks_evaluate_300_items_and_write_tasks_takes_any_topics(tmp_path):
+    """Size xlarge: 300 evaluated items a task (test texts, clustered texts, STS pairs); write_tasks writes the
+    same form for topics of one's own (experiments/which_layer_embeds builds its Bible, WordNet and docstring tasks
+    this way)."""
+    import json
+
+    from repgeom_eval.mteb_layers.examples import write_tasks
+
+    groups = {f"topic{k}": [[f"Sentence number {i} of the topic {k} says a thing." for i in range(j, j + 3)]
+                            for j in range(0, 90, 3)] for k in range(10)}
+    specs = build_tasks(groups, "mine", size="xlarge", seed=0)
+    assert len(specs["MineSTS"]["data"]) == 300
+    assert len(specs["MineTopicClassification"]["test"]) == 300
+    assert len(specs["MineTopicClustering"]["data"]) == 300
+    tasks_file = write_tasks(tmp_path / "mine", specs, "my topics")
+    assert tasks_file.read_text().startswith("# my topics\n")
+    tasks = load_tasks_file(tasks_file)
+    assert [t.metadata.name for t in tasks] == list(specs)
+    rows = [json.loads(x) for x in (tmp_path / "mine" / "MineSTS.data.jsonl").read_text().splitlines()]
+    assert rows == specs["MineSTS"]["data"]
+
+
 def test_tasks_file_round_trip_and_errors(tmp_path):
     tasks_file = write_example_tasks(tmp_path / "ex", size="small")
     tasks = load_tasks_file(tasks_file)

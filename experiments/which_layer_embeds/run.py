@@ -1,16 +1,22 @@
-"""Which layer embeds best (paper B, Fig. 1): MTEB-style scores at every hidden state of SmolLM2-135M-Instruct and
-all-MiniLM-L6-v2, raw and standardized, next to dataset entropy and the massive-activation share.
+"""Which layer embeds best (paper B, Fig. 1): MTEB-style scores at every hidden state of SmolLM2-135M-Instruct, of a
+GPT-2 trained here from scratch (a base decoder, checked for massive activations) and of all-MiniLM-L6-v2 (a
+contrastive sentence encoder whose last layer is its trained output: a control, never in a finding's family), raw
+and standardized, next to dataset entropy, prompt entropy, curvature, effective rank and the massive-activation
+share.
 
-    .venv/bin/python experiments/which_layer_embeds/run.py            # full size (~4 min on a quiet 2-core machine)
+    .venv/bin/python experiments/which_layer_embeds/run.py            # full size (12 tasks of 300 items)
     .venv/bin/python experiments/which_layer_embeds/run.py --smoke    # tiny size, a few layers (~3 min)
 
 Steps, as a user would type them:
 
-1. ``repgeom mteb example-tasks`` writes topic classification, topic clustering and graded STS tasks from two real
-   texts on the machine: Python's documentation (``pydoc``) and the Debian ``fortunes`` package (size medium);
-2. ``repgeom mteb run --layer all`` for each model, once raw (with ``--metrics dataset_entropy
-   massive_activations``) and once with ``--preprocess standardize`` (statistics from each task's own texts);
-3. ``repgeom mteb summary`` per model; the figures and tables are drawn from its CSV.
+1. tasks: topic classification, topic clustering and graded STS from four texts on the machine, 300 evaluated items
+   each (size xlarge: 10 topics): Debian ``fortunes`` (``repgeom mteb example-tasks --source fortunes``), and, built
+   here with the library's ``build_tasks`` and ``write_tasks``, the King James Bible (topic = book), WordNet glosses
+   and examples (topic = lexicographer file) and the docstrings of Python's standard library (topic = package);
+2. ``repgeom train`` of a small GPT-2 from scratch on the same four texts (the base decoder);
+3. ``repgeom mteb run --layer all`` for each model, once raw (with ``--metrics``) and once with ``--preprocess
+   standardize`` (statistics from each task's own texts);
+4. ``repgeom mteb summary`` per model; the figures and tables are drawn from its CSV.
 
 The ``--metrics`` read the raw hidden states whatever ``--preprocess`` says (docs/mteb.md), so they are computed in
 the raw run only; the geometry columns (``repgeom_dataset_entropy`` ...) describe the embedding each run scored.
@@ -31,29 +37,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gallery  # noqa: E402
 from repgeom_eval.analyses.plots import outside_legend  # noqa: E402
 
-SOURCES = {"pydoc": "Pydoc", "fortunes": "Fortunes"}
+# source → task-name prefix; GALLERY_SOURCES make the full run's 12 tasks (pydoc has too few sentences a topic for
+# 300 items; its medium tasks were the earlier runs')
+SOURCES = {"pydoc": "Pydoc", "fortunes": "Fortunes", "bible": "Bible", "wordnet": "Wordnet", "pysrc": "Pysrc"}
+GALLERY_SOURCES = ["fortunes", "bible", "wordnet", "pysrc"]
 TYPES = {"STS": "STS", "TopicClassification": "Classification", "TopicClustering": "Clustering"}
 SCORE_NAMES = {"STS": "Spearman (cosine)", "Classification": "accuracy", "Clustering": "V-measure"}
 PREPS = ("none", "standardize")
-METRICS = ("dataset_entropy", "massive_activations")
+METRICS = ("dataset_entropy", "massive_activations", "prompt_entropy", "curvature", "effective_rank")
+SCRATCH = "GPT2-scratch"
+# the base decoder trained here: a GPT-2 small enough for 2 CPU cores, deep enough for a layer curve
+SCRATCH_CONFIG = {"from_scratch": {"n_layer": 8, "n_embd": 192, "n_head": 4, "vocab_size": 8192},
+                  "training": {"max_steps": 1500, "per_device_train_batch_size": 8, "learning_rate": 1.0e-3,
+                               "lr_scheduler_type": "constant_with_warmup", "warmup_steps": 50, "weight_decay": 0.01,
+                               "dataloader_drop_last": True, "use_cpu": True, "save_strategy": "no"},
+                  "data": {"block_size": 128}, "torch_threads": 2, "seed": 0, "save_model": True}
 
 
 def configure(parser) -> None:
-    parser.add_argument("--size", choices=["small", "medium", "large"], default=None,
-                        help="example-task size (default: medium; small with --smoke)")
+    parser.add_argument("--size", choices=["small", "medium", "large", "xlarge"], default=None,
+                        help="example-task size (default: xlarge, 300 items a task; small with --smoke)")
     parser.add_argument("--sources", nargs="+", choices=list(SOURCES), default=None,
-                        help="text sources of the tasks (default: pydoc fortunes; pydoc with --smoke)")
+                        help=f"text sources of the tasks (default: {' '.join(GALLERY_SOURCES)}; wordnet with --smoke)")
 
 
 def task_files(exp: gallery.Experiment, sources: list[str], size: str) -> tuple[Path, list[str]]:
-    """Example tasks of each source in their own folder, and one tasks file naming the three kinds of each."""
+    """Each source's tasks in their own folder, and one tasks file naming the three kinds of each."""
+    from repgeom_eval.mteb_layers.examples import build_tasks, write_tasks
+
     names, entries = [], []
     for source in sources:
-        if source == "fortunes":
-            gallery.require_debian("fortunes", gallery.FORTUNES_DIR.is_dir(), "the fortune-cookie tasks")
         folder = exp.workdir / "tasks" / source
-        exp.run("repgeom", "mteb", "example-tasks", folder, "--source", source, "--size", size,
-                log=f"example-tasks-{source}")
+        if source in ("pydoc", "fortunes"):  # the command's own sources
+            if source == "fortunes":
+                gallery.require_debian("fortunes", gallery.FORTUNES_DIR.is_dir(), "the fortune-cookie tasks")
+            exp.run("repgeom", "mteb", "example-tasks", folder, "--source", source, "--size", size, "--overwrite",
+                    log=f"example-tasks-{source}")
+        else:
+            write_tasks(folder, build_tasks(GROUPS[source](), source, size=size, seed=0),
+                        f"{source} tasks written by experiments/which_layer_embeds/run.py (size {size}, seed 0)",
+                        overwrite=True)
         doc = yaml.safe_load((folder / "tasks.yaml").read_text(encoding="utf-8"))
         for task in doc["tasks"]:
             if task["type"] == "Retrieval":
@@ -68,6 +91,88 @@ def task_files(exp: gallery.Experiment, sources: list[str], size: str) -> tuple[
     return path, names
 
 
+# -- the texts: topic → documents, each a list of sentences (repgeom_eval.mteb_layers.examples' form) -------------
+
+def bible_groups(per_document: int = 8) -> dict[str, list[list[str]]]:
+    """King James Bible: book → runs of 8 consecutive sentences (neighbours within a run make STS grade 4)."""
+    from repgeom_eval.mteb_layers.examples import sentences
+
+    out = {}
+    for book, text in gallery.bible_books().items():
+        sents = sentences(text)
+        if sents:
+            out[book] = [sents[i:i + per_document] for i in range(0, len(sents), per_document)]
+    return out
+
+
+def wordnet_groups() -> dict[str, list[list[str]]]:
+    """WordNet nouns and verbs: lexicographer file → one document per synset, its definition and its quoted examples
+    as sentences of at least 5 words."""
+    out: dict[str, list[list[str]]] = {}
+    for syn in gallery.wordnet_synsets(("noun", "verb")):
+        parts = [syn.definition, *(p.strip().strip('"').strip() for p in syn.gloss.split(";")[1:])]
+        sents = [p[0].upper() + p[1:] + ("" if p.endswith((".", "!", "?")) else ".")
+                 for p in parts if len(p.split()) >= 5 and p[:1].isalpha()]
+        if sents:
+            out.setdefault(f"{syn.pos}{syn.lexname:02d}", []).append(sents)
+    return out
+
+
+def pysrc_groups() -> dict[str, list[list[str]]]:
+    """Python's standard library: top-level package → one document per docstring (module, class, function)."""
+    import ast
+    import sysconfig
+
+    from repgeom_eval.mteb_layers.examples import sentences
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: dict[str, list[list[str]]] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if len(parts) < 2 or any(p in ("site-packages", "test", "tests", "idle_test", "__pycache__") for p in parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                sents = sentences(ast.get_docstring(node) or "")
+                if sents:
+                    out.setdefault(parts[0], []).append(sents)
+    return out
+
+
+GROUPS = {"bible": bible_groups, "wordnet": wordnet_groups, "pysrc": pysrc_groups}
+
+
+def scratch_corpus(sources: list[str]) -> list[dict]:
+    """The base decoder's training text: every document of the tasks' sources, one record each."""
+    from repgeom_eval.mteb_layers.examples import fortune_documents, pydoc_documents
+
+    readers = {**GROUPS, "fortunes": fortune_documents, "pydoc": pydoc_documents}
+    return [{"text": " ".join(doc)} for source in sources for docs in readers[source]().values() for doc in docs]
+
+
+def train_scratch(exp: gallery.Experiment, sources: list[str]) -> Path:
+    """``repgeom train`` of the base decoder on the sources' text (config written next to the data); its folder."""
+    import copy
+
+    data = exp.workdir / "data" / "scratch_train.jsonl"
+    gallery.write_jsonl(data, scratch_corpus(sources))
+    config = copy.deepcopy(SCRATCH_CONFIG)
+    config["data"]["domains"] = {"text": {"train": "data/scratch_train.jsonl"}}
+    config["output_dir"] = "run_scratch"
+    if exp.smoke:
+        config["from_scratch"].update(n_layer=2, n_embd=64, n_head=2, vocab_size=1024)
+        config["training"]["max_steps"] = 20
+    path = exp.workdir / "config_scratch.yaml"
+    path.write_text("# the base decoder, written by experiments/which_layer_embeds/run.py\n"
+                    + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    exp.run("repgeom", "train", "--config", path.name, "--overwrite", "--no-progress", log="train_scratch")
+    return exp.workdir / "run_scratch" / "model"
+
+
 def read_rows(path: Path, model: str) -> list[dict]:
     out = []
     with path.open(encoding="utf-8") as fh:
@@ -76,7 +181,10 @@ def read_rows(path: Path, model: str) -> list[dict]:
                    "preprocess": r.get("preprocess") or "none", "score": float(r["main_score"]),
                    "entropy_scored": float(r["repgeom_dataset_entropy"])}
             for key, name in (("repgeom.dataset_entropy.normalized", "entropy_raw"),
-                              ("repgeom.massive_activations.top1_share", "top1_share")):
+                              ("repgeom.massive_activations.top1_share", "top1_share"),
+                              ("repgeom.prompt_entropy.normalized", "prompt_entropy"),
+                              ("repgeom.curvature.raw", "curvature"),
+                              ("repgeom.effective_rank.rankme", "effective_rank")):
                 row[name] = float(r[key]) if r.get(key) not in (None, "") else None
             source, kind = next((s, t) for s in SOURCES for t in TYPES if r["task"] == SOURCES[s] + t)
             row["source"], row["type"] = source, TYPES[kind]
@@ -104,25 +212,28 @@ def main() -> None:
         "which_layer_embeds", "Which layer embeds best",
         "paper B, Fig. 1 (MTEB score by relative depth: intermediate layers often beat the last one)",
         doc=__doc__, configure=configure)
-    size = exp.args.size or ("small" if exp.smoke else "medium")
-    sources = exp.args.sources or (["pydoc"] if exp.smoke else ["pydoc", "fortunes"])
-    models = {"SmolLM2-135M": gallery.smollm2(), "all-MiniLM-L6-v2": gallery.minilm()}
-    # smoke: a few layers of SmolLM2 (31 hidden states) keep the check short; the full run takes every one
-    layers = {"SmolLM2-135M": ["0", "10", "20", "final"] if exp.smoke else ["all"], "all-MiniLM-L6-v2": ["all"]}
+    size = exp.args.size or ("small" if exp.smoke else "xlarge")
+    sources = exp.args.sources or (["wordnet"] if exp.smoke else GALLERY_SOURCES)
 
-    with exp.step("write the example tasks"):
+    with exp.step("write the tasks"):
         tasks_file, names = task_files(exp, sources, size)
+    with exp.step(f"train the base decoder from scratch ({SCRATCH}, repgeom train)"):
+        scratch = train_scratch(exp, sources)
+    models = {"SmolLM2-135M": gallery.smollm2(), SCRATCH: scratch, "all-MiniLM-L6-v2": gallery.minilm()}
+    # smoke: a few layers of SmolLM2 (31 hidden states) keep the check short; the full run takes every one
+    layers = {"SmolLM2-135M": ["0", "10", "20", "final"] if exp.smoke else ["all"], SCRATCH: ["all"],
+              "all-MiniLM-L6-v2": ["all"]}
     seconds: dict[tuple[str, str], float] = {}
     rows: list[dict] = []
     for model, path in models.items():
-        out = exp.workdir / "mteb" / model
+        out = exp.workdir / "mteb" / size / model  # per size: same task names, other items
         for prep in PREPS:
             extra = ["--metrics", *METRICS] if prep == "none" else ["--preprocess", prep]
             with exp.step(f"{model}, {prep}"):
                 seconds[(model, prep)] = exp.run(
                     "repgeom", "mteb", "run", "-m", path, "--layer", *layers[model], "--tasks-file", tasks_file,
                     "-t", *names, *extra, "--output-folder", out, "--prediction-folder",
-                    exp.workdir / "predictions" / model / prep, "--no-summary", "--no-progress",
+                    exp.workdir / "predictions" / size / model / prep, "--no-summary", "--no-progress",
                     log=f"mteb-{model}-{prep}")
         exp.run("repgeom", "mteb", "summary", out, "--no-plot", log=f"summary-{model}")
         rows += read_rows(out / "repgeom_summary.csv", model)
@@ -175,7 +286,7 @@ def main() -> None:
     from repgeom_eval.output.plotting import pyplot
 
     plt = pyplot()
-    colours = {"SmolLM2-135M": "tab:blue", "all-MiniLM-L6-v2": "tab:orange"}
+    colours = COLOURS
     styles = {"none": "-", "standardize": "--"}
     fig, axes = plt.subplots(len(sources), len(TYPES), figsize=(11, 3.0 * len(sources)), squeeze=False)
     for i, source in enumerate(sources):
@@ -274,14 +385,16 @@ def main() -> None:
                                        | {"best_score": v["best"]["score"], "last_score": v["last"]["score"],
                                           "best_rel_depth": v["best"]["rel_depth"]} for v in verdicts],
             "seconds": {f"{m}/{p}": s for (m, p), s in seconds.items()}, "size": size, "sources": sources,
-            "items": item_values(exp.workdir / "predictions", tasks_file, rows)}
+            "items": item_values(exp.workdir / "predictions" / size, tasks_file, rows)}
     exp.finish([line1, line2, line3], data=data, notes=notes)
     gallery.from_raw(exp.name, summarize, draw, [gallery.FROM_RAW, "--out", str(exp.out)])
 
 
 # -- intervals and verdicts (issue 25): everything below reads result.json only --------------------------------------
 
-MODELS = ("SmolLM2-135M", "all-MiniLM-L6-v2")
+MODELS = ("SmolLM2-135M", SCRATCH, "all-MiniLM-L6-v2")
+CONTROL = "all-MiniLM-L6-v2"  # a contrastive sentence encoder: its last layer is its trained output (never tested)
+COLOURS = {"SmolLM2-135M": "tab:blue", "all-MiniLM-L6-v2": "tab:orange", SCRATCH: "tab:green"}
 
 
 def layer_differences(rows: list[dict]) -> dict:
@@ -632,8 +745,10 @@ def summarize(doc: dict) -> dict:
     def mean_score(model: str, prep: str, which: str) -> float:
         return statistics.mean(v[f"{which}_score"] for v in verdicts if v["model"] == model and v["preprocess"] == prep)
 
-    settings = [f"{m}/{p}" for m in MODELS for p in PREPS if f"{m}/{p}" in diffs]
-    primary_key = settings[0]  # SmolLM2 raw: paper B's claim is about language models, read raw
+    # the family: every setting of a language model (MiniLM, a contrastive encoder trained on its last layer, is a
+    # control: shown, never tested); the primary test SmolLM2 raw (paper B's claim is about language models)
+    settings = [f"{m}/{p}" for m in MODELS if m != CONTROL for p in PREPS if f"{m}/{p}" in diffs]
+    primary_key = settings[0]
     mid_family = [gallery.StatTest(**{**diffs[k]["layers"][diffs[k]["middle"]]["ci"],
                                       "name": f"{k}: middle layer ({diffs[k]['middle']}) − last"}) for k in settings]
     mid_finding = gallery.decide(mid_family, mid_family[0].name, "an intermediate layer (the middle one, fixed "
@@ -645,6 +760,9 @@ def summarize(doc: dict) -> dict:
                                                                     "scores above final")
     for k, t in zip(settings, pick_family):
         picks["groups"][k]["pick_minus_final"] = pick_finding["tests"][t.name]
+    for k, g in picks["groups"].items():  # the control's picks: exploratory
+        if not isinstance(g["pick_minus_final"], dict) and g["pick_minus_final"] is not None:
+            g["pick_minus_final"] = gallery.explore(g["pick_minus_final"]).as_dict()
     rules = rule_table(rows)
 
     def beyond(key: str) -> list[str]:
@@ -652,46 +770,57 @@ def summarize(doc: dict) -> dict:
                 and v["ci"]["role"] == gallery.EXPLORATORY and v["ci"]["verdict"] == gallery.FOLLOWS]
 
     n_tasks = len(sources) * len(TYPES)
-    raw_smol = [r for r in rows if r["model"] == "SmolLM2-135M" and r["preprocess"] == "none"]
-    peak = max((r for r in raw_smol if r["top1_share"] is not None), key=lambda r: r["top1_share"])
-    n_states = len(by(rows, model="SmolLM2-135M", source=sources[0], type="STS", preprocess="none"))
-    s_raw, s_std = count("SmolLM2-135M", "none"), count("SmolLM2-135M", "standardize")
-    m_raw, m_std = count("all-MiniLM-L6-v2", "none"), count("all-MiniLM-L6-v2", "standardize")
+    present = [m for m in MODELS if any(r["model"] == m for r in rows)]
+    states = {m: len(by(rows, model=m, source=sources[0], type="STS", preprocess="none")) for m in present}
+    peaks = {m: max((r for r in rows if r["model"] == m and r["preprocess"] == "none" and r["top1_share"] is not None),
+                    key=lambda r: r["top1_share"]) for m in present}
     said = {gallery.FOLLOWS: "above the last layer (follows)", gallery.OPPOSITE: "below the last layer (the opposite)",
             gallery.CANNOT_TELL: "cannot tell at this size"}
     parts = []
     for k in settings:
-        model, prep = k.split("/")
         iv = diffs[k]["layers"][diffs[k]["middle"]]["ci"]
-        parts.append(f"{SHORT[model]} {'raw' if prep == 'none' else 'standardized'}: {diffs[k]['middle']} "
-                     f"{gallery.show_test(iv, 3)}, {said[iv['verdict']]}")
-    explored = [f"{SHORT[k.split('/')[0]]} {'raw' if k.endswith('/none') else 'standardized'} {len(beyond(k))} of "
-                f"{sum(0 < x['rel_depth'] < 1 for x in diffs[k]['layers'].values())}" for k in settings]
-    floor = 2 / 2 ** n_tasks
+        parts.append(f"{setting_label(k)}: {diffs[k]['middle']} {gallery.show_test(iv, 3)}, {said[iv['verdict']]}")
+    control = [k for k in diffs if k.startswith(CONTROL + "/")]
+    control_parts = [f"{setting_label(k)}: {diffs[k]['middle']} "
+                     f"{gallery.show_test(diffs[k]['layers'][diffs[k]['middle']]['ci'], 3)}" for k in control]
+    explored = [f"{setting_label(k)} {len(beyond(k))} of "
+                f"{sum(0 < x['rel_depth'] < 1 for x in diffs[k]['layers'].values())}" for k in diffs]
+    primary_test = mid_finding["tests"][mid_family[0].name]
+    small = n_tasks <= gallery.SMALL
+    describe = {"SmolLM2-135M": f"SmolLM2-135M-Instruct (GGUF, mean pooling, {states.get('SmolLM2-135M')} hidden states)",
+                SCRATCH: f"a GPT-2 trained here from scratch on the tasks' four texts (mean pooling, "
+                         f"{states.get(SCRATCH)} hidden states)",
+                CONTROL: "all-MiniLM-L6-v2 (its own recipe; a control)"}
     line1 = (f"`repgeom mteb run --layer all` on {n_tasks} local tasks (topic classification, topic clustering, "
-             f"graded STS; example tasks of size {d['size']} from {' and '.join(sources)}) for SmolLM2-135M-Instruct "
-             f"(GGUF, mean pooling, {n_states} hidden states) and all-MiniLM-L6-v2 (its own recipe), raw and with "
-             "`--preprocess standardize`, with dataset entropy and the massive-activation share. Not covered: MTEB "
-             + ("itself." if items else "itself, and per-item scores (not kept), so intervals are over the tasks "
-                                        "only."))
-    line2 = (f"Best layer minus last layer per task (selected after the fact, so never below 0): an earlier layer "
-             f"is higher on {s_raw[0]}/{s_raw[1]} tasks for SmolLM2 raw (mean gain {s_raw[2]:+.3f}) and "
-             f"{s_std[0]}/{s_std[1]} standardized ({s_std[2]:+.3f}); for MiniLM {m_raw[0]}/{m_raw[1]} raw "
-             f"({m_raw[2]:+.3f}) and {m_std[0]}/{m_std[1]} standardized ({m_std[2]:+.3f}). Standardizing moves "
-             f"SmolLM2's mean best-layer score from {mean_score('SmolLM2-135M', 'none', 'best'):.3f} to "
-             f"{mean_score('SmolLM2-135M', 'standardize', 'best'):.3f} and its mean last-layer score from "
-             f"{mean_score('SmolLM2-135M', 'none', 'last'):.3f} to "
-             f"{mean_score('SmolLM2-135M', 'standardize', 'last'):.3f}; its largest raw dimension holds up to "
-             f"{peak['top1_share']:.0%} of the squared norm ({peak['layer']})." + " " + pick_line(picks, pick_finding)
-             + " " + rules_line(rules))
+             f"graded STS; size {d['size']} from {', '.join(sources)}) for "
+             + ", ".join(describe[m] for m in present) + ", raw and with `--preprocess standardize`, with the "
+             "geometry of every layer (dataset entropy, massive-activation share"
+             + (", prompt entropy, curvature, effective rank" if "prompt_entropy" in rows[0] else "") + "). Not "
+             "covered: MTEB itself, models past 135M parameters.")
+    gains = []
+    for m in present:
+        for p in PREPS:
+            c = count(m, p)
+            gains.append(f"{setting_label(f'{m}/{p}')} {c[0]}/{c[1]} (mean gain {c[2]:+.3f})")
+    line2 = ("Best layer minus last layer per task (selected after the fact, so never below 0): an earlier layer is "
+             "higher on " + "; ".join(gains) + ". The largest raw dimension holds up to "
+             + ", ".join(f"{peaks[m]['top1_share']:.0%} of the squared norm in {SHORT[m]} ({peaks[m]['layer']})"
+                         for m in present)
+             + ". " + pick_line(picks, pick_finding) + " " + rules_line(rules))
+    interval_said = ("t-interval over the tasks, exact sign-flip p" if small else
+                     f"{gallery.short_method(primary_test['interval'])} over the tasks, {primary_test['test']}")
     line3 = ("Paper B (language models on MTEB): intermediate layers often beat the last one. Tested without "
              "picking the layer after the fact, primary test: the middle layer's score minus the last layer's, "
-             f"mean over the {n_tasks} tasks, {SHORT[primary_key.split('/')[0]]} raw (t-interval over the tasks, "
-             f"exact sign-flip p); family: the {len(settings)} settings (model × preprocessing), Holm: "
-             + "; ".join(parts) + f"; primary: {said[mid_finding['verdict']]}. With {n_tasks} tasks the exact test's "
-             f"smallest two-sided p is {floor:.3g}, above the {gallery.ALPHA / len(settings):.4g} that Holm over "
-             f"{len(settings)} asks of the smallest p, so no setting can be decided over the tasks at this size. "
-             "Exploratory, unadjusted: intermediate layers above the last over the tasks: " + ", ".join(explored)
+             f"mean over the {n_tasks} tasks, {setting_label(primary_key)} ({interval_said}); family: the "
+             f"{len(settings)} settings of the language models (model × preprocessing), Holm: "
+             + "; ".join(parts) + f"; primary: {said[mid_finding['verdict']]}. "
+             + (f"With {n_tasks} tasks the exact test's smallest two-sided p is {2 / 2 ** n_tasks:.3g}"
+                + (f", above the {gallery.ALPHA / len(settings):.4g} that Holm over {len(settings)} asks of the "
+                   "smallest p, so no setting can be decided over the tasks at this size. "
+                   if 2 / 2 ** n_tasks > gallery.ALPHA / len(settings) else ". ") if small else "")
+             + (f"Control (MiniLM, a contrastive encoder whose last layer is its trained output, so it cannot test "
+                f"paper B; not in the family): {'; '.join(control_parts)}. " if control_parts else "")
+             + "Exploratory, unadjusted: intermediate layers above the last over the tasks: " + ", ".join(explored)
              + (". " + item_sentence(item_v) if items else
                 ". A per-task \"beats the last layer\" cannot be decided from these results (no per-item scores)."))
     table_rows = []
@@ -709,12 +838,13 @@ def summarize(doc: dict) -> dict:
     tables = [gallery.finding_table(mid_finding, "an intermediate layer scores above the last one (paper B Fig. 1; "
                                                  "the middle layer, fixed before looking)"),
               gallery.finding_table(pick_finding, "the label-free pick (min_dataset_entropy) scores above final"),
-              {"title": "Layer minus last layer, mean over the tasks, with 95 % t-intervals over the tasks and exact "
-                        "sign-flip p (the middle layers: Holm over the four settings; every other layer exploratory)",
+              {"title": "Layer minus last layer, mean over the tasks, with 95 % intervals over the tasks (t-interval and "
+                        "exact sign-flip p up to 10 tasks; more: percentile bootstrap and Student's t) (the middle "
+                        "layers of the language models: Holm over their settings; every other layer exploratory)",
                "header": ["model", "preprocess", "layer", "rel. depth", "mean difference", "95 % CI", "p", "p (Holm)",
                           "verdict"],
                "rows": table_rows}] + ([item_table(item_v)] if items else []) + pick_tables(picks) \
-        + rule_tables(rules)
+        + rule_tables(rules) + [protocol_table(d, present, n_tasks)]
     n_score_out = sum(outside.values())
     item_note = ([f"Per-item intervals: `--prediction-folder` keeps mteb's predictions; result.json holds each STS "
                   "pair's cosine similarity, each classification test item's fraction of correct experiments and each "
@@ -735,8 +865,10 @@ def summarize(doc: dict) -> dict:
                   "fact, which biases its difference upward; the middle layer is fixed before looking."]
                  if items else [])
     notes = [gallery.RULE_NOTE, *item_note,
-             f"Units: the {n_tasks} tasks for every mean over tasks (at most {gallery.SMALL} units, so t-intervals "
-             "and exact sign-flip p, no bootstrap); the items of one task for the per-task tests. The findings use "
+             f"Units: the {n_tasks} tasks for every mean over tasks ("
+             + (f"at most {gallery.SMALL} units, so t-intervals and exact sign-flip p, no bootstrap" if small else
+                f"more than {gallery.SMALL} units: the percentile bootstrap over the tasks where it holds its "
+                "estimate, else the t-interval; Student's t p") + "); the items of one task for the per-task tests. The findings use "
              "the middle layer (relative depth nearest 0.5), fixed before looking; counts of layers beyond noise are "
              "exploratory (many layers, no correction for multiplicity). The best-vs-last gains are kept as the run "
              "wrote them but decide nothing: a maximum over layers is never below the last layer.",
@@ -747,11 +879,13 @@ def summarize(doc: dict) -> dict:
              RULES_NOTE]
     figures = [*[f for f in doc["figures"] if f["file"] not in ("gain_by_depth.png", "item_gain_by_depth.png")],
                {"file": "gain_by_depth.png", "caption": "Each layer's main score minus the last layer's, mean over "
-                "the tasks, with 95 % t-interval bands over the tasks; solid raw, dashed standardized"}]
+                "the tasks, with 95 % bands over the tasks; solid raw, dashed standardized; blue SmolLM2-135M, green "
+                "the GPT-2 trained from scratch, orange MiniLM (control)"}]
     if items:
         figures.append({"file": "item_gain_by_depth.png", "caption": "Per STS and classification task: each layer's "
                         "main score minus the last layer's, with 95 % bands from a paired bootstrap over the task's "
-                        "items; solid raw, dashed standardized; blue SmolLM2-135M, orange MiniLM"})
+                        "items; solid raw, dashed standardized; blue SmolLM2-135M, green the GPT-2 trained from "
+                        "scratch, orange MiniLM (control)"})
     out = gallery.regenerated(doc, [line1, line2, line3], tables, notes, diffs, figures)
     picks = {**picks, "groups": {k: {**g, "pick_minus_final": g["pick_minus_final"] if isinstance(
         g["pick_minus_final"], dict) else g["pick_minus_final"].as_dict()} for k, g in picks["groups"].items()}}
@@ -763,7 +897,24 @@ def summarize(doc: dict) -> dict:
     return out
 
 
-SHORT = {"SmolLM2-135M": "SmolLM2", "all-MiniLM-L6-v2": "MiniLM"}
+def protocol_table(d: dict, present: list[str], n_tasks: int) -> dict:
+    """Where this run departs from paper B's layer-by-layer MTEB protocol (Fig. 1)."""
+    return {"title": "Protocol: paper B against this run",
+            "header": ["", "paper B", "this run", "why"],
+            "rows": [
+                ["models", "decoder language models of up to billions of parameters (and encoders)",
+                 ", ".join(present), "what runs offline on 2 CPU cores; MiniLM only as a control"],
+                ["tasks", "MTEB's own tasks", f"{n_tasks} tasks generated from texts on the machine (size "
+                 f"{d['size']}: 300 evaluated items each)" if d["size"] == "xlarge" else
+                 f"{n_tasks} generated tasks (size {d['size']})", "no Hub"],
+                ["embedding", "mean-pooled hidden state of each layer", "the same (MiniLM: its own recipe)", ""],
+                ["preprocessing", "raw", "raw and standardized", "massive activations dominate raw cosines"],
+                ["statistic", "score by relative depth, shown", "middle layer minus last, mean over tasks, Holm over "
+                 "the language models' settings; per-task paired bootstraps over items", "one primary test"],
+            ]}
+
+
+SHORT = {"SmolLM2-135M": "SmolLM2", "all-MiniLM-L6-v2": "MiniLM", SCRATCH: "GPT-2 scratch"}
 
 
 def setting_label(key: str) -> str:
@@ -778,9 +929,10 @@ def pick_line(picks: dict, finding: dict) -> str:
         diff, ex = g["pick_minus_final"], g["hit_rate_exact"]
         parts.append(f"{setting_label(key)} {g['beats_final']}/{g['n_tasks']} (exact binomial {ex['low']:.2f} to "
                      f"{ex['high']:.2f}; mean pick − final {gallery.show_test(diff, 3)}, "
-                     f"{gallery.SAID[diff['verdict']]})")
+                     f"{gallery.SAID[diff['verdict']]}" + (", control, exploratory)" if key.startswith(CONTROL + "/")
+                                                           else ")"))
     chosen = "; ".join(f"{SHORT[m]} {', '.join(sorted({t['pick'] for t in picks['per_task'] if t['model'] == m}))}"
-                       for m in MODELS)
+                       for m in MODELS if any(t["model"] == m for t in picks["per_task"]))
     return (f"Label-free pick (`--layer auto`'s {picks['rule']} applied to the stored raw dataset entropies; picked "
             f"{chosen}) against final, tasks where it scores higher, and the mean pick − final (primary test "
             f"{finding['primary'].split(':')[0]}, Holm over the {len(finding['family'])} settings): "
@@ -788,7 +940,18 @@ def pick_line(picks: dict, finding: dict) -> str:
 
 
 PICK_TABLE = ("Label-free layer pick (min_dataset_entropy) against final, over the tasks (exact binomial interval of "
-              "the hit rate; t-interval, exact sign-flip p and Holm over the four settings for the mean difference)")
+              "the hit rate; for the mean difference the interval and test each row names, Holm over the language "
+              "models' settings)")
+
+
+def how(t: dict) -> str:
+    """'t-interval; exact sign-flip p 0.031' or 'percentile bootstrap; Student's t p 0.2': a test's interval and p."""
+    test = "exact sign-flip" if t["test"].startswith("exact sign-flip") else t["test"]
+    return f"{gallery.short_method(t['interval'])}; {test} p {t['p']:.2g}"
+
+
+def holm_text(t: dict) -> str:
+    return f", Holm {t['p_holm']:.2g}" if t.get("p_holm") is not None else ", exploratory"
 
 
 def pick_tables(picks: dict) -> list[dict]:
@@ -801,12 +964,13 @@ def pick_tables(picks: dict) -> list[dict]:
         diff, ex = g["pick_minus_final"], g["hit_rate_exact"]
         summary.append([model, prep, ", ".join(g["picks"]), f"{g['beats_final']}/{g['n_tasks']}", g["ties_final"],
                         f"{ex['low']:.2f} to {ex['high']:.2f}", diff["estimate"],
-                        f"{diff['low']:+.3f} to {diff['high']:+.3f}", diff["p"], diff["p_holm"],
+                        f"{diff['low']:+.3f} to {diff['high']:+.3f}", how(diff),
+                        diff["p_holm"] if diff["p_holm"] is not None else "n/a (control)",
                         PICK_SAID[diff["verdict"]], f"{g['pick_is_best']}/{g['n_tasks']}", g["mean_best_minus_pick"]])
     return [
         {"title": PICK_TABLE,
          "header": ["model", "preprocess", "picked layers", "pick beats final", "ties", "hit rate 95 % CI (exact "
-                    "binomial)", "mean pick − final", "95 % CI (t)", "p (sign-flip)", "p (Holm)", "verdict",
+                    "binomial)", "mean pick − final", "95 % CI", "interval; p", "p (Holm)", "verdict",
                     "pick = best layer", "mean best − pick"], "rows": summary},
         {"title": "Label-free pick per task: the picked layer's main score against final and against the best layer "
                   "in hindsight",
@@ -824,8 +988,8 @@ def pick_quotes(picks: dict) -> list[str]:
         out.append(f"{model}, {'raw' if prep == 'none' else prep}: the pick beats final on {g['beats_final']}/"
                    f"{g['n_tasks']} tasks (ties {g['ties_final']}; hit rate {g['hit_rate']:.2f}, exact binomial 95 % "
                    f"CI {ex['low']:.2f} to {ex['high']:.2f}); mean pick − final {diff['estimate']:+.3f} (95 % CI "
-                   f"{diff['low']:+.3f} to {diff['high']:+.3f}, t-interval; exact sign-flip p {diff['p']:.2g}, Holm "
-                   f"{diff['p_holm']:.2g}), {PICK_SAID[diff['verdict']]}; pick = best layer on "
+                   f"{diff['low']:+.3f} to {diff['high']:+.3f}, {how(diff)}{holm_text(diff)}), "
+                   f"{PICK_SAID[diff['verdict']]}; pick = best layer on "
                    f"{g['pick_is_best']}/{g['n_tasks']}, mean gap to the best {g['mean_best_minus_pick']:.3f}")
     return out
 
@@ -840,18 +1004,17 @@ MASSIVE_SHARE = 0.5  # a layer whose largest dimension holds more than this shar
 
 RULES_NOTE = (
     "Label-free rules (issue 35): each rule chooses one layer per task from what result.json keeps of the task's own "
-    "texts, never a score: the position rules (second-to-last hidden state, middle layer) and rules on the per-layer "
+    "texts, never a score: the position rules (second-to-last hidden state, middle layer), rules on the per-layer "
     "raw dataset entropy (α = 1, `embed` left out as in the built-in rule, ties to the shallower layer) and the "
-    "massive-activation top-1 share of the raw runs, plus the dataset entropy of the embedding each run scored "
-    "(`repgeom_dataset_entropy`: after standardizing in the standardized runs). No rule has a parameter fitted to "
+    "massive-activation top-1 share of the raw runs, the dataset entropy of the embedding each run scored "
+    "(`repgeom_dataset_entropy`: after standardizing in the standardized runs), and, where the run kept them, prompt "
+    "entropy (paper B), curvature (paper B) and RankMe effective rank. No rule has a parameter fitted to "
     f"these tasks (the massive-activation threshold {MASSIVE_SHARE} is fixed in advance), so its hit rate over the "
     "tasks is out of sample; the leave-one-task-out row chooses, for each task, the rule with the best mean gain on "
     "the other tasks and scores it on the held-out one, which is the out-of-sample value of picking the best rule "
-    "here. Every rule's mean gain over final is exploratory (unadjusted exact sign-flip p over the tasks). Not "
-    "evaluable from result.json: maximum prompt entropy and curvature (token-level, not kept), dataset entropy at "
-    "other α and RankMe-style effective rank (only the α = 1 normalised entropy is kept, not the spectrum; exp of "
-    "the α = 1 entropy of the same centred unit rows is a monotone function of it and picks the same layer as the "
-    "entropy rules), DiME (needs paired views of each text).")
+    "here. Every rule's mean gain over final is exploratory (unadjusted p over the tasks). Not evaluated: dataset "
+    "entropy at other α (the run keeps α = 1 only, not the spectrum) and DiME (needs paired views of each text, "
+    "extra forward passes).")
 
 
 def _rule_choices(raw: list[dict], scored: list[dict]) -> dict[str, str]:
@@ -873,6 +1036,8 @@ def _rule_choices(raw: list[dict], scored: list[dict]) -> dict[str, str]:
         "min_entropy_no_massive": pick_min(calm, lambda r: r["entropy_raw"]) if calm else raw[-1]["layer"],
         "min_top1_share": pick_min(cand, lambda r: r["top1_share"]),
         "min_scored_entropy": pick_min(cand, lambda r: scored_by[r["layer"]]["entropy_scored"]),
+        **{rule: pick_min(cand, lambda r, f=field, sign=sign: sign * r[f]) for rule, (field, sign) in OPTIONAL.items()
+           if all(r.get(field) is not None and math.isfinite(r[field]) for r in cand)},
     }
 
 
@@ -884,7 +1049,14 @@ RULES = {
     "min_entropy_no_massive": f"min dataset entropy among layers with top-1 share ≤ {MASSIVE_SHARE} (final if none)",
     "min_top1_share": "min massive-activation top-1 share",
     "min_scored_entropy": "min dataset entropy of the scored embedding",
+    "max_prompt_entropy": "max prompt entropy α = 1 (normalised)",
+    "min_prompt_entropy": "min prompt entropy α = 1 (paper B's compression valley)",
+    "min_curvature": "min curvature (straightest token trajectories)",
+    "max_effective_rank": "max effective rank (RankMe) of the pooled vectors",
 }
+# rules on values only runs with those --metrics keep: rule → (row field, +1 for min / −1 for max)
+OPTIONAL = {"max_prompt_entropy": ("prompt_entropy", -1), "min_prompt_entropy": ("prompt_entropy", 1),
+            "min_curvature": ("curvature", 1), "max_effective_rank": ("effective_rank", -1)}
 
 
 def rule_table(rows: list[dict]) -> dict:
@@ -900,21 +1072,25 @@ def rule_table(rows: list[dict]) -> dict:
             tasks = sorted({(r["source"], r["type"]) for r in rows if r["model"] == model and r["preprocess"] == prep})
             if not tasks:
                 continue
-            gains: dict[str, list[float]] = {rule: [] for rule in RULES}
+            choices = []
             for src, kind in tasks:
                 raw = by(rows, model=model, source=src, type=kind, preprocess="none")
                 sel = by(rows, model=model, source=src, type=kind, preprocess=prep)
+                choices.append((sel, _rule_choices(raw, sel)))
+            here = [rule for rule in RULES if all(rule in chosen for _, chosen in choices)]  # every task has it
+            gains: dict[str, list[float]] = {rule: [] for rule in here}
+            for sel, chosen in choices:
                 score = {r["layer"]: r["score"] for r in sel}
-                chosen = _rule_choices(raw, sel)
-                for rule, layer in chosen.items():
-                    gains[rule].append(score[layer] - sel[-1]["score"])
+                for rule in here:
+                    gains[rule].append(score[chosen[rule]] - sel[-1]["score"])
                 per_task.append({"setting": key, "task": sel[0]["task"], "final_score": sel[-1]["score"],
-                                 "choices": chosen, "gains": {rule: gains[rule][-1] for rule in RULES}})
+                                 "choices": {rule: chosen[rule] for rule in here},
+                                 "gains": {rule: gains[rule][-1] for rule in here}})
             n = len(tasks)
             loto = []
             for i in range(n):
                 rest = {rule: sum(g[:i] + g[i + 1:]) / (n - 1) for rule, g in gains.items()}
-                best_rule = max(RULES, key=lambda rule: (rest[rule], -list(RULES).index(rule)))
+                best_rule = max(here, key=lambda rule: (rest[rule], -list(RULES).index(rule)))
                 loto.append((best_rule, gains[best_rule][i]))
             entry = {}
             for rule, g in {**gains, "leave_one_task_out": [x for _, x in loto]}.items():
@@ -926,15 +1102,17 @@ def rule_table(rows: list[dict]) -> dict:
                                "gain": test.as_dict()}
             entry["leave_one_task_out"]["chosen"] = [r for r, _ in loto]
             groups[key] = entry
-    return {"rules": dict(RULES), "massive_share": MASSIVE_SHARE, "per_task": per_task, "groups": groups}
+    used = [rule for rule in RULES if any(rule in g for g in groups.values())]
+    return {"rules": {rule: RULES[rule] for rule in used}, "massive_share": MASSIVE_SHARE, "per_task": per_task,
+            "groups": groups}
 
 
 RULE_SAID = {gallery.FOLLOWS: "above final (exploratory)", gallery.OPPOSITE: "below final (exploratory)",
              gallery.CANNOT_TELL: "cannot tell at this size (exploratory)"}
 
 RULES_TABLE = ("Label-free layer rules side by side against final, per model and preprocessing, over the tasks: "
-               "out-of-sample hit rate (exact binomial interval) and mean gain over final (t-interval, exact "
-               "sign-flip p; exploratory)")
+               "out-of-sample hit rate (exact binomial interval) and mean gain over final (interval and p as each row "
+               "says; exploratory)")
 
 
 def rule_tables(rules: dict) -> list[dict]:
@@ -946,13 +1124,14 @@ def rule_tables(rules: dict) -> list[dict]:
             g, ex = e["gain"], e["hit_rate_exact"]
             rows.append([model, prep, names[rule], f"{e['hits']}/{e['n']}", e["ties"],
                          f"{ex['low']:.2f} to {ex['high']:.2f}", g["estimate"], f"{g['low']:+.3f} to {g['high']:+.3f}",
-                         g["p"], RULE_SAID[g["verdict"]]])
+                         how(g), RULE_SAID[g["verdict"]]])
     per_task = [[t["setting"].split("/")[0], t["setting"].split("/")[1], t["task"],
-                 *[f"{t['choices'][rule]} ({t['gains'][rule]:+.3f})" for rule in rules["rules"]]]
+                 *[f"{t['choices'][rule]} ({t['gains'][rule]:+.3f})" if rule in t["choices"] else "n/a"
+                   for rule in rules["rules"]]]
                 for t in rules["per_task"]]
     return [{"title": RULES_TABLE,
              "header": ["model", "preprocess", "rule", "beats final", "ties", "hit rate 95 % CI (exact)",
-                        "mean gain over final", "95 % CI (t)", "p (sign-flip)", "verdict"], "rows": rows},
+                        "mean gain over final", "95 % CI", "interval; p", "verdict"], "rows": rows},
             {"title": "Label-free rules per task: the layer each rule chooses and its score minus final",
              "header": ["model", "preprocess", "task", *rules["rules"]], "rows": per_task}]
 
@@ -981,8 +1160,8 @@ def rules_quotes(rules: dict) -> list[str]:
             g, ex = e["gain"], e["hit_rate_exact"]
             out.append(f"{model}, {'raw' if prep == 'none' else prep}, {names[rule]}: beats final on {e['hits']}/"
                        f"{e['n']} tasks (exact 95 % CI {ex['low']:.2f} to {ex['high']:.2f}); mean gain over final "
-                       f"{g['estimate']:+.3f} (95 % CI {g['low']:+.3f} to {g['high']:+.3f}, exact sign-flip p "
-                       f"{g['p']:.2g}), {RULE_SAID[g['verdict']]}")
+                       f"{g['estimate']:+.3f} (95 % CI {g['low']:+.3f} to {g['high']:+.3f}, {how(g)}), "
+                       f"{RULE_SAID[g['verdict']]}")
     return out
 
 
@@ -990,7 +1169,7 @@ def draw(doc: dict, out: Path) -> None:
     from repgeom_eval.output.plotting import pyplot
 
     plt = pyplot()
-    colours = {"SmolLM2-135M": "tab:blue", "all-MiniLM-L6-v2": "tab:orange"}
+    colours = COLOURS
     styles = {"none": "-", "standardize": "--"}
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     for key, e in doc["data"]["intervals"].items():
