@@ -204,3 +204,21 @@ def test_the_metadata_route_and_the_cache_refusal(model_dir, task_dir, tmp_path)
                                           repgeom_metrics="dispersion"),
                         tasks=["rg_any_loglikelihood"], bootstrap_iters=0, use_cache=str(tmp_path / "cache"),
                         task_manager=TaskManager(include_defaults=False, include_path=str(task_dir)))
+
+
+def test_each_repgeom_setting_is_parsed_once_per_process(model_dir, task_dir, monkeypatch):
+    """The model's own check, and every task of the run, read the same repgeom_* settings: one parse (issue 34)."""
+    from repgeom_eval.lmeval import settings as settings_module
+
+    calls = []
+    original = settings_module.Settings._parse.__func__
+    monkeypatch.setattr(settings_module, "_PARSED", {})
+    monkeypatch.setattr(settings_module.Settings, "_parse",
+                        classmethod(lambda cls, given, kind: calls.append((dict(given), kind)) or
+                                    original(cls, given, kind)))
+    lm = RepgeomHFLM(pretrained=model_dir, batch_size=3, device="cpu", dtype="float64", repgeom_metrics="dispersion",
+                     repgeom_layers="final")
+    out = evaluate(lm, task_dir, ["rg_any_loglikelihood", "rg_any_multiple_choice"])
+    assert "repgeom:dispersion@final,none" in out["results"]["rg_any_multiple_choice"]
+    assert len(calls) == 1, calls
+    assert calls[0] == ({"metrics": "dispersion", "layers": "final"}, "any")

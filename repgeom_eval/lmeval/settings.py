@@ -68,8 +68,18 @@ class Settings:
         """The settings of a task of ``kind`` (``hardness``, ``perplexity``, or ``any`` for any other task and for
         ``repgeom-hf``'s model arguments) from the metadata lm-eval hands it.
         Every check of a setting is here (those of the metric request in
-        :meth:`~repgeom_eval.lmeval.registered.MetricRequest.from_settings`)."""
+        :meth:`~repgeom_eval.lmeval.registered.MetricRequest.from_settings`).
+
+        Parsed once per process: lm-eval hands the same metadata to the model, the start-up check and every task,
+        so the checked (frozen) object of the first parse is returned for the same keys and kind again."""
         given = settings_in(metadata)
+        memo = (repr(sorted((k, _canonical(v)) for k, v in given.items())), kind)
+        if memo not in _PARSED:
+            _PARSED[memo] = cls._parse(given, kind)
+        return _PARSED[memo]
+
+    @classmethod
+    def _parse(cls, given: Mapping[str, Any], kind: str) -> "Settings":
         out = cls(**given)
         if kind == "hardness" and isinstance(out.pooling, str) and out.pooling not in HARDNESS_POOLINGS:
             raise RepgeomError(f"repgeom_pooling must be {' or '.join(HARDNESS_POOLINGS)}, got {out.pooling!r}")
@@ -114,6 +124,18 @@ class Settings:
             elif f.metadata["config"] and (kind == "hardness" or not f.metadata.get(HARDNESS_ONLY)):
                 out[f.name] = plain(getattr(self, f.name))
         return out
+
+
+_PARSED: dict[tuple[str, str], Settings] = {}
+
+
+def _canonical(value: Any) -> Any:
+    """A value as a comparable, order-independent key (mappings sorted; lists kept in order)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _canonical(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_canonical(v) for v in value)
+    return (type(value).__name__, value)
 
 
 def _named(check: Any, value: Any, name: str) -> Any:
