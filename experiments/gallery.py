@@ -871,7 +871,23 @@ def write_gallery_readme(root: Path = HERE) -> Path:
     return readme
 
 
+def write_picks_quotes(root: Path = HERE) -> Path:
+    """docs/picks.md's two quoted blocks (the built-in pick's hit rates, the label-free rules) rewritten from
+    which_layer_embeds' result.json (tests/test_experiments.py checks they are equal)."""
+    doc = json.loads((root / "which_layer_embeds" / "results" / "result.json").read_text(encoding="utf-8"))
+    path = root.parent / "docs" / "picks.md"
+    text = path.read_text(encoding="utf-8")
+    for tag, lines in (("hit-rates", doc["data"]["label_free_pick"]["quotes"]),
+                       ("rules", doc["data"]["label_free_rules"]["quotes"])):
+        head = re.search(rf"<!-- {tag}:start[^>]*-->\n", text)
+        end = text.index(f"<!-- {tag}:end -->")
+        text = text[:head.end()] + "".join(f"- {line}\n" for line in lines) + text[end:]
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["readme"]:
-        raise SystemExit("usage: python experiments/gallery.py readme")
-    print(write_gallery_readme())
+    commands = {"readme": write_gallery_readme, "picks": write_picks_quotes}
+    if len(sys.argv) != 2 or sys.argv[1] not in commands:
+        raise SystemExit("usage: python experiments/gallery.py readme|picks")
+    print(commands[sys.argv[1]]())
