@@ -201,9 +201,9 @@ def angular_spread(z: torch.Tensor, tau: float = 1.0, variant: str = "paper", cl
     """
     z = _check_z(z)
     t, e = _resolve(variant, clamp, eps)
-    length = z.shape[1]
-    if length < 2:
+    if z.shape[1] < 2:
         return _nan(z)
+    length = z.shape[1]
     dist, eye = _angular_distance(z, t, e)
     logits = (-dist / tau + e).masked_fill(eye, float("-inf"))
     per_seq = torch.logsumexp(logits.flatten(1), dim=1) - math.log(length * (length - 1))
@@ -256,11 +256,10 @@ def orthogonalization(z: torch.Tensor, margin: float = 0.5, variant: str = "pape
     ε = 0.01 cosine; with t the per-pair maximum is (margin − arccos(1−t)/π)². NaN if L < 2.
     """
     z = _check_z(z)
-    t, e = _resolve(variant, clamp, eps)
-    length = z.shape[1]
-    if length < 2:
+    clamp_eps = _resolve(variant, clamp, eps)  # a bad variant is refused whatever the length
+    if z.shape[1] < 2:
         return _nan(z)
-    dist, eye = _angular_distance(z, t, e)
+    dist, eye = _angular_distance(z, *clamp_eps)
     hinge = torch.relu(margin - dist) ** 2
     return hinge[:, ~eye].mean()
 
