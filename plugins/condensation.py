@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
+from repgeom_eval import Consumes, hookimpl
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
+
+from .token_metric import TokenMetric
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
@@ -25,7 +27,7 @@ DEFAULT_BINS = 50
 _NAN = float("nan")
 
 
-class Condensation(Metric):
+class Condensation(TokenMetric):
     """Mean token–token cosine within each text, averaged over texts (paper C's condensation statistic).
 
     Per text with S tokens: u_i = x_i / max(‖x_i‖, ``eps``) (paper C's max-eps, default 1e-3) and
@@ -62,14 +64,7 @@ class Condensation(Metric):
         self.add_state("counts", torch.zeros(2, dtype=torch.float64), "sum", shape=(2,))  # texts with S ≥ 1, ≥ 2
         self.add_state("hist", torch.zeros(bins, dtype=torch.float64), "sum", shape=(bins,))
         if per_text:
-            self.add_state("values", [], "cat", shape=("N",))
-            self.add_state("index", [], "cat", shape=("N",))
-
-    def update(self, batch: LayerBatch) -> None:
-        assert batch.hidden is not None and batch.mask is not None
-        from repgeom_eval.functional.tokens import TokenBlock
-
-        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+            self.add_per_text_states()
 
     def update_tokens(self, index: torch.Tensor, block) -> None:
         """:meth:`update` from a :class:`~repgeom_eval.functional.tokens.TokenBlock` (the pipeline's path: float64

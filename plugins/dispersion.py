@@ -5,6 +5,8 @@ from __future__ import annotations
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.plugin_system.lazy import lazy
 
+from .token_metric import TokenMetric
+
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
 dispersion_from_sums = lazy("repgeom_eval.functional:dispersion_from_sums")
@@ -80,7 +82,7 @@ class Dispersion(Metric):
         return problems
 
 
-class TokenDispersion(Metric):
+class TokenDispersion(TokenMetric):
     """Dispersion of the token vectors within each text, averaged over texts (docs/metrics.md#token_dispersion).
 
     This is what paper A's public code computes. Pad positions are excluded; texts with fewer than 2 tokens are
@@ -99,14 +101,7 @@ class TokenDispersion(Metric):
         self.add_state("count", torch.zeros((), dtype=torch.float64), "sum", shape=())
         self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum", shape=())
         if per_text:
-            self.add_state("values", [], "cat", shape=("N",))
-            self.add_state("index", [], "cat", shape=("N",))
-
-    def update(self, batch: LayerBatch) -> None:
-        assert batch.hidden is not None and batch.mask is not None
-        from repgeom_eval.functional.tokens import TokenBlock
-
-        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+            self.add_per_text_states()
 
     def update_tokens(self, index: torch.Tensor, block) -> None:
         """:meth:`update` from a :class:`~repgeom_eval.functional.tokens.TokenBlock` (the pipeline's path: the

@@ -17,6 +17,8 @@ from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
 
+from .token_metric import TokenMetric
+
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
 CURVATURE_VARIANTS = lazy("repgeom_eval.functional.curvature:VARIANTS")
@@ -71,7 +73,7 @@ class _GramMetric(Metric):
         return {"n_vectors": int(g.n), "n_zero_vectors": int(g.n_zero)}
 
 
-class PromptEntropy(Metric):
+class PromptEntropy(TokenMetric):
     """Prompt entropy (paper B; docs/metrics.md#prompt_entropy), averaged over prompts.
 
     Per prompt: Z = the prompt's non-pad token vectors, centred over the prompt and unit-normalised; S_α of the
@@ -101,14 +103,7 @@ class PromptEntropy(Metric):
         self.add_state("count", torch.zeros((), dtype=torch.float64), "sum", shape=())
         self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum", shape=())
         if per_text:
-            self.add_state("values", [], "cat", shape=("N", 2))
-            self.add_state("index", [], "cat", shape=("N",))
-
-    def update(self, batch: LayerBatch) -> None:
-        assert batch.hidden is not None and batch.mask is not None, "prompt_entropy consumes TOKENS"
-        from repgeom_eval.functional.tokens import TokenBlock
-
-        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+            self.add_per_text_states(2)
 
     def update_tokens(self, index: torch.Tensor, block) -> None:
         """:meth:`update` from a :class:`~repgeom_eval.functional.tokens.TokenBlock`: the Grams of all prompts from one
@@ -236,7 +231,7 @@ class EffectiveRank(_GramMetric):
         return effective_rank_from_gram_eigenvalues(serial_eigvalsh(g), n, d)
 
 
-class Curvature(Metric):
+class Curvature(TokenMetric):
     """Curvature of each prompt's token trajectory (paper B; docs/metrics.md#curvature), averaged over prompts.
 
     ``variant="paper"`` (default): on the raw token vectors, with v_k = z_{k+1} − z_k, the mean over k of
@@ -263,14 +258,7 @@ class Curvature(Metric):
         self.add_state("count", torch.zeros((), dtype=torch.float64), "sum", shape=())
         self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum", shape=())
         if per_text:
-            self.add_state("values", [], "cat", shape=("N",))
-            self.add_state("index", [], "cat", shape=("N",))
-
-    def update(self, batch: LayerBatch) -> None:
-        assert batch.hidden is not None and batch.mask is not None, "curvature consumes TOKENS"
-        from repgeom_eval.functional.tokens import TokenBlock
-
-        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+            self.add_per_text_states()
 
     def update_tokens(self, index: torch.Tensor, block) -> None:
         """:meth:`update` from a :class:`~repgeom_eval.functional.tokens.TokenBlock`: the angles of all prompts as a

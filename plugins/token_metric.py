@@ -1,0 +1,31 @@
+"""What the built-in token metrics share (condensation, token_dispersion, prompt_entropy, curvature): they read each
+text's token vectors (``Consumes.TOKENS``) through ``update_tokens`` and, with ``per_text``, keep one value (or row)
+per text with its index. Not a plugin: the metrics' own modules register them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from repgeom_eval import Consumes, LayerBatch, Metric
+
+
+class TokenMetric(Metric):
+    """A metric of each text's token vectors: implement ``update_tokens(index, block)``; ``update`` (the public
+    ``LayerBatch`` route) hands it the batch as a :class:`~repgeom_eval.functional.tokens.TokenBlock`, as the
+    measurement pipeline does."""
+
+    consumes = Consumes.TOKENS
+
+    def add_per_text_states(self, width: int | None = None) -> None:
+        """``values`` (one number, or ``width`` numbers, per text) and ``index`` (which text), gathered by "cat"."""
+        self.add_state("values", [], "cat", shape=("N",) if width is None else ("N", width))
+        self.add_state("index", [], "cat", shape=("N",))
+
+    def update(self, batch: LayerBatch) -> None:
+        assert batch.hidden is not None and batch.mask is not None, f"{self.name} consumes TOKENS"
+        from repgeom_eval.functional.tokens import TokenBlock
+
+        self.update_tokens(batch.index, TokenBlock.padded(batch.hidden, batch.mask))
+
+    def update_tokens(self, index: Any, block: Any) -> None:
+        raise NotImplementedError
