@@ -32,6 +32,14 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.analyses.ppl_bins import ppl_bins
 
     cfg = PplBinsCommand.from_args(args)
+    if cfg.run_dir:  # written during the run, not with the result: guarded here, before anything runs
+        from repgeom_eval.analyses.chunk_log import run_files
+        from repgeom_eval.output.files import check_creatable_dir
+
+        from .common import guard_outputs
+
+        check_creatable_dir(cfg.run_dir, "--run-dir")
+        guard_outputs(cfg, {"--run-dir": run_files(cfg.run_dir)}, {"--data": cfg.data}, cfg.model)
     result, figures = run_analysis(
         cfg, lambda: ppl_bins(cfg.model, cfg.data, PplBinsConfig.of(cfg), model_options=ModelOptions.of(cfg)),
         "ppl_bins", {"_scatter": figure_ppl_vs_dispersion, "_by_depth": figure_correlation_vs_depth},

@@ -23,6 +23,11 @@ from repgeom_eval.output.files import write_json
 KEY_FILE, ROWS_FILE = "run.json", "chunks.jsonl"
 
 
+def run_files(folder: str | Path) -> list[str]:
+    """The files a run writes into its ``--run-dir`` (for the outputs guard: none may replace an input)."""
+    return [str(Path(folder) / KEY_FILE), str(Path(folder) / ROWS_FILE)]
+
+
 def chunks_digest(chunks: Sequence[Any]) -> str:
     """sha256 of the sampled chunks' token ids in order: the data, the tokenizer, the sampling seed and the chunk
     length all change it."""
