@@ -127,7 +127,7 @@ class MinDatasetEntropy(LayerPick):
     # primary setting); tests/test_experiments.py checks that it is still what the gallery measured
     evidence = ("gallery, SmolLM2-135M, raw, 6 tasks, a rule fitted to none of them: the pick beats final on 1/6 "
                 "tasks (ties 0; hit rate 0.17, exact binomial 95 % CI 0.00 to 0.64); mean pick − final -0.114 (95 % CI "
-                "-0.240 to +0.012, t-interval; exact sign-flip p 0.094, Holm 0.19), cannot tell from final at this "
+                "-0.240 to +0.012, t-interval; exact sign-flip p 0.094, Holm 0.12), cannot tell from final at this "
                 "size; pick = best layer on 0/6, mean gap to the best 0.144. Not a better default than final "
                 "(docs/picks.md)")
 
