@@ -531,13 +531,17 @@ def mean_test(name: str, values: Sequence[float], null: float = 0.0, expect: str
 
 
 def correlation_test(name: str, x: Sequence[float], y: Sequence[float], kind: str = "pearson", expect: str = "below",
-                     draws: Any = None, controls: int = 0, seed: int = 0, estimate: float | None = None) -> StatTest:
+                     draws: Any = None, controls: int = 0, seed: int = 0, estimate: float | None = None,
+                     p_from_draws: bool = False) -> StatTest:
     """A correlation (``kind`` pearson or spearman) of the paired ``x`` and ``y`` (one pair per unit) against 0.
 
     Up to SMALL pairs: Fisher-z interval and exact permutation p. More: percentile bootstrap over the pairs (or of
     ``draws``, the correlation recomputed on resamples of a finer unit) when it holds the estimate, else Fisher z;
     the t test of r. ``controls``: variables already partialled out of x and y (a partial correlation: ``x`` and
-    ``y`` are then the residuals, and ``estimate`` may be passed), which lowers the degrees of freedom."""
+    ``y`` are then the residuals, and ``estimate`` may be passed), which lowers the degrees of freedom.
+    ``p_from_draws``: the ``draws`` resample a finer unit too (the items each pair was measured on), so the p comes
+    from them as well (twice the share past 0; the normal interval and p from their s.d. where the percentile
+    interval leaves out the estimate), never from the t test that treats the pairs as exact."""
     import numpy as np
 
     from repgeom_eval.functional.bootstrap import bootstrap_indices
@@ -552,6 +556,8 @@ def correlation_test(name: str, x: Sequence[float], y: Sequence[float], kind: st
         test = (f"exact permutation ({math.factorial(n)} pairings)" if not controls
                 else f"t test of the partial correlation (df {n - 2 - controls})")
         return StatTest(name, kind, est, low, high, p, n, f"Fisher z ({n} pairs)", test, 0.0, expect)
+    if draws is not None and p_from_draws:  # the draws carry noise the pairs do not show: p from them too
+        return _from_draws(name, kind, est, draws, n, None, "", 0.0, expect)
     if draws is None:
         idx = bootstrap_indices(n, 2000, seed)
         draws = _corr(xs[idx], ys[idx], kind)

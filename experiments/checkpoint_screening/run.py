@@ -1,7 +1,7 @@
 """Checkpoint screening with the dispersion gap (paper A Fig. 9): does G of a checkpoint's output embeddings,
 computed with no forward pass, rank checkpoints and variants of one model family the way held-out quality does?
 
-    .venv/bin/python experiments/checkpoint_screening/run.py            # full size, 26 min measured on 2 shared cores
+    .venv/bin/python experiments/checkpoint_screening/run.py            # full size, 112 min measured (2 cores shared with 2 other jobs)
     .venv/bin/python experiments/checkpoint_screening/run.py --smoke    # a few minutes, results under the work folder
     .venv/bin/python experiments/checkpoint_screening/run.py --from-raw # summary, intervals, figures from result.json
 
@@ -590,7 +590,7 @@ def family_intervals(f: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     for name, (x, y, expect) in pairs.items():
         noise = item_noise(f, x, y)
         out[name] = gallery.correlation_test(name, series(f, x), series(f, y), "spearman", expect or "below",
-                                             noise.get("joint"))
+                                             noise.get("joint"), p_from_draws=bool(noise))
         if noise:
             low, high, valid = percentile_interval(noise["items"], gallery.LEVEL)
             finite = np.asarray(noise["items"], float)
@@ -724,9 +724,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             f"evaluation ({w['evaluation'] / w['screen']:.0f}×)")
     line2 = ("Spearman ρ within each family with 95 % intervals (more than 10 variants: percentile bootstrap over "
              "the variants and the evaluation's items together, 2000 resamples, where it holds its own estimate, "
-             "else Fisher z; at most 10: Fisher z): " + "; ".join(parts) + ".")
+             "else the normal interval from its s.d., p from the same resamples; at most 10: Fisher z and the exact "
+             "permutation p over the variants): " + "; ".join(parts) + ".")
     vparts = []
-    holm = lambda fam, k: f"Holm p {intervals[fam][k]['p_holm']:.2g}"  # noqa: E731
+    holm = lambda fam, k: f"Holm {gallery.p_text(intervals[fam][k]['p_holm'])}"  # noqa: E731
     for fam in fams:
         v = verdict[fam]
         vparts.append(f"{fam}: cosine G with perplexity {SAID[v['Gcos_ppl']]} ({holm(fam, 'Gcos_ppl')}), with "
@@ -774,9 +775,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
                          ci_cell(a) if a else "n/a"])
     tables = [gallery.finding_table(finding, "within a family, higher G marks the better variant (paper A Fig. 9)"),
               {"title": "Spearman ρ within each family with 95 % intervals (more than 10 variants: percentile "
-                        "bootstrap over variants and items together where it holds its estimate, else Fisher z; at "
-                        "most 10: Fisher z and the exact permutation p); verdicts from the Holm-adjusted p over the "
-                        "paper-predicted pairs; last column: the interval from item noise alone (variants fixed)",
+                        "bootstrap over variants and items together where it holds its estimate, else the normal "
+                        "interval from its s.d., p from the same resamples; at most 10: Fisher z and the exact "
+                        "permutation p); verdicts from the Holm-adjusted p over the paper-predicted pairs; last "
+                        "column: the interval from item noise alone (variants fixed)",
                "header": ["family", "pair", "ρ", "95 % CI", "interval", "n", "p", "p (Holm)", "verdict",
                           "item noise alone (95 %)"],
                "rows": rows},
