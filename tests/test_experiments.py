@@ -238,3 +238,30 @@ def test_which_layer_embeds_vectorised_v_measure_equals_sklearn():
     got = _run_module("which_layer_embeds").rowwise_v_measure(labels, clusters)
     want = [v_measure_score(a, k) for a, k in zip(labels, clusters)]
     assert np.allclose(got, want, atol=1e-12)
+
+
+def test_hardness_class_dispersion_is_the_brute_force_one_and_one_value_on_every_machine():
+    """The question bootstrap's dispersion of a weighted set (copies of one question are never paired) is
+    the brute-force mean over pairs of draws of distinct questions, and its matrix product is exact: equal to math.fsum of each
+    sum, so no BLAS kernel can move a committed digit."""
+    import math
+
+    import numpy as np
+
+    hardness = _run_module("hardness_without_labels")
+    rng = np.random.default_rng(1)
+    u = rng.standard_normal((30, 7))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    weights = np.stack([np.bincount(rng.integers(0, 30, 30), minlength=30) for _ in range(5)]).astype(float)
+    got = hardness.class_dispersion(weights, u)
+    for row, value in zip(weights, got):
+        draws = np.repeat(np.arange(30), row.astype(int))
+        cos = [u[a] @ u[b] for a in draws for b in draws if a != b]  # copies of one question are never paired
+        assert abs(value - (1.0 - np.mean(cos))) < 1e-12
+    grid = hardness.on_grid(u, weights.sum(axis=1).max())
+    assert np.abs(grid - u).max() < 1e-12
+    product = weights @ grid
+    exact = [[math.fsum(weights[r] * grid[:, c]) for c in range(7)] for r in range(5)]
+    assert np.array_equal(product, np.asarray(exact))
+    perturbed = hardness.class_dispersion(weights, u + 1e-3)  # the test can fail: a moved input moves the value
+    assert np.abs(perturbed - got).max() > 1e-6

@@ -217,11 +217,24 @@ def unit_vectors(per_question: dict):
     return u / np.linalg.norm(u, axis=1, keepdims=True)
 
 
+def on_grid(u, total: float):
+    """``u`` rounded to the multiples of 2^-k for which every partial sum of ``total`` weighted rows is exact in
+    float64: the matrix product then has one value, whatever order a BLAS picks by CPU (the order moved the 12th
+    digit of the committed intervals between machines). The rounding moves each coordinate by < 2^-k ≈ 1e-13."""
+    import math
+
+    import numpy as np
+
+    k = 52 - math.ceil(math.log2(max(float(total), 2.0)))
+    return np.ldexp(np.rint(np.ldexp(u, k)), -k)
+
+
 def pair_sums(weights, u):
     """Per row of ``weights`` ([B, N] question counts, a resample each): the sum of unit vectors S, the count n and
     Σ w² — with them the mean cosine over pairs of distinct questions is (‖S‖² − Σw²) / (n² − Σw²) (a question
     drawn twice is not paired with itself). O(B·N·d), no N×N matrix (docs/metrics.md, the dispersion identity)."""
-    return weights @ u, weights.sum(axis=1), (weights * weights).sum(axis=1)
+    n = weights.sum(axis=1)
+    return weights @ on_grid(u, n.max()), n, (weights * weights).sum(axis=1)
 
 
 def class_dispersion(weights, u):
