@@ -77,9 +77,7 @@ class Condensation(TokenMetric):
         self.counts = self.counts + torch.stack([ok_i.sum(), ok_e.sum()]).to(torch.float64)
         if self.bins:
             self.hist = self.hist + cosine_histogram_block(block, self.bins, self.eps)
-        if self.per_text:
-            self.values.append(incl)
-            self.index.append(index.to(torch.float64))
+        self.keep_per_text(index, incl)
 
     def compute(self) -> dict[str, Any]:
         mean = [float(s / c) if c > 0 else _NAN for s, c in zip(self.sums, self.counts)]
@@ -92,9 +90,8 @@ class Condensation(TokenMetric):
         return out
 
     def per_text_results(self):
-        if not self.per_text or not self.values:
-            return None
-        return {"condensation": (torch.cat(self.index).long(), torch.cat(self.values))}
+        kept = self.kept_per_text()
+        return None if kept is None else {"condensation": kept}
 
     def diagnostics(self):
         return {"n_texts": int(self.counts[0]), "n_texts_single_token": int(self.counts[0] - self.counts[1])}

@@ -114,17 +114,14 @@ class TokenDispersion(TokenMetric):
         self.total = self.total + values[ok].sum()
         self.count = self.count + ok.sum()
         self.skipped = self.skipped + (~ok).sum()
-        if self.per_text:
-            self.values.append(values)
-            self.index.append(index.to(torch.float64))
+        self.keep_per_text(index, values)
 
     def compute(self) -> float:
         return float(self.total / self.count) if self.count > 0 else float("nan")
 
     def per_text_results(self):
-        if not self.per_text or not self.values:
-            return None
-        return {"token_dispersion": (torch.cat(self.index).long(), torch.cat(self.values))}
+        kept = self.kept_per_text()
+        return None if kept is None else {"token_dispersion": kept}
 
     def diagnostics(self):
         return {"n_texts": int(self.count), "n_skipped_short": int(self.skipped)}

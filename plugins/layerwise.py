@@ -116,9 +116,7 @@ class PromptEntropy(TokenMetric):
         self.sums = self.sums + values[ok].sum(0)
         self.count = self.count + ok.sum()
         self.skipped = self.skipped + (~ok).sum()
-        if self.per_text:
-            self.values.append(values[:, :2])
-            self.index.append(index.to(torch.float64))
+        self.keep_per_text(index, values[:, :2])
 
     def compute(self) -> dict[str, float]:
         if self.count == 0:
@@ -126,9 +124,10 @@ class PromptEntropy(TokenMetric):
         return {k: float(v) for k, v in zip(ENTROPY_KEYS, self.sums / self.count)}
 
     def per_text_results(self):
-        if not self.per_text or not self.values:
+        kept = self.kept_per_text()
+        if kept is None:
             return None
-        idx, v = torch.cat(self.index).long(), torch.cat(self.values)
+        idx, v = kept
         return {"prompt_entropy": (idx, v[:, 0]), "prompt_entropy_normalized": (idx, v[:, 1])}
 
     def diagnostics(self):
@@ -270,9 +269,7 @@ class Curvature(TokenMetric):
         self.sums = self.sums + values[ok].sum(0)
         self.count = self.count + ok.sum()
         self.skipped = self.skipped + (~ok).sum()
-        if self.per_text:
-            self.values.append(values[:, 0])
-            self.index.append(index.to(torch.float64))
+        self.keep_per_text(index, values[:, 0])
 
     def compute(self) -> dict[str, float]:
         if self.count == 0:
@@ -281,9 +278,8 @@ class Curvature(TokenMetric):
         return {"raw": float(mean[0]), "logD": float(mean[1])}
 
     def per_text_results(self):
-        if not self.per_text or not self.values:
-            return None
-        return {"curvature": (torch.cat(self.index).long(), torch.cat(self.values))}
+        kept = self.kept_per_text()
+        return None if kept is None else {"curvature": kept}
 
     def diagnostics(self):
         return {"n_texts": int(self.count), "n_skipped_short": int(self.skipped)}

@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from repgeom_eval import Consumes, LayerBatch, Metric
+from repgeom_eval.plugin_system.lazy import lazy
+
+torch = lazy("torch")  # imported on first use, so listing the plugins needs no torch
 
 
 class TokenMetric(Metric):
@@ -20,6 +23,18 @@ class TokenMetric(Metric):
         """``values`` (one number, or ``width`` numbers, per text) and ``index`` (which text), gathered by "cat"."""
         self.add_state("values", [], "cat", shape=("N",) if width is None else ("N", width))
         self.add_state("index", [], "cat", shape=("N",))
+
+    def keep_per_text(self, index: Any, values: Any) -> None:
+        """With ``per_text``: keep ``values`` (one entry per text of the batch) under the texts' ``index``."""
+        if self.per_text:
+            self.values.append(values)
+            self.index.append(index.to(torch.float64))
+
+    def kept_per_text(self) -> tuple[Any, Any] | None:
+        """``(text index, values)`` of every text kept so far; None without ``per_text`` or before any text."""
+        if not self.per_text or not self.values:
+            return None
+        return torch.cat(self.index).long(), torch.cat(self.values)
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.hidden is not None and batch.mask is not None, f"{self.name} consumes TOKENS"
