@@ -46,6 +46,8 @@ class GeometryTask(ConfigurableTask):
     """A YAML task plus geometry; subclasses say what one document contributes."""
 
     KIND = ""
+    NEEDS_OUTPUT_TYPE = ""  # the lm-eval output_type a subclass's per-document code reads; "" takes any
+    GEOMETRY_METRICS: tuple[str, ...] = ()  # the task's own geometry metrics, from _document_items
 
     def __init__(self, config: dict | None = None, **kwargs: Any):
         config = dict(config or {})
@@ -64,6 +66,9 @@ class GeometryTask(ConfigurableTask):
         self.capture_info: dict[str, Any] | None = None
         self._world_size = 1
         super().__init__(config=config, **kwargs)
+        if self.NEEDS_OUTPUT_TYPE and self.OUTPUT_TYPE != self.NEEDS_OUTPUT_TYPE:
+            raise RepgeomError(f"{type(self).__name__} needs output_type {self.NEEDS_OUTPUT_TYPE}, "
+                               f"got {self.OUTPUT_TYPE}")
 
     def _data_source(self, config: dict) -> str | None:
         """Where the documents come from, as the task config records it."""
@@ -129,6 +134,23 @@ class GeometryTask(ConfigurableTask):
             raise self._missing("this document (repgeom_metrics)")
         return items
 
+    def _document_items(self, results: list) -> dict[str, Any]:
+        """One document's values of every metric in ``GEOMETRY_METRICS`` (asked only when one is requested)."""
+        raise NotImplementedError
+
+    def apply_filters(self):
+        out = super().apply_filters()
+        self._finish_bank()
+        return out
+
+    def process_results(self, doc: dict, results: list) -> dict[str, Any]:
+        base = {**super().process_results(doc, results), **self._bank_items(results)}
+        wanted = self._geometry_metrics(self.GEOMETRY_METRICS)
+        if self._bypassed() or not wanted:
+            return base
+        items = self._document_items(results)
+        return {**base, **{m: items[m] for m in wanted}}
+
     def _missing(self, what: str) -> RepgeomError:
         return RepgeomError(
             f"task {self.config.task}: no hidden states reached {what}. The run did not go through repgeom's "
@@ -140,11 +162,11 @@ class HardnessTask(GeometryTask):
     """Multiple-choice task: one vector per query, correctness from lm-eval's own ``acc`` (or ``acc_norm``)."""
 
     KIND = "hardness"
+    NEEDS_OUTPUT_TYPE = "multiple_choice"
+    GEOMETRY_METRICS = metrics.HARDNESS_METRICS
 
     def __init__(self, config: dict | None = None, **kwargs: Any):
         super().__init__(config=config, **kwargs)
-        if self.OUTPUT_TYPE != "multiple_choice":
-            raise RepgeomError(f"{type(self).__name__} needs output_type multiple_choice, got {self.OUTPUT_TYPE}")
         if self.multiple_input or self.multiple_target:
             raise RepgeomError(f"task {self.config.task}: multiple inputs or targets per document are not supported")
         if self.settings.correct not in self._metric_fn_list:
@@ -165,10 +187,9 @@ class HardnessTask(GeometryTask):
 
     def apply_filters(self):
         out = super().apply_filters()
-        self._finish_bank()
         # Every rank reaches the same decision here: the sums below are a collective, also for a rank with no
         # documents of its own.
-        if self._bypassed() or not self._geometry_metrics(metrics.HARDNESS_METRICS):
+        if self._bypassed() or not self._geometry_metrics(self.GEOMETRY_METRICS):
             return out
         by_doc: dict[int, list] = defaultdict(list)
         for inst in self._instances:
@@ -212,15 +233,11 @@ class HardnessTask(GeometryTask):
                                                          doc_ids[i], prompt_ppl[i])
         return out
 
-    def process_results(self, doc: dict, results: list) -> dict[str, Any]:
-        base = {**super().process_results(doc, results), **self._bank_items(results)}
-        wanted = self._geometry_metrics(metrics.HARDNESS_METRICS)
-        if self._bypassed() or not wanted:
-            return base
-        items = getattr(results[0], "repgeom_items", None)
+    def _document_items(self, results: list) -> dict[str, Any]:
+        items = getattr(results[0], "repgeom_items", None)  # put there by apply_filters
         if items is None:
             raise self._missing("this document")
-        return {**base, **{m: items[m] for m in wanted}}
+        return items
 
 
 class MMLUHardnessTask(HardnessTask):
@@ -253,29 +270,16 @@ class PerplexityGeometryTask(GeometryTask):
     """Rolling perplexity per document plus the dispersion of the document's token vectors."""
 
     KIND = "perplexity"
+    NEEDS_OUTPUT_TYPE = "loglikelihood_rolling"
+    GEOMETRY_METRICS = metrics.PERPLEXITY_METRICS
 
-    def __init__(self, config: dict | None = None, **kwargs: Any):
-        super().__init__(config=config, **kwargs)
-        if self.OUTPUT_TYPE != "loglikelihood_rolling":
-            raise RepgeomError(f"{type(self).__name__} needs output_type loglikelihood_rolling, got {self.OUTPUT_TYPE}")
-
-    def apply_filters(self):
-        out = super().apply_filters()
-        self._finish_bank()
-        return out
-
-    def process_results(self, doc: dict, results: list) -> dict[str, Any]:
-        base = {**super().process_results(doc, results), **self._bank_items(results)}
-        wanted = self._geometry_metrics(metrics.PERPLEXITY_METRICS)
-        if self._bypassed() or not wanted:
-            return base
+    def _document_items(self, results: list) -> dict[str, Any]:
         (loglikelihood,) = results
         sums = getattr(loglikelihood, "geometry", {}).get(self.read)
         if sums is None:
             raise self._missing("this document")
         n_tokens = max(1, int(getattr(loglikelihood, "n_tokens", 0) or 0))
-        items = metrics.document_items(math.exp(-float(loglikelihood) / n_tokens), sums.dispersion())
-        return {**base, **{m: items[m] for m in wanted}}
+        return metrics.document_items(math.exp(-float(loglikelihood) / n_tokens), sums.dispersion())
 
 
 session.install()
