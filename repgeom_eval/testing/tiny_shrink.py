@@ -72,6 +72,9 @@ _PERIODS = _names("""attn_layer_period expert_layer_period sliding_window_patter
     interleave_moe_layer_step layer_group_size""")
 _FIRST_K = _names("""attn_layer_offset expert_layer_offset first_k_dense_replace moe_layer_start_index
     num_dense_layers max_window_layers num_kv_shared_layers""")
+# counts that only need to stay small: each capped (the sets are disjoint)
+_CAPS = ((_EXPERTS, 4), (_TOP_K, 2), (_SHARED_EXPERTS, 1), (_EXPERT_GROUPS, 2), (frozenset({"topk_group"}), 1),
+         (_STATE, 8), (_CONV, 4), (_SSM_HEAD_DIM, 8), (_PERIODS, 2))
 # lists whose length may equal the depth by chance but that are no per-layer lists
 _NOT_PER_LAYER = _names("""time_step_limit eos_token_id begin_suppress_tokens suppress_tokens label_names langs
     languages upsampling_ratios target_bandwidths axial_pos_shape axial_pos_embds_dim""")
@@ -309,30 +312,15 @@ class Shrinker:
             return max(1, math.ceil(s.width / 16))
         if key.endswith("_rank") or key == "hc_lowrank":
             return min(v, 16)
-        if key in _EXPERTS:
-            return min(v, 4)
-        if key in _TOP_K:
-            return min(v, 2)
-        if key in _SHARED_EXPERTS:
-            return min(v, 1)
-        if key in _EXPERT_GROUPS:
-            return min(v, 2)
-        if key == "topk_group":
-            return min(v, 1)
-        if key in _STATE:
-            return min(v, 8)
-        if key in _CONV:
-            return min(v, 4)
+        cap = next((c for names, c in _CAPS if key in names), None)
+        if cap is not None:
+            return min(v, cap)
         if key in _SSM_GROUPS:
             return 1
-        if key in _SSM_HEAD_DIM:
-            return min(v, 8)
         if key in _WINDOWS:
             return min(v, 4) if v > 0 else v
         if key in _POSITIONS:
             return min(v, s.positions)
-        if key in _PERIODS:
-            return min(v, 2)
         if key.endswith("_offset") and is_int(orig.get(key[:-len("offset")] + "period")):
             return v % min(orig[key[:-len("offset")] + "period"], 2)  # the same phase of the shrunk period
         if key in _FIRST_K:
