@@ -22,7 +22,6 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, load_documents, tokenize_documents
 from .knn_keys import last_token_vectors
+from .series import series_labels
 from repgeom_eval.analyses.configs import ClustersConfig
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request
@@ -98,11 +98,6 @@ def cluster_distances(vectors: Sequence[torch.Tensor]) -> dict[str, Any]:
             "ratio": between / mean_within if mean_within > 0 else float("nan"), "per_cluster_within": within}
 
 
-def _label(model: str | LoadedModel) -> str:
-    name = model.info.name if isinstance(model, LoadedModel) else str(model)
-    return Path(name.rstrip("/")).name or name
-
-
 def clusters(
     models: Sequence[str | LoadedModel],
     data: Any,
@@ -125,9 +120,7 @@ def clusters(
     if not models:
         raise RepgeomError("give at least one model")
     docs, data_path = load_documents(data, text_field)
-    labels = [_label(m) for m in models]
-    if len(set(labels)) != len(labels):
-        labels = [f"{i + 1}:{lab}" for i, lab in enumerate(labels)]
+    labels = series_labels(models)
     found: list[Cluster] | None = None
     first_tok = None
     per_model: dict[str, Any] = {}

@@ -21,15 +21,11 @@ from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.modeling.loading import LoadedModel
 from repgeom_eval.analyses.configs import CondensationConfig
 from repgeom_eval.analyses.envelope import AnalysisResult
+from repgeom_eval.analyses.series import series_labels
 
 KIND = "condensation"
 _DEFAULTS = CondensationConfig()  # the defaults under their earlier names (declared once, in the configuration)
 DEFAULT_MAX_LENGTH = _DEFAULTS.max_length
-
-
-def _label(model: str | LoadedModel) -> str:
-    name = model.info.name if isinstance(model, LoadedModel) else str(model)
-    return Path(name.rstrip("/")).name or name
 
 
 def condensation(
@@ -64,9 +60,7 @@ def condensation(
         if n_texts < 1:
             raise RepgeomError(f"--n-texts must be positive, got {n_texts}")
         texts = texts[:n_texts]
-    labels = [_label(m) for m in models]
-    if len(set(labels)) != len(labels):  # two checkpoints named alike: number them
-        labels = [f"{i + 1}:{lab}" for i, lab in enumerate(labels)]
+    labels = series_labels(models)
     per_model: dict[str, Any] = {}
     infos, timings = [], {}
     for label, model in zip(labels, models):

@@ -49,6 +49,23 @@ def outside_legend(ax: Any, fontsize: int = 7) -> None:
         ax.legend(fontsize=fontsize, loc="best", framealpha=0.8)
 
 
+def finish_axes(ax: Any, xlabel: str | None, ylabel: str, legend_fontsize: int = 7) -> None:
+    """How every line and scatter panel ends: its axis labels (no ``xlabel``: the tick labels say it), a light grid
+    and the legend outside."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    outside_legend(ax, fontsize=legend_fontsize)
+
+
+def titled(fig: Any, title: str) -> Any:
+    """``fig`` under its title, laid out: how every figure with several panels ends."""
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _model_name(result: dict[str, Any]) -> str:
     name = (result.get("model") or {}).get("name", "")
     return Path(str(name)).name
@@ -92,16 +109,11 @@ def figure_ppl_vs_dispersion(result: dict[str, Any], layers: Sequence[str] | Non
             ax.scatter([g["mean_ppl"] for g in r["groups"]], [g["dispersion"][addr] for g in r["groups"]], s=14,
                        alpha=0.7, color=f"C{k}",
                        label=f"{s}: r={_nan(cs['pearson']):.2f}, ρ={_nan(cs['spearman']):.2f}")
-        ax.set_xlabel("group mean perplexity")
-        ax.set_ylabel("group mean token dispersion")
         ax.set_title(addr)
-        ax.grid(alpha=0.3)
-        outside_legend(ax, fontsize=7)
+        finish_axes(ax, "group mean perplexity", "group mean token dispersion")
     cfg = result.get("config", {})
-    fig.suptitle(f"{_model_name(result)}: perplexity vs dispersion "
-                 f"(chunks of {cfg.get('chunk_len')} tokens, groups of {cfg.get('group_size')})", fontsize=10)
-    fig.tight_layout()
-    return fig
+    return titled(fig, f"{_model_name(result)}: perplexity vs dispersion "
+                       f"(chunks of {cfg.get('chunk_len')} tokens, groups of {cfg.get('group_size')})")
 
 
 def figure_correlation_vs_depth(result: dict[str, Any]) -> Any:
@@ -124,9 +136,7 @@ def figure_correlation_vs_depth(result: dict[str, Any]) -> Any:
     ax.set_ylim(-1.05, 1.05)
     ax.set_xticks(xs)
     ax.set_xticklabels(layers, rotation=70, fontsize=7)
-    ax.set_ylabel("corr(perplexity, dispersion)")
-    ax.grid(alpha=0.3)
-    outside_legend(ax, fontsize=7)
+    finish_axes(ax, None, "corr(perplexity, dispersion)")
     ax.set_title(f"{_model_name(result)}: correlation by depth", fontsize=10)
     fig.tight_layout()
     return fig
@@ -147,10 +157,7 @@ def figure_knn_keys(result: dict[str, Any]) -> Any:
     ax.set_xscale("log")
     ax.set_xticks(sorted({r["N"] for r in res["table"]}))
     ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("chunks per sample (N)")
-    ax.set_ylabel("dispersion of last-token keys")
-    ax.grid(alpha=0.3)
-    outside_legend(ax, fontsize=8)
+    finish_axes(ax, "chunks per sample (N)", "dispersion of last-token keys", legend_fontsize=8)
     ax.set_title(f"{_model_name(result)}: kNN-LM key candidates "
                  f"({result.get('config', {}).get('n_seeds')} seeds)", fontsize=10)
     fig.tight_layout()
@@ -186,14 +193,9 @@ def figure_condensation(result: dict[str, Any]) -> Any:
     for k, (label, m) in enumerate(models.items()):
         ax.plot(m["relative_depth"], [_nan(v) for v in m["mean_cosine"]], marker="o", ms=3, color=f"C{k}",
                 label=f"{label}: ρ={_nan(m['spearman']):.2f}, τ={_nan(m['kendall']):.2f}")
-    ax.set_xlabel("relative depth (layer index / L)")
-    ax.set_ylabel("mean token cosine")
-    ax.grid(alpha=0.3)
-    outside_legend(ax, fontsize=7)
-    fig.suptitle(f"embedding condensation by depth ({result.get('data', {}).get('n_texts')} texts, "
-                 f"≤ {result.get('config', {}).get('max_length')} tokens each)", fontsize=10)
-    fig.tight_layout()
-    return fig
+    finish_axes(ax, "relative depth (layer index / L)", "mean token cosine")
+    return titled(fig, f"embedding condensation by depth ({result.get('data', {}).get('n_texts')} texts, "
+                       f"≤ {result.get('config', {}).get('max_length')} tokens each)")
 
 
 # -- clusters ---------------------------------------------------------------------------------------------------
@@ -209,10 +211,7 @@ def figure_clusters(result: dict[str, Any]) -> Any:
         for ax, key in zip(axes[0], ("within", "between")):
             ax.plot(m["relative_depth"], [_nan(v) for v in m[key]], marker="o", ms=3, color=f"C{k}", label=label)
     for ax, key in zip(axes[0], ("within-cluster", "between-cluster")):
-        ax.set_xlabel("relative depth (layer index / L)")
-        ax.set_ylabel(f"{key} cosine distance")
-        ax.grid(alpha=0.3)
-        outside_legend(ax, fontsize=7)
+        finish_axes(ax, "relative depth (layer index / L)", f"{key} cosine distance")
     if series:
         ax = axes[0, 2]
         xs = list(range(len(models)))
@@ -220,14 +219,10 @@ def figure_clusters(result: dict[str, Any]) -> Any:
         ax.plot(xs, [_nan(m["between"][-1]) for m in models.values()], marker="s", label="between")
         ax.set_xticks(xs)
         ax.set_xticklabels(list(models), rotation=30, fontsize=7)
-        ax.set_ylabel(f"distance at {next(iter(models.values()))['layers'][-1]}")
-        ax.grid(alpha=0.3)
-        outside_legend(ax, fontsize=7)
+        finish_axes(ax, None, f"distance at {next(iter(models.values()))['layers'][-1]}")
     cfg = result.get("config", {})
-    fig.suptitle(f"{len(result['results']['clusters'])} clusters of contexts sharing a {cfg.get('ngram')}-gram "
-                 f"continuation ({cfg.get('context_len')}-token contexts)", fontsize=10)
-    fig.tight_layout()
-    return fig
+    return titled(fig, f"{len(result['results']['clusters'])} clusters of contexts sharing a {cfg.get('ngram')}-gram "
+                       f"continuation ({cfg.get('context_len')}-token contexts)")
 
 
 # -- perturb ----------------------------------------------------------------------------------------------------
@@ -255,10 +250,8 @@ def figure_perturb(result: dict[str, Any]) -> Any:
     axes[1, 0].set_ylabel("token dispersion")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{_model_name(result)}: prompt perturbations ({result.get('data', {}).get('n_prompts')} prompts)",
-                 fontsize=10)
-    fig.tight_layout()
-    return fig
+    return titled(fig, f"{_model_name(result)}: prompt perturbations ({result.get('data', {}).get('n_prompts')} "
+                       "prompts)")
 
 
 def label_points(ax: Any, xs: Sequence[float], ys: Sequence[float], labels: Sequence[str], fontsize: int = 7) -> int:
