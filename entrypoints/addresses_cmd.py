@@ -22,8 +22,7 @@ class AddressesCommand(ModelGroup, LayersGroup, JsonGroup):
                                                      "address) as JSON")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    AddressesCommand.add_arguments(p)
+configure = AddressesCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:

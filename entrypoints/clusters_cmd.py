@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import ClustersConfig
 from repgeom_eval.spec.option_fields import option_like
 from repgeom_eval.modeling.option_groups import DataGroup, ModelsGroup, PlotsGroup
 
-from .common import run_analysis, say_written, wide_console
+from .common import run_configured, say_written, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,8 +20,7 @@ class ClustersCommand(ModelsGroup, DataGroup, ClustersConfig, PlotsGroup):
                                          "a tokenizer (measured on the same contexts)")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    ClustersCommand.add_arguments(p)
+configure = ClustersCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,11 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.analyses.plots import figure_clusters
     from repgeom_eval.output.console import fmt_number
 
-    cfg = ClustersCommand.from_args(args)
-    result, figures = run_analysis(
-        cfg, lambda: clusters(list(cfg.model), cfg.data, ClustersConfig.of(cfg, layers=cfg.layer_request),
-                             model_options=ModelOptions.of(cfg)),
-        "clusters", {"": figure_clusters})
+    cfg, result, figures = run_configured(ClustersCommand, args, clusters, ClustersConfig,
+                                          "clusters", {"": figure_clusters}, layers=True)
     console = wide_console()
     res = result.results
     table = Table(title=escape(f"{len(res['clusters'])} clusters · {result.data['n_contexts']} contexts · "

@@ -88,6 +88,24 @@ def run_analysis(cfg: Any, compute: Any, default_stem: str, figures: dict[str, A
     return result, files
 
 
+def run_configured(command: type, args: Any, analysis: Any, config: type, default_stem: str,
+                   figures: dict[str, Any] | None = None, *, layers: bool = False) -> tuple[Any, Any, list[Path]]:
+    """An analysis command up to its printout: its options (``command``) from ``args``, then :func:`run_analysis` of
+    ``analysis(model, data, configuration, model_options=...)``, each read from those options (a series of models
+    as a list; the configuration: the fields of ``config``, with ``layers`` the layer request as the analyses take
+    it). Returns the options, the result and the figure files."""
+    from repgeom_eval.modeling.option_groups import ModelsGroup
+    from repgeom_eval.modeling.options import ModelOptions
+
+    cfg = command.from_args(args)
+    model = list(cfg.model) if isinstance(cfg, ModelsGroup) else cfg.model
+    fields = {"layers": cfg.layer_request} if layers else {}
+    result, files = run_analysis(
+        cfg, lambda: analysis(model, cfg.data, config.of(cfg, **fields), model_options=ModelOptions.of(cfg)),
+        default_stem, figures)
+    return cfg, result, files
+
+
 def say_written(console: Any, cfg: Any, figures: list[Path]) -> None:
     """The files an analysis command wrote: its figures, then its results."""
     from rich.markup import escape

@@ -30,8 +30,7 @@ class CompareCommand(Options):
         super().__post_init__()
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    CompareCommand.add_arguments(p)
+configure = CompareCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:

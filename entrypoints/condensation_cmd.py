@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import CondensationConfig
 from repgeom_eval.modeling.option_groups import DataGroup, ModelsGroup, PlotsGroup
 
-from .common import run_analysis, say_written, wide_console
+from .common import run_configured, say_written, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,8 +16,7 @@ class CondensationCommand(ModelsGroup, DataGroup, CondensationConfig, PlotsGroup
     """Every option of ``repgeom condensation``: models, texts, the analysis (CondensationConfig), outputs."""
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    CondensationCommand.add_arguments(p)
+configure = CondensationCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,11 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.analyses.plots import figure_condensation
     from repgeom_eval.output.console import fmt_number
 
-    cfg = CondensationCommand.from_args(args)
-    result, figures = run_analysis(
-        cfg, lambda: condensation(list(cfg.model), cfg.data, CondensationConfig.of(cfg, layers=cfg.layer_request),
-                                 model_options=ModelOptions.of(cfg)),
-        "condensation", {"": figure_condensation})
+    cfg, result, figures = run_configured(CondensationCommand, args, condensation, CondensationConfig,
+                                          "condensation", {"": figure_condensation}, layers=True)
     console = wide_console()
     table = Table(title=escape(f"embedding condensation · {result.data['n_texts']} texts · mean token cosine"))
     table.add_column("model", style="bold")

@@ -42,8 +42,7 @@ class DemoCommand(Options):
                                 help="only step 1, the dispersion profile")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    DemoCommand.add_arguments(p)
+configure = DemoCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,8 +31,7 @@ class GapCommand(GapConfig, OutputGroup, JsonGroup):
                                      "model,accuracy): prints the Spearman correlation between G and accuracy")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    GapCommand.add_arguments(p)
+configure = GapCommand.add_arguments
 
 
 # -- --scores ---------------------------------------------------------------------------------------------------

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import KnnKeysConfig
 from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
 
-from .common import run_analysis, say_written, wide_console
+from .common import run_configured, say_written, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,8 +16,7 @@ class KnnKeysCommand(ModelGroup, DataGroup, KnnKeysConfig, PlotsGroup):
     """Every option of ``repgeom knn-keys``: model, corpus, the analysis (KnnKeysConfig) and its outputs."""
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    KnnKeysCommand.add_arguments(p)
+configure = KnnKeysCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,10 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.analyses.knn_keys import knn_keys
     from repgeom_eval.analyses.plots import figure_knn_keys
 
-    cfg = KnnKeysCommand.from_args(args)
-    result, figures = run_analysis(
-        cfg, lambda: knn_keys(cfg.model, cfg.data, KnnKeysConfig.of(cfg), model_options=ModelOptions.of(cfg)),
-        "knn_keys", {"": figure_knn_keys})
+    cfg, result, figures = run_configured(KnnKeysCommand, args, knn_keys, KnnKeysConfig,
+                                          "knn_keys", {"": figure_knn_keys})
     res = result.results
     ns = result.config["ns"]
     console = wide_console()

@@ -24,8 +24,7 @@ class KnnlmCommand(ModelGroup, KnnlmConfig, OutputGroup):
                        help="held-out text to measure perplexity on")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    KnnlmCommand.add_arguments(p)
+configure = KnnlmCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.analyses.configs import PerturbConfig
 from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
 
-from .common import run_analysis, say_written, wide_console
+from .common import run_configured, say_written, wide_console
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,8 +16,7 @@ class PerturbCommand(ModelGroup, DataGroup, PerturbConfig, PlotsGroup):
     """Every option of ``repgeom perturb``: model, texts, the analysis (PerturbConfig) and its outputs."""
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    PerturbCommand.add_arguments(p)
+configure = PerturbCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,11 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from repgeom_eval.analyses.plots import figure_perturb
     from repgeom_eval.output.console import fmt_number
 
-    cfg = PerturbCommand.from_args(args)
-    result, figures = run_analysis(
-        cfg, lambda: perturb(cfg.model, cfg.data, PerturbConfig.of(cfg, layers=cfg.layer_request),
-                            model_options=ModelOptions.of(cfg)),
-        "perturb", {"": figure_perturb})
+    cfg, result, figures = run_configured(PerturbCommand, args, perturb, PerturbConfig,
+                                          "perturb", {"": figure_perturb}, layers=True)
     res = result.results
     last = res["layers"][-1]
     console = wide_console()

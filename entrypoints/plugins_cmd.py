@@ -20,8 +20,7 @@ class PluginsCommand(JsonGroup):
                                                    "token_set, command, plugin)")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    PluginsCommand.add_arguments(p)
+configure = PluginsCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:

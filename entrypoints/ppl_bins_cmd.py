@@ -21,8 +21,7 @@ class PplBinsCommand(ModelGroup, DataGroup, PplBinsConfig, PlotsGroup):
                             "line, or .txt with one document per line")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    PplBinsCommand.add_arguments(p)
+configure = PplBinsCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,8 +20,7 @@ class ReportCommand(Options):
     title: str = option("repgeom-eval report", "--title", help="page title")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    ReportCommand.add_arguments(p)
+configure = ReportCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:

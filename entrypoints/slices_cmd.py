@@ -44,8 +44,7 @@ class SlicesCommand(SlicesConfig, OutputGroup, JsonGroup):
     plot: str | None = option(None, "--plot", writes="file", metavar="PNG", config=False, help="plot of the slice curves")
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    SlicesCommand.add_arguments(p)
+configure = SlicesCommand.add_arguments
 
 
 def run(args: argparse.Namespace) -> int:
