@@ -114,32 +114,14 @@ def run(args: argparse.Namespace) -> int:
 
 def dry_run(cfg: MeasureCommand) -> None:
     """``--dry-run``: the memory estimate of one model's run (repgeom_eval/measurement/estimate.py)."""
-    from repgeom_eval.measurement.estimate import estimate, human
+    from repgeom_eval.measurement.estimate import estimate, render
 
     config = RunConfig.of(cfg, per_text=bool(cfg.per_text_path))
     est = estimate(cfg.model, config, ModelOptions.of(cfg))
     if cfg.json:
         print(json.dumps(est.to_dict(), indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    doc = est.to_dict()
-    table = Table(title=f"{cfg.model}: {est.model_type}, {est.n_layers} blocks × width {est.width}, {est.dtype} on "
-                        f"{est.device}; {est.n_addresses} address(es)")
-    for col in ("state", "lives on", "per address", "+ per 1,000 texts", "addresses", "total"):
-        table.add_column(col, justify="left" if col in ("state", "lives on") else "right")
-    for name, row in doc["metrics"].items():
-        table.add_row(name, row["device"], human(row["fixed_bytes_per_address"]),
-                      human(row["per_1000_texts_bytes_per_address"]), str(row["addresses"]),
-                      human(row["fixed_bytes_per_address"] * row["addresses"]))
-    console = Console()
-    console.print(table)
-    console.print(f"metric states: {human(est.state_bytes)} + {human(est.per_1000_texts_bytes)} per 1,000 texts; "
-                  f"weights: {human(est.weights_bytes)}; captured hidden states per batch: "
-                  f"{human(est.batch_hidden_bytes)}")
-    for note in est.notes:
-        console.print(f"note: {note}")
+    render(est)
 
 
 def _check_budget(cfg: MeasureCommand) -> None:

@@ -123,6 +123,10 @@ class MtebRunCommand(ModelGroup):
     num_proc: int | None = option(None, "--num-proc", type=int, help="processes for dataset loading")
     co2_tracker: bool = option(False, "--co2-tracker", action="store_true",
                                help="track CO2 with codecarbon (if installed)")
+    dry_run: bool = option(False, "--dry-run", action="store_true", key=False, config=False,
+                           help="print the memory the sweep will hold (the --metrics states at every layer, each "
+                                "task's embeddings per 1,000 texts, the device of each, the weights) from the "
+                                "model's config alone, and stop (as repgeom measure --dry-run)")
     summary: bool = option(True, "--no-summary", action="store_false",
                            help="do not write repgeom_summary.{csv,md,png} into the output folder afterwards")
     progress: str = option_like(RunGroup, "progress")
@@ -265,6 +269,8 @@ def _run(cfg: MtebRunCommand) -> int:
         make_pick(cfg.layer_pick, cfg.layer_pick_params)  # an unknown rule or parameter: before tasks and model
     else:
         _named(check_request_syntax, sweep.layers, get_host().layer_selectors.names())  # before tasks and model
+    if cfg.dry_run:
+        return _dry_run(cfg, sweep)
     if cfg.preprocess_stats and not Path(cfg.preprocess_stats).is_file():
         raise RepgeomError(f"preprocess statistics file {cfg.preprocess_stats!r} does not exist")
     out = check_creatable_dir(cfg.output_folder, "--output-folder")
@@ -313,6 +319,28 @@ def _run(cfg: MtebRunCommand) -> int:
         paths = written["paths"]
         console.print(f"summary: {paths['csv']}, {paths['markdown']}"
                       + (f", {len(paths['plots'])} plot(s)" if paths["plots"] else ""))
+    return 0
+
+
+def _dry_run(cfg: MtebRunCommand, sweep: object) -> int:
+    """``--dry-run``: the sweep's memory from the model's config, as ``repgeom measure --dry-run`` prints it, plus
+    the embeddings a task keeps at every layer until mteb scores them (repgeom_eval/measurement/estimate.py)."""
+    from types import SimpleNamespace
+
+    from repgeom_eval.measurement.estimate import add_kept_vectors, estimate, render
+    from repgeom_eval.modeling.options import ModelOptions
+
+    layers = "all" if sweep.layers.auto else sweep.layers.items  # auto reads every hidden state to pick one
+    # what estimate() reads of a measure run; not a RunConfig, which refuses a run without metrics (a sweep has none
+    # unless --metrics asks: its geometry columns are computed from the embeddings)
+    run = SimpleNamespace(layers=layers, metrics=tuple(sweep.metrics or ()),
+                          metric_params=dict(sweep.metric_params or {}), per_text=False, pooling=None, state_device="model", batch_size=sweep.batch_size,
+                          max_length=sweep.max_length, dtype=sweep.dtype, device=sweep.device)
+    est = add_kept_vectors(estimate(cfg.model, run, ModelOptions.of(cfg), energy=False), "(task embeddings, float32)")
+    est.notes.append("a task keeps its texts' embeddings at every address until mteb scores it (per 1,000 distinct "
+                     "texts of the task); the geometry beside each score (dataset entropy, dispersion, effective "
+                     "rank) is computed from them one address at a time")
+    render(est)
     return 0
 
 

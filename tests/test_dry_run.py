@@ -90,3 +90,21 @@ def test_sizes_parse(text, expected):
     from repgeom_eval.measurement.estimate import parse_size
 
     assert parse_size(text) == expected
+
+
+def test_mteb_run_dry_run_states_the_sweep_memory_from_the_config_alone(tmp_path, capsys):
+    """``repgeom mteb run --dry-run`` (issue 32, item 1): no tasks resolved, no weights read; every layer's --metrics
+    states and the embeddings a task keeps at each layer (float32, host memory, per 1,000 texts) at 8B's shape."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path / "llama-8b")
+    model = str(tmp_path / "llama-8b")
+    assert main(["mteb", "run", "-m", model, "--layer", "auto", "--metrics", "effective_rank", "--dry-run"]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "33 address(es)" in out  # auto reads every hidden state
+    assert "(task embeddings, float32) cpu 0 B 15.6 MiB 33" in out  # 1000 × 4096 × 4 bytes at each address
+    assert "effective_rank" in out and "256.0 MiB" in out  # its Gram (and fold buffer) per address
+    assert main(["mteb", "run", "-m", model, "--layer", "resid_post:[0,1]", "--dry-run"]) == 0
+    assert "2 address(es)" in capsys.readouterr().out
+    assert not list(tmp_path.glob("llama-8b/*.safetensors")) and not (tmp_path / "results").exists()

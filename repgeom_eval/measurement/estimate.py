@@ -119,9 +119,9 @@ def _first(config: Any, *names: str) -> int | None:
 
 
 def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_size: int | None = None,
-             max_length: int | None = None) -> MemoryEstimate:
+             max_length: int | None = None, energy: bool = True) -> MemoryEstimate:
     """The memory of ``measure(model, ..., run)`` (a :class:`~repgeom_eval.measurement.config.RunConfig`) from the
-    model's config: no weights are read."""
+    model's config: no weights are read. ``energy``: count ``measure``'s per-address energy diagnostic."""
     import torch
     from transformers import AutoConfig
 
@@ -153,7 +153,7 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
                      n_hidden_states=n_layers + 1)
     addresses = [str(a) for a in parse_request(run.layers, info, host)]
     specs = instantiate_metrics(run.metrics, host, run.metric_params, run.per_text, run.pooling)
-    energy_cls = energy_metric(host)
+    energy_cls = energy_metric(host) if energy else None
     per_address: dict[str, list[StateEstimate]] = {}
     notes = [f"every address at the config's width {width}; hidden states = layers + 1 = {n_layers + 1}"]
     pairs = [(spec, spec.new()) for spec in specs]
@@ -242,6 +242,38 @@ def count_texts(data: str) -> int | None:
         return None
     with open(data, "rb") as fh:
         return sum(1 for line in fh if line.strip())
+
+
+def add_kept_vectors(est: MemoryEstimate, label: str, itemsize: int = 4, device: str = "cpu") -> MemoryEstimate:
+    """Count, at every address, vectors a command keeps per text beside the metric states (``mteb run`` keeps each
+    task's embeddings of every layer until the task is scored): one row of ``width × itemsize`` bytes a text."""
+    for states in est.per_address.values():
+        states.append(StateEstimate(label, 0, 1000 * est.width * itemsize, device))
+    return est
+
+
+def render(est: MemoryEstimate, console: Any = None) -> None:
+    """Print an estimate as ``--dry-run`` shows it: one row a state (its device, its bytes per address and per
+    1,000 texts, the total), then the totals, the weights, one batch's captured hidden states and the notes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    doc = est.to_dict()
+    table = Table(title=f"{est.model}: {est.model_type}, {est.n_layers} blocks × width {est.width}, {est.dtype} on "
+                        f"{est.device}; {est.n_addresses} address(es)")
+    for col in ("state", "lives on", "per address", "+ per 1,000 texts", "addresses", "total"):
+        table.add_column(col, justify="left" if col in ("state", "lives on") else "right")
+    for name, row in doc["metrics"].items():
+        table.add_row(name, row["device"], human(row["fixed_bytes_per_address"]),
+                      human(row["per_1000_texts_bytes_per_address"]), str(row["addresses"]),
+                      human(row["fixed_bytes_per_address"] * row["addresses"]))
+    console = console or Console(width=max(Console().width, 120))  # a state's name cut to "(task…" says nothing
+    console.print(table)
+    console.print(f"metric states: {human(est.state_bytes)} + {human(est.per_1000_texts_bytes)} per 1,000 texts; "
+                  f"weights: {human(est.weights_bytes)}; captured hidden states per batch: "
+                  f"{human(est.batch_hidden_bytes)}")
+    for note in est.notes:
+        console.print(f"note: {note}")
 
 
 def human(n: int | None) -> str:
