@@ -41,32 +41,29 @@ def condensation(
     result (``results["models"][label]``: layers, mean cosine, histogram densities, ρ, τ).
     The options: a :class:`~repgeom_eval.analyses.configs.CondensationConfig`, or its fields as keywords."""
     cfg = CondensationConfig.build(config, options)
-    (layers, bins, eps, max_length, n_texts, text_field, batch_size, dtype, device, progress) = (
-        cfg.layers, cfg.bins, cfg.eps, cfg.max_length, cfg.n_texts, cfg.text_field, cfg.batch_size, cfg.dtype,
-        cfg.device, cfg.progress)
     from repgeom_eval.measurement.engine import measure
 
     t_start = time.perf_counter()
     if not models:
         raise RepgeomError("give at least one model")
-    if not (isinstance(bins, int) and bins >= 1):
-        raise RepgeomError(f"bins must be a positive integer, got {bins!r}")
+    if not (isinstance(cfg.bins, int) and cfg.bins >= 1):
+        raise RepgeomError(f"bins must be a positive integer, got {cfg.bins!r}")
     from repgeom_eval.measurement.texts import from_texts, load_texts
 
-    textset = load_texts(data, text_field=text_field) if isinstance(data, (str, Path)) else (
+    textset = load_texts(data, text_field=cfg.text_field) if isinstance(data, (str, Path)) else (
         data if hasattr(data, "texts") else from_texts(list(data)))
     texts = list(textset.texts)
-    if n_texts is not None:
-        if n_texts < 1:
-            raise RepgeomError(f"--n-texts must be positive, got {n_texts}")
-        texts = texts[:n_texts]
+    if cfg.n_texts is not None:
+        if cfg.n_texts < 1:
+            raise RepgeomError(f"--n-texts must be positive, got {cfg.n_texts}")
+        texts = texts[:cfg.n_texts]
     labels = series_labels(models)
     per_model: dict[str, Any] = {}
     infos, timings = [], {}
     for label, model in zip(labels, models):
-        r = measure(model, texts, layers=layers, metrics=["condensation"], batch_size=batch_size,
-                    max_length=max_length, dtype=dtype, device=device, progress=progress,
-                    metric_params={"condensation": {"bins": bins, "eps": eps}}, model_options=model_options)
+        r = measure(model, texts, layers=cfg.layers, metrics=["condensation"], batch_size=cfg.batch_size,
+                    max_length=cfg.max_length, dtype=cfg.dtype, device=cfg.device, progress=cfg.progress,
+                    metric_params={"condensation": {"bins": cfg.bins, "eps": cfg.eps}}, model_options=model_options)
         addrs = list(r.results)
         values = [r.results[a]["condensation"] for a in addrs]
         summary = r.summary.get("condensation") or {}
@@ -90,7 +87,7 @@ def condensation(
     from ..functional.condensation import histogram_edges
 
     result = AnalysisResult(KIND, config={}, results={}, models=infos)
-    result.results = {"edges": [round(e, 9) for e in histogram_edges(bins).tolist()], "models": per_model}
+    result.results = {"edges": [round(e, 9) for e in histogram_edges(cfg.bins).tolist()], "models": per_model}
     result.data = {"n_texts": len(texts), "path": textset.source}
     result.config = cfg.config_block({
         "statistic": "mean of all S² cosines per text (diagonal included), averaged over texts",

@@ -87,21 +87,19 @@ def knn_keys(
     """Dispersion of last-token vectors at each candidate address; returns the ``knn-keys`` result.
     The options: a :class:`~repgeom_eval.analyses.configs.KnnKeysConfig`, or its fields as keywords."""
     cfg = KnnKeysConfig.build(config, options)
-    (candidates, ns, n_seeds, seed, chunk_len, packing, text_field, batch_size, dtype, device, progress) = (
-        cfg.candidates, cfg.ns, cfg.n_seeds, cfg.seed, cfg.chunk_len, cfg.packing, cfg.text_field, cfg.batch_size,
-        cfg.dtype, cfg.device, cfg.progress)
     t_start = time.perf_counter()
-    ns = sorted({int(n) for n in ns})
-    if not ns or ns[0] < 2:
-        raise RepgeomError(f"sample sizes must be at least 2 (dispersion is a mean over pairs), got {list(ns)}")
-    docs, data_path = load_documents(data, text_field, source_field="source")
+    sample_sizes = sorted({int(n) for n in cfg.ns})
+    if not sample_sizes or sample_sizes[0] < 2:
+        raise RepgeomError(
+            f"sample sizes must be at least 2 (dispersion is a mean over pairs), got {list(sample_sizes)}")
+    docs, data_path = load_documents(data, cfg.text_field, source_field="source")
     t0 = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else load_model(
-        model, dtype=dtype, device=device, options=model_options)
+        model, dtype=cfg.dtype, device=cfg.device, options=model_options)
     t_load = time.perf_counter() - t0
-    check_context(chunk_len, loaded.info.max_positions)
+    check_context(cfg.chunk_len, loaded.info.max_positions)
     addrs = []
-    for c in candidates:  # keep the user's order; each must exist on this model
+    for c in cfg.candidates:  # keep the user's order; each must exist on this model
         for a in list(resolve_request(c, loaded).addresses):
             if a not in addrs:
                 addrs.append(a)
@@ -109,28 +107,28 @@ def knn_keys(
     if len(addrs) < 1:
         raise RepgeomError("no candidate address given")
 
-    chunks = corpus_chunks(loaded.tokenizer, docs, chunk_len, packing)
-    if len(chunks) < ns[-1]:
-        raise RepgeomError(f"corpus too small: {len(chunks)} chunk(s) of {chunk_len} tokens, but N = {ns[-1]} "
-                           f"needs at least {ns[-1]} distinct chunks; give more text, lower --chunk-len, or pass "
-                           f"smaller --n values")
-    samples = seeded_samples(len(chunks), ns, n_seeds, seed)
+    chunks = corpus_chunks(loaded.tokenizer, docs, cfg.chunk_len, cfg.packing)
+    if len(chunks) < sample_sizes[-1]:
+        raise RepgeomError(f"corpus too small: {len(chunks)} chunk(s) of {cfg.chunk_len} tokens, but "
+                           f"N = {sample_sizes[-1]} needs at least {sample_sizes[-1]} distinct chunks; give more "
+                           f"text, lower --chunk-len, or pass smaller --n values")
+    samples = seeded_samples(len(chunks), sample_sizes, cfg.n_seeds, cfg.seed)
     needed = sorted({i for idx in samples.values() for i in idx})
     position = {i: k for k, i in enumerate(needed)}
     t0 = time.perf_counter()
-    vectors = last_token_vectors(loaded, [chunks[i] for i in needed], addrs, batch_size, progress)
+    vectors = last_token_vectors(loaded, [chunks[i] for i in needed], addrs, cfg.batch_size, cfg.progress)
     t_forward = time.perf_counter() - t0
 
     table, means = [], {}
     for a, name in zip(addrs, names):
-        for n in ns:
+        for n in sample_sizes:
             values = [float(dispersion(vectors[a][[position[i] for i in samples[(n, s)]]]))
-                      for s in range(n_seeds)]
+                      for s in range(cfg.n_seeds)]
             mean, std = mean_std(values)
             means[(name, n)] = mean
             table.append({"address": name, "N": n, "mean": mean, "std": std, "values": values})
-    ranking = {str(n): sorted(names, key=lambda a: -means[(a, n)]) for n in ns}
-    recommended = ranking[str(ns[-1])][0]
+    ranking = {str(n): sorted(names, key=lambda a: -means[(a, n)]) for n in sample_sizes}
+    recommended = ranking[str(sample_sizes[-1])][0]
     consistent = len({r[0] for r in ranking.values()}) == 1
     result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
     result.results = {"candidates": names, "table": table, "ranking": ranking, "recommended": recommended,
@@ -138,13 +136,15 @@ def knn_keys(
     last = loaded.info.n_layers - 1
     mid, post = f"resid_mid:{last}", f"resid_post:{last}"
     if mid in names and post in names:
-        result.results["resid_mid_more_dispersed"] = {str(n): means[(mid, n)] > means[(post, n)] for n in ns}
+        result.results["resid_mid_more_dispersed"] = {str(n): means[(mid, n)] > means[(post, n)] for n in sample_sizes}
     if not consistent:
         result.warn("the most dispersed candidate changes with N: " +
                     ", ".join(f"N={n}: {r[0]}" for n, r in ranking.items()))
-    result.data = {"path": data_path, "packing": packing, **describe(chunks, docs), "n_chunks_forwarded": len(needed)}
+    result.data = {"path": data_path, "packing": cfg.packing, **describe(chunks, docs),
+                   "n_chunks_forwarded": len(needed)}
     result.config = cfg.config_block({
-        "candidates": names, "ns": ns, "vector": "last token of each chunk", "std": "population (ddof=0) over seeds",
+        "candidates": names, "ns": sample_sizes, "vector": "last token of each chunk",
+        "std": "population (ddof=0) over seeds",
         "sampling": "seed s: first N of a permutation drawn with random.Random(seed + s)", "dtype": loaded.info.dtype,
         "device": str(loaded.device)})
     result.timings = {"load_model_s": t_load, "forward_s": t_forward, "total_s": time.perf_counter() - t_start}

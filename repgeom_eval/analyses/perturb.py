@@ -96,43 +96,41 @@ def perturb(
     """Run the requested ``sweeps`` and return the ``perturb`` result (per sweep: values × addresses tables).
     The options: a :class:`~repgeom_eval.analyses.configs.PerturbConfig`, or its fields as keywords."""
     cfg = PerturbConfig.build(config, options)
-    (layers, sweeps, ps, lengths, n_prompts, seed, text_field, batch_size, dtype, device, progress) = (
-        cfg.layers, cfg.sweeps, cfg.ps, cfg.lengths, cfg.n_prompts, cfg.seed, cfg.text_field, cfg.batch_size,
-        cfg.dtype, cfg.device, cfg.progress)
     t_start = time.perf_counter()
-    unknown = [s for s in sweeps if s not in SWEEPS]
-    if unknown or not sweeps:
+    unknown = [s for s in cfg.sweeps if s not in SWEEPS]
+    if unknown or not cfg.sweeps:
         raise RepgeomError(f"unknown sweep(s) {', '.join(unknown) or '(none given)'} (valid: {', '.join(SWEEPS)})")
-    ps = [float(p) for p in ps]
-    if any(not 0.0 <= p <= 1.0 for p in ps):
-        raise RepgeomError(f"probabilities must lie in [0, 1], got {ps}")
-    lengths = sorted({int(n) for n in lengths})
-    if lengths[0] < 2:
-        raise RepgeomError(f"prompt lengths must be at least 2 tokens (prompt entropy needs 2), got {lengths[0]}")
-    if n_prompts < 1:
-        raise RepgeomError(f"number of prompts must be positive, got {n_prompts}")
-    docs, data_path = load_documents(data, text_field)
+    probabilities = [float(p) for p in cfg.ps]
+    if any(not 0.0 <= p <= 1.0 for p in probabilities):
+        raise RepgeomError(f"probabilities must lie in [0, 1], got {probabilities}")
+    prompt_lengths = sorted({int(n) for n in cfg.lengths})
+    if prompt_lengths[0] < 2:
+        raise RepgeomError(
+            f"prompt lengths must be at least 2 tokens (prompt entropy needs 2), got {prompt_lengths[0]}")
+    if cfg.n_prompts < 1:
+        raise RepgeomError(f"number of prompts must be positive, got {cfg.n_prompts}")
+    docs, data_path = load_documents(data, cfg.text_field)
     loaded = model if isinstance(model, LoadedModel) else load_model(
-        model, dtype=dtype, device=device, options=model_options)
-    max_len = lengths[-1]
+        model, dtype=cfg.dtype, device=cfg.device, options=model_options)
+    max_len = prompt_lengths[-1]
     if loaded.info.max_positions and max_len > loaded.info.max_positions:
         raise RepgeomError(f"prompt length {max_len} exceeds the model context of {loaded.info.max_positions} tokens; "
                            "pass shorter --lengths")
-    addrs = list(resolve_request(layers, loaded).addresses)
+    addrs = list(resolve_request(cfg.layers, loaded).addresses)
     names = [str(a) for a in addrs]
     prompts = [ids[:max_len] for ids in tokenize_documents(loaded.tokenizer, docs) if len(ids) >= max_len]
     if not prompts:
         raise RepgeomError(f"no text has {max_len} tokens; give longer texts or pass shorter --lengths")
-    prompts = prompts[:n_prompts]
+    prompts = prompts[:cfg.n_prompts]
     special = set(loaded.tokenizer.all_special_ids)
     vocab = np.array([i for i in range(len(loaded.tokenizer)) if i not in special], dtype=np.int64)
 
     conditions: list[tuple[str, float, list[list[int]]]] = []
-    for sweep in (s for s in SWEEPS if s in sweeps):
+    for sweep in (s for s in SWEEPS if s in cfg.sweeps):
         k = SWEEPS.index(sweep)  # a sweep's draws do not depend on which other sweeps run
-        values: Sequence[float] = lengths if sweep == "length" else ps
+        values: Sequence[float] = prompt_lengths if sweep == "length" else probabilities
         for j, v in enumerate(values):
-            rng = np.random.default_rng([seed, k, j])
+            rng = np.random.default_rng([cfg.seed, k, j])
             if sweep == "repetition":
                 got = [repeat_tokens(ids, v, rng) for ids in prompts]
             elif sweep == "random":
@@ -142,10 +140,10 @@ def perturb(
             conditions.append((sweep, v, got))
     results: dict[str, Any] = {}
     with torch.no_grad(), Forward.at(loaded, addrs) as runner, progress_bar(
-            total=len(conditions), unit="condition", desc="perturb", progress=progress) as bar:
+            total=len(conditions), unit="condition", desc="perturb", progress=cfg.progress) as bar:
         for sweep, v, got in conditions:
             r = results.setdefault(sweep, {"values": [], "prompt_entropy": [], "token_dispersion": []})
-            m = _measure(runner, addrs, got, batch_size)
+            m = _measure(runner, addrs, got, cfg.batch_size)
             r["values"].append(v)
             r["prompt_entropy"].append(m["prompt_entropy"])
             r["token_dispersion"].append(m["token_dispersion"])
@@ -155,7 +153,7 @@ def perturb(
     result.data = {"path": data_path, "n_documents": len(docs), "n_prompts": len(prompts),
                    "prompt_tokens": max_len}
     result.config = cfg.config_block({
-        "layers": names, "sweeps": [s for s in SWEEPS if s in sweeps], "dtype": loaded.info.dtype,
+        "layers": names, "sweeps": [s for s in SWEEPS if s in cfg.sweeps], "dtype": loaded.info.dtype,
         "device": str(loaded.device),
         "prompt_entropy": "normalized (S_1 / log min(N, D), paper B's maxEntropy), mean over prompts",
         "token_dispersion": "mean pairwise cosine distance of a prompt's tokens, mean over prompts",

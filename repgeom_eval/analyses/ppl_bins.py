@@ -242,40 +242,38 @@ def ppl_bins(
     """Run the perplexity-vs-dispersion analysis (see the module docstring); returns the ``ppl-bins`` result.
     The options: a :class:`~repgeom_eval.analyses.configs.PplBinsConfig`, or its fields as keywords."""
     cfg = PplBinsConfig.build(config, options)
-    layers, chunk_len, n_chunks, per_source, n_bins, packing = (cfg.layers, cfg.chunk_len, cfg.n_chunks,
-                                                                cfg.per_source, cfg.n_bins, cfg.packing)
-    seed, max_ppl, batch_size, device = cfg.seed, cfg.max_ppl, cfg.batch_size, cfg.device
     t_start = time.perf_counter()
     docs, data_path = load_documents(data, cfg.text_field, cfg.source_field)
-    dist = Distributed.from_env(device)  # torchrun / accelerate launch: chunks spread over ranks, rows merged on 0
+    dist = Distributed.from_env(cfg.device)  # torchrun / accelerate launch: chunks spread over ranks, rows merged on 0
     t0 = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else load_model(
-        model, options=model_options, dtype=cfg.dtype, device=dist.device(device))
+        model, options=model_options, dtype=cfg.dtype, device=dist.device(cfg.device))
     t_load = time.perf_counter() - t0
-    check_context(chunk_len, loaded.info.max_positions)
-    addrs = list(resolve_request(layers, loaded).addresses)
+    check_context(cfg.chunk_len, loaded.info.max_positions)
+    addrs = list(resolve_request(cfg.layers, loaded).addresses)
     names = [str(a) for a in addrs]
 
     t0 = time.perf_counter()
-    chunks = corpus_chunks(loaded.tokenizer, docs, chunk_len, packing)
-    if per_source is not None:
+    chunks = corpus_chunks(loaded.tokenizer, docs, cfg.chunk_len, cfg.packing)
+    if cfg.per_source is not None:
         doc_sources = list(dict.fromkeys(d.source for d in docs))
-        picked = sample_per_source(chunks, per_source, seed, doc_sources)
+        picked = sample_per_source(chunks, cfg.per_source, cfg.seed, doc_sources)
     else:
-        picked = sample_chunks(chunks, n_chunks, seed)
+        picked = sample_chunks(chunks, cfg.n_chunks, cfg.seed)
     sampled = [chunks[i] for i in picked]
     t_tok = time.perf_counter() - t0
     if not sampled:
-        raise RepgeomError(f"corpus too small for perplexity bins: no chunk of {chunk_len} tokens "
-                           f"({len(docs)} documents, packing {packing!r}); give more text, or lower --chunk-len")
+        raise RepgeomError(f"corpus too small for perplexity bins: no chunk of {cfg.chunk_len} tokens "
+                           f"({len(docs)} documents, packing {cfg.packing!r}); give more "
+                           f"text, or lower --chunk-len")
     sampled_per_source: dict[str, int] = {}
     for c in sampled:
         sampled_per_source[c.source] = sampled_per_source.get(c.source, 0) + 1
     group_size, group_rule = resolve_group_size(cfg.group_size, sampled_per_source)
     if len(sampled) < group_size * MIN_GROUPS:
         raise RepgeomError(
-            f"corpus too small for perplexity bins: {len(sampled)} chunk(s) of {chunk_len} tokens "
-            f"({len(docs)} documents, packing {packing!r}), but {MIN_GROUPS} groups of {group_size} need "
+            f"corpus too small for perplexity bins: {len(sampled)} chunk(s) of {cfg.chunk_len} tokens "
+            f"({len(docs)} documents, packing {cfg.packing!r}), but {MIN_GROUPS} groups of {group_size} need "
             f"{group_size * MIN_GROUPS}; give more text, or lower --group-size or --chunk-len")
 
     log = None
@@ -285,12 +283,13 @@ def ppl_bins(
                                "process, or drop --run-dir")
         log = ChunkLog.open(cfg.run_dir, {
             "kind": KIND, "model": model_identity(loaded), "chunks": chunks_digest(sampled), "n_chunks": len(sampled),
-            "addresses": names, "chunk_len": chunk_len, "batch_size": batch_size, "dtype": loaded.info.dtype},
+            "addresses": names, "chunk_len": cfg.chunk_len, "batch_size": cfg.batch_size,
+            "dtype": loaded.info.dtype},
             cfg.resume)
     resumed = len(log.done) if log is not None else 0
     t0 = time.perf_counter()
     try:
-        ppl, disp = chunk_statistics(loaded, sampled, addrs, batch_size, cfg.progress, dist, log)
+        ppl, disp = chunk_statistics(loaded, sampled, addrs, cfg.batch_size, cfg.progress, dist, log)
     finally:
         if log is not None:
             log.close()
@@ -301,14 +300,14 @@ def ppl_bins(
         result.is_main = False
         dist.close()
         return result
-    pooled = bin_and_correlate(ppl, disp, names, group_size, n_bins, max_ppl)
+    pooled = bin_and_correlate(ppl, disp, names, group_size, cfg.n_bins, cfg.max_ppl)
     sources = sorted({c.source for c in sampled})
     by_source: dict[str, dict[str, Any]] = {}
     if len(sources) > 1:
         for s in sources:
             rows = np.array([i for i, c in enumerate(sampled) if c.source == s])
             try:
-                by_source[s] = bin_and_correlate(ppl[rows], disp[rows], names, group_size, n_bins, max_ppl)
+                by_source[s] = bin_and_correlate(ppl[rows], disp[rows], names, group_size, cfg.n_bins, cfg.max_ppl)
             except RepgeomError as exc:
                 by_source[s] = {"n_chunks": int(len(rows)), "median_chunk_ppl": float(np.median(ppl[rows])),
                                 "error": str(exc)}
@@ -329,12 +328,14 @@ def ppl_bins(
     if by_source:
         result.results["by_source"] = by_source
     result.results["layers"] = names
-    result.data = {"path": data_path, "packing": packing, **describe(chunks, docs), "n_chunks_used": len(sampled),
+    result.data = {"path": data_path, "packing": cfg.packing, **describe(chunks, docs),
+                   "n_chunks_used": len(sampled),
                    "chunks_used_per_source": sampled_per_source,
                    "n_tokens_used": int(sum(len(c) for c in sampled)), "sources": sources}
     result.config = cfg.config_block({
-        "layers": names, "sampling": (f"{per_source} chunks from every source" if per_source is not None else
-                                      "every chunk" if len(picked) == len(chunks) else f"{n_chunks} chunks, uniform"),
+        "layers": names,
+        "sampling": (f"{cfg.per_source} chunks from every source" if cfg.per_source is not None else
+                     "every chunk" if len(picked) == len(chunks) else f"{cfg.n_chunks} chunks, uniform"),
         "group_size": group_size, "group_size_rule": group_rule, "dtype": loaded.info.dtype,
         "device": str(loaded.device), "distributed": dist.config(),
         "perplexity": "exp(mean next-token cross-entropy over the chunk's chunk_len-1 positions)",

@@ -96,8 +96,6 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
     transformers read config and tokenizer classes a checkpoint brings.
     """
     cfg = GapConfig.build(config, options)
-    domain, reference, distance, seed, size, force = (cfg.domain, cfg.reference, cfg.distance, cfg.seed, cfg.size,
-                                                      cfg.force)
     t_start = time.perf_counter()
     models = [str(m) for m in models]
     if not models:
@@ -105,8 +103,8 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
     dupes = sorted({m for m in models if models.count(m) > 1})
     if dupes:
         raise RepgeomError(f"model {dupes[0]!r} is given more than once; list each model once")
-    if not isinstance(size, int) or size < 1:
-        raise RepgeomError(f"reference sample size must be a positive integer, got {size!r}")
+    if not isinstance(cfg.size, int) or cfg.size < 1:
+        raise RepgeomError(f"reference sample size must be a positive integer, got {cfg.size!r}")
     if host is None:
         from repgeom_eval.plugin_system.host import get_host
 
@@ -126,7 +124,7 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
         why = vocabulary_difference(tokenizers[first], tokenizers[m])
         if why:
             differences.append({"model": m, "reference_model": first, "difference": why})
-    if differences and not force:
+    if differences and not cfg.force:
         d = differences[0]
         raise RepgeomError(
             f"models {d['reference_model']!r} and {d['model']!r} have different vocabularies ({d['difference']}); "
@@ -136,7 +134,7 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
     if differences:
         warnings.warn(f"comparing models with different vocabularies ({len(differences)} differ from {first!r}); "
                       "G values are not comparable across tokenizers", stacklevel=2)
-    vocabulary = {"shared": not differences, "forced": bool(differences and force), "size": len(tokenizers[first]),
+    vocabulary = {"shared": not differences, "forced": bool(differences and cfg.force), "size": len(tokenizers[first]),
                   "differences": differences}
 
     rows: list[dict[str, Any]] = []
@@ -147,15 +145,15 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
         info = source.info
         t1 = time.perf_counter()
         vocab = Vocabulary(tokenizers[m], n_rows=info.shape[0])
-        T = resolve_token_set(domain, vocab, host=host, seed=seed, size=size)
+        T = resolve_token_set(cfg.domain, vocab, host=host, seed=cfg.seed, size=cfg.size)
         if len(T) < 2:
             raise RepgeomError(
-                f"domain token set {domain!r} matches {len(T)} token(s) of model {m!r} (missing: "
+                f"domain token set {cfg.domain!r} matches {len(T)} token(s) of model {m!r} (missing: "
                 f"{', '.join(repr(w) for w in T.missing[:10]) or 'none'}); within(T) needs at least 2"
             )
-        Tbar = resolve_token_set(reference, vocab, host=host, exclude=T.ids, seed=seed, size=size)
+        Tbar = resolve_token_set(cfg.reference, vocab, host=host, exclude=T.ids, seed=cfg.seed, size=cfg.size)
         if len(Tbar) < 1:
-            raise RepgeomError(f"reference token set {reference!r} matches no token of model {m!r} outside the "
+            raise RepgeomError(f"reference token set {cfg.reference!r} matches no token of model {m!r} outside the "
                                f"domain set; pass another --reference")
         overlap = sorted(set(T.ids) & set(Tbar.ids))
         if overlap:
@@ -166,9 +164,9 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
         sub = source.rows(needed)
         t3 = time.perf_counter()
         pos = {i: k for k, i in enumerate(needed)}
-        values = dispersion_gap(sub, [pos[i] for i in T.ids], [pos[i] for i in Tbar.ids], distance=distance)
+        values = dispersion_gap(sub, [pos[i] for i in T.ids], [pos[i] for i in Tbar.ids], distance=cfg.distance)
         t4 = time.perf_counter()
-        flags = degenerate_rows(m, sub, [pos[i] for i in T.ids], [pos[i] for i in Tbar.ids], values, distance)
+        flags = degenerate_rows(m, sub, [pos[i] for i in T.ids], [pos[i] for i in Tbar.ids], values, cfg.distance)
         for flag in flags:
             warnings.warn(flag, stacklevel=2)
         del sub, source
@@ -201,12 +199,12 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
         "metric": "dispersion_gap",
         "sign": SIGN,
         "models": models,
-        "domain": domain,
-        "reference": reference,
-        "distance": distance,
-        "size": size,
-        "seed": seed,
-        "force": force,
+        "domain": cfg.domain,
+        "reference": cfg.reference,
+        "distance": cfg.distance,
+        "size": cfg.size,
+        "seed": cfg.seed,
+        "force": cfg.force,
         "token_sets": config_sets,
         "precision": "float64",
         "ranking": "G descending",
