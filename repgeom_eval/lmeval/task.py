@@ -135,8 +135,9 @@ class GeometryTask(ConfigurableTask):
         return items
 
     def _document_items(self, results: list) -> dict[str, Any]:
-        """One document's values of every metric in ``GEOMETRY_METRICS`` (asked only when one is requested)."""
-        raise NotImplementedError
+        """One document's values of every metric in ``GEOMETRY_METRICS`` (asked only when one is requested); every
+        subclass that declares metrics defines it."""
+        raise NotImplementedError(f"{type(self).__name__} declares GEOMETRY_METRICS but no _document_items")
 
     def apply_filters(self):
         out = super().apply_filters()
