@@ -61,6 +61,73 @@ def test_checks_live_in_the_configuration():
         Probe(model="x", batch_size=0)
 
 
+def test_one_check_mechanism_serves_the_cli_the_train_yaml_and_lm_eval_settings():
+    """Issue 34, item 4: every door declares a field's condition as its ``check`` (a function of the value, or a
+    :class:`Must` with the condition in words) and raises through the same ``field_problem``: the same condition
+    reads the same in every door, only the field's name is the door's own."""
+    import dataclasses
+    import pathlib
+
+    from repgeom_eval.lmeval.settings import Settings
+    from repgeom_eval.spec.option_fields import Must, field_problem, integer_at_least
+    from repgeom_eval.training.config import GeometryProbe
+    from repgeom_eval.training.settings import ConfigError, from_mapping
+
+    for cls in (Probe, Settings, GeometryProbe):
+        checked = [f for f in dataclasses.fields(cls) if f.metadata.get("check") is not None]
+        assert checked, cls
+        assert all("must" not in f.metadata for f in dataclasses.fields(cls))
+    said = "must be a positive integer, got 0"
+    assert integer_at_least(1)(0) == said
+    with pytest.raises(RepgeomError, match=f"^repgeom_slice_size {said}$"):
+        Settings._parse({"slice_size": 0}, "hardness")
+    with pytest.raises(ConfigError, match=f"^batch_size {said}$"):
+        from_mapping(GeometryProbe, {"texts": ["a b", "c d"], "batch_size": 0})
+    batch = next(f for f in dataclasses.fields(GeometryProbe) if f.name == "batch_size")
+    assert field_problem(batch, 0) == said
+    # Must is declared once, on the torch-free floor
+    root = pathlib.Path(__file__).resolve().parents[1]
+    declared = [p for folder in ("repgeom_eval", "entrypoints", "plugins") for p in (root / folder).rglob("*.py")
+                if "class Must" in p.read_text(encoding="utf-8")]
+    assert [p.relative_to(root).as_posix() for p in declared] == ["repgeom_eval/spec/option_fields.py"]
+    assert isinstance(integer_at_least(1), Must)
+
+
+def test_every_analysis_takes_a_config_or_its_fields_as_keywords():
+    """``takes_options``: one declaration of the analyses' calling convention (issue 34, item 6)."""
+    import inspect
+
+    from repgeom_eval.analyses.configs import KnnlmConfig, PerturbConfig
+    from repgeom_eval.analyses.knnlm import knnlm
+    from repgeom_eval.analyses.perturb import perturb
+    from repgeom_eval.spec.option_fields import takes_options
+
+    shown = inspect.signature(perturb)
+    assert list(shown.parameters) == ["model", "data", "config", "model_options", "options"]
+    assert str(shown).startswith("(model: 'str | LoadedModel', data: 'Any', config: 'PerturbConfig | None' = None, /, *,")
+    assert list(inspect.signature(knnlm).parameters)[:4] == ["model", "datastore", "eval_data", "config"]
+    assert "PerturbConfig`, or its fields as keywords" in perturb.__doc__
+    assert KnnlmConfig.__name__ in knnlm.__doc__
+
+    seen = []
+
+    @takes_options(PerturbConfig)
+    def probe(model, data, cfg, /, *, model_options=None):
+        seen.append((model, data, cfg, model_options))
+        return cfg
+
+    assert probe("m", "d", n_prompts=3).n_prompts == 3
+    whole = PerturbConfig(n_prompts=5)
+    assert probe("m", "d", whole, model_options="o") is whole and seen[-1] == ("m", "d", whole, "o")
+    with pytest.raises(RepgeomError, match="either as a PerturbConfig or as keywords, not both"):
+        probe("m", "d", whole, n_prompts=3)
+    with pytest.raises(RepgeomError, match="expected a positive integer, got 0"):
+        probe("m", "d", n_prompts=0)  # checked before the function runs
+    assert len(seen) == 2
+    with pytest.raises(TypeError, match=r"probe\(\) takes 2 positional input\(s\)"):
+        probe("m")
+
+
 def test_config_block_and_build():
     probe = Probe(model="x", layers=["final"])
     block = probe.config_block({"dtype": "float32"})

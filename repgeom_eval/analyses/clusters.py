@@ -34,6 +34,7 @@ from .corpus import Chunk, check_context, load_documents, tokenize_documents
 from .knn_keys import last_token_vectors
 from .series import series_labels
 from repgeom_eval.analyses.configs import ClustersConfig
+from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request
 
@@ -98,28 +99,16 @@ def cluster_distances(vectors: Sequence[torch.Tensor]) -> dict[str, Any]:
             "ratio": between / mean_within if mean_within > 0 else float("nan"), "per_cluster_within": within}
 
 
-def clusters(
-    models: Sequence[str | LoadedModel],
-    data: Any,
-    config: ClustersConfig | None = None,
-    /,
-    *,
-    model_options: ModelOptions | None = None,
-    **options: Any,
-) -> AnalysisResult:
-    """Within/between-cluster distances at ``layers`` for every model in ``models`` (same contexts for all).
-    The options: a :class:`~repgeom_eval.analyses.configs.ClustersConfig`, or its fields as keywords."""
-    cfg = ClustersConfig.build(config, options)
-    (layers, ngram, min_count, contexts, context_len, n_clusters, seed, text_field, batch_size, dtype, device,
-     progress) = (
-        cfg.layers, cfg.ngram, cfg.min_count, cfg.contexts, cfg.context_len, cfg.n_clusters, cfg.seed, cfg.text_field,
-        cfg.batch_size, cfg.dtype, cfg.device, cfg.progress)
+@takes_options(ClustersConfig)
+def clusters(models: Sequence[str | LoadedModel], data: Any, cfg: ClustersConfig, /, *,
+             model_options: ModelOptions | None = None) -> AnalysisResult:
+    """Within/between-cluster distances at ``layers`` for every model in ``models`` (same contexts for all)."""
     from .gap.vocabulary import vocabulary_difference
 
     t_start = time.perf_counter()
     if not models:
         raise RepgeomError("give at least one model")
-    docs, data_path = load_documents(data, text_field)
+    docs, data_path = load_documents(data, cfg.text_field)
     labels = series_labels(models)
     found: list[Cluster] | None = None
     first_tok = None
@@ -127,18 +116,18 @@ def clusters(
     infos = []
     for label, model in zip(labels, models):
         loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, device=device, options=model_options)
-        check_context(context_len, loaded.info.max_positions)
-        addrs = list(resolve_request(layers, loaded).addresses)
+            model, dtype=cfg.dtype, device=cfg.device, options=model_options)
+        check_context(cfg.context_len, loaded.info.max_positions)
+        addrs = list(resolve_request(cfg.layers, loaded).addresses)
         if found is None:
             first_tok = loaded.tokenizer
-            found = find_clusters(tokenize_documents(loaded.tokenizer, docs), ngram, min_count, contexts,
-                                  context_len, n_clusters, seed)
+            found = find_clusters(tokenize_documents(loaded.tokenizer, docs), cfg.ngram, cfg.min_count,
+                                  cfg.contexts, cfg.context_len, cfg.n_clusters, cfg.seed)
             if len(found) < 2:
                 raise RepgeomError(
-                    f"corpus too small: {len(found)} {ngram}-gram(s) occur {min_count}+ times after {context_len} "
-                    f"tokens of context (between-cluster distance needs 2 clusters); give more text or lower "
-                    f"--ngram / --min-count / --context-len")
+                    f"corpus too small: {len(found)} {cfg.ngram}-gram(s) occur {cfg.min_count}+ times after "
+                    f"{cfg.context_len} tokens of context (between-cluster distance needs 2 clusters); give more "
+                    f"text or lower --ngram / --min-count / --context-len")
         else:
             diff = vocabulary_difference(first_tok, loaded.tokenizer)
             if diff is not None:
@@ -146,7 +135,7 @@ def clusters(
                                    "must share one tokenizer so that the clusters are the same")
         members = [Chunk(ctx, "all", k, 0) for k, cl in enumerate(found) for ctx in cl.contexts]
         owner = [k for k, cl in enumerate(found) for _ in cl.contexts]
-        vecs = last_token_vectors(loaded, members, addrs, batch_size, progress)
+        vecs = last_token_vectors(loaded, members, addrs, cfg.batch_size, cfg.progress)
         index = torch.tensor(owner)
         names = [str(a) for a in addrs]
         stats = {name: cluster_distances([vecs[a][index == k] for k in range(len(found))])
@@ -164,12 +153,13 @@ def clusters(
                      for c in found],
         "models": per_model,
     }
-    if len(found) < n_clusters:  # --clusters asks for at most this many; say what the corpus gave
-        result.warn(f"--clusters {n_clusters}: the corpus has only {len(found)} {ngram}-grams that occur "
-                    f"{min_count}+ times with {context_len} tokens of context; all {len(found)} were used")
-    if min(sizes) < contexts:
-        result.warn(f"{sum(s < contexts for s in sizes)} of {len(found)} clusters have fewer than {contexts} "
-                    f"contexts (smallest: {min(sizes)}); --min-count {min_count} is below --contexts {contexts}")
+    if len(found) < cfg.n_clusters:  # --clusters asks for at most this many; say what the corpus gave
+        result.warn(f"--clusters {cfg.n_clusters}: the corpus has only {len(found)} {cfg.ngram}-grams that occur "
+                    f"{cfg.min_count}+ times with {cfg.context_len} tokens of context; all {len(found)} were used")
+    if min(sizes) < cfg.contexts:
+        result.warn(f"{sum(s < cfg.contexts for s in sizes)} of {len(found)} clusters have fewer than "
+                    f"{cfg.contexts} contexts (smallest: {min(sizes)}); --min-count {cfg.min_count} is below "
+                    f"--contexts {cfg.contexts}")
     result.data = {"path": data_path, "n_documents": len(docs), "n_clusters": len(found),
                    "n_contexts": sum(sizes)}
     result.config = cfg.config_block({

@@ -20,6 +20,7 @@ from ..functional.condensation import CONDENSATION_EPS, DEFAULT_BINS  # noqa: F4
 from repgeom_eval.modeling.options import ModelOptions
 from repgeom_eval.modeling.loading import LoadedModel
 from repgeom_eval.analyses.configs import CondensationConfig
+from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.analyses.series import series_labels
 
@@ -28,19 +29,11 @@ _DEFAULTS = CondensationConfig()  # the defaults under their earlier names (decl
 DEFAULT_MAX_LENGTH = _DEFAULTS.max_length
 
 
-def condensation(
-    models: Sequence[str | LoadedModel],
-    data: Any,
-    config: CondensationConfig | None = None,
-    /,
-    *,
-    model_options: ModelOptions | None = None,
-    **options: Any,
-) -> AnalysisResult:
+@takes_options(CondensationConfig)
+def condensation(models: Sequence[str | LoadedModel], data: Any, cfg: CondensationConfig, /, *,
+                 model_options: ModelOptions | None = None) -> AnalysisResult:
     """Per-layer condensation of every model in ``models`` over the same texts; returns the ``condensation``
-    result (``results["models"][label]``: layers, mean cosine, histogram densities, ρ, τ).
-    The options: a :class:`~repgeom_eval.analyses.configs.CondensationConfig`, or its fields as keywords."""
-    cfg = CondensationConfig.build(config, options)
+    result (``results["models"][label]``: layers, mean cosine, histogram densities, ρ, τ)."""
     from repgeom_eval.measurement.engine import measure
 
     t_start = time.perf_counter()

@@ -36,6 +36,11 @@ class Document:
     id: Any
 
 
+#: What an analysis takes as its texts (load_documents): a file path, or a list of strings, (text, source) pairs or
+#: documents.
+Texts = str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document]
+
+
 @dataclass(frozen=True)
 class Chunk:
     """``ids`` are the token ids; ``doc`` is the id of the document it starts in; ``start`` its token offset there
@@ -98,7 +103,7 @@ def as_documents(texts: Sequence[str] | Sequence[tuple[str, str]]) -> list[Docum
     return out
 
 
-def load_documents(data: Any, text_field: str = "text", source_field: str = "source") -> tuple[list[Document], str]:
+def load_documents(data: Texts, text_field: str = "text", source_field: str = "source") -> tuple[list[Document], str]:
     """(documents, where they came from) for a file path, a list of documents, strings or (text, source) pairs."""
     if isinstance(data, (str, Path)):
         return read_documents(data, text_field, source_field), str(data)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,10 +25,11 @@ from repgeom_eval.output.progress import progress_bar
 from ..spec.errors import RepgeomError
 from ..functional.dispersion import dispersion
 from repgeom_eval.modeling.loading import LoadedModel, load_model
-from .corpus import Chunk, Document, check_context, corpus_chunks, describe, load_documents
+from .corpus import Chunk, Texts, check_context, corpus_chunks, describe, load_documents
 from repgeom_eval.measurement.forward import Forward, batches
 from repgeom_eval.measurement.pooling import pool
 from repgeom_eval.analyses.configs import KnnKeysConfig
+from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request
 
@@ -75,18 +75,10 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return float(v.mean()), float(v.std())
 
 
-def knn_keys(
-    model: str | LoadedModel,
-    data: str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document],
-    config: KnnKeysConfig | None = None,
-    /,
-    *,
-    model_options: ModelOptions | None = None,
-    **options: Any,
-) -> AnalysisResult:
-    """Dispersion of last-token vectors at each candidate address; returns the ``knn-keys`` result.
-    The options: a :class:`~repgeom_eval.analyses.configs.KnnKeysConfig`, or its fields as keywords."""
-    cfg = KnnKeysConfig.build(config, options)
+@takes_options(KnnKeysConfig)
+def knn_keys(model: str | LoadedModel, data: Texts, cfg: KnnKeysConfig, /, *,
+             model_options: ModelOptions | None = None) -> AnalysisResult:
+    """Dispersion of last-token vectors at each candidate address; returns the ``knn-keys`` result."""
     t_start = time.perf_counter()
     sample_sizes = sorted({int(n) for n in cfg.ns})
     if not sample_sizes or sample_sizes[0] < 2:

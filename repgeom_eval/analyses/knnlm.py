@@ -36,6 +36,7 @@ from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, corpus_chunks, load_documents
 from repgeom_eval.measurement.forward import Forward, batches, next_token_logprobs
 from repgeom_eval.analyses.configs import INDEX_KINDS, KnnlmConfig
+from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request
 
@@ -206,83 +207,70 @@ def perplexity(logprob: np.ndarray) -> float:
     return float(np.exp(-np.mean(logprob)))
 
 
-def knnlm(
-    model: str | LoadedModel,
-    datastore: Any,
-    eval_data: Any,
-    config: KnnlmConfig | None = None,
-    /,
-    *,
-    model_options: ModelOptions | None = None,
-    **options: Any,
-) -> AnalysisResult:
+@takes_options(KnnlmConfig)
+def knnlm(model: str | LoadedModel, datastore: Any, eval_data: Any, cfg: KnnlmConfig, /, *,
+          model_options: ModelOptions | None = None) -> AnalysisResult:
     """Build a datastore per key address from ``datastore`` text, evaluate perplexity on ``eval_data`` with and
     without retrieval; returns the ``knnlm`` result. ``store_dir`` keeps the keys, values and indexes on disk
-    (default: a temporary directory, removed afterwards).
-    The options: a :class:`~repgeom_eval.analyses.configs.KnnlmConfig`, or its fields as keywords."""
-    cfg = KnnlmConfig.build(config, options)
-    (keys, k, lambdas, temperature, chunk_len, packing, fp16, index, nlist, nprobe, ivf_threshold, store_dir,
-     text_field, batch_size, seed, dtype, device, progress) = (
-        cfg.keys, cfg.k, cfg.lambdas, cfg.temperature, cfg.chunk_len, cfg.packing, cfg.fp16, cfg.index, cfg.nlist,
-        cfg.nprobe, cfg.ivf_threshold, cfg.store_dir, cfg.text_field, cfg.batch_size, cfg.seed, cfg.dtype, cfg.device,
-        cfg.progress)
+    (default: a temporary directory, removed afterwards)."""
     t_start = time.perf_counter()
-    if not temperature > 0:
-        raise RepgeomError(f"temperature must be positive, got {temperature}")
-    lambdas = [float(x) for x in lambdas]
+    if not cfg.temperature > 0:
+        raise RepgeomError(f"temperature must be positive, got {cfg.temperature}")
+    lambdas = [float(x) for x in cfg.lambdas]  # the λ values as numbers, in the given order
     for lam in lambdas:
         interpolate(np.zeros(0), np.zeros(0), lam)  # validates λ before any work
     _faiss()
-    if store_dir is not None:
+    if cfg.store_dir is not None:
         from repgeom_eval.output.files import check_creatable_dir
 
-        check_creatable_dir(store_dir, "kNN store folder (--store-dir)")  # before the model is loaded
-        check_store_dir(Path(store_dir), cfg.overwrite)
-    store_docs, store_path = load_documents(datastore, text_field)
-    eval_docs, eval_path = load_documents(eval_data, text_field)
+        check_creatable_dir(cfg.store_dir, "kNN store folder (--store-dir)")  # before the model is loaded
+        check_store_dir(Path(cfg.store_dir), cfg.overwrite)
+    store_docs, store_path = load_documents(datastore, cfg.text_field)
+    eval_docs, eval_path = load_documents(eval_data, cfg.text_field)
     t0 = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else load_model(
-        model, dtype=dtype, device=device, options=model_options)
+        model, dtype=cfg.dtype, device=cfg.device, options=model_options)
     t_load = time.perf_counter() - t0
     if not loaded.layout.causal:
         raise RepgeomError(f"a kNN-LM needs a causal language model; {loaded.info.name} is a "
                            f"{loaded.info.model_type} model without causal attention")
     loaded.check_logits("a kNN-LM")
-    check_context(chunk_len, loaded.info.max_positions)
+    check_context(cfg.chunk_len, loaded.info.max_positions)
     addrs = []
-    for key in keys:
+    for key in cfg.keys:
         for a in list(resolve_request(key, loaded).addresses):
             if a not in addrs:
                 addrs.append(a)
     names = [str(a) for a in addrs]
-    store_chunks = corpus_chunks(loaded.tokenizer, store_docs, chunk_len, packing)
-    eval_chunks = corpus_chunks(loaded.tokenizer, eval_docs, chunk_len, packing)
+    store_chunks = corpus_chunks(loaded.tokenizer, store_docs, cfg.chunk_len, cfg.packing)
+    eval_chunks = corpus_chunks(loaded.tokenizer, eval_docs, cfg.chunk_len, cfg.packing)
     for what, got, path in (("datastore", store_chunks, store_path), ("evaluation", eval_chunks, eval_path)):
         if not got:
-            raise RepgeomError(f"the {what} text ({path}) gives no chunk of {chunk_len} tokens; give more text or "
-                               f"lower --chunk-len")
+            raise RepgeomError(f"the {what} text ({path}) gives no chunk of {cfg.chunk_len} tokens; give more "
+                               f"text or lower --chunk-len")
 
     result = AnalysisResult(KIND, config={}, results={}, model=loaded.info.to_dict())
     if store_path != "<memory>" and os.path.realpath(store_path) == os.path.realpath(eval_path):
         result.warn("the datastore is built from the evaluation text itself: retrieval finds the very contexts it "
                     "scores, so the perplexity gain is an upper bound, not an estimate of generalisation")
-    tmp = tempfile.TemporaryDirectory(prefix="repgeom-knnlm-") if store_dir is None else None
-    directory = Path(tmp.name if tmp else store_dir)  # type: ignore[arg-type]
+    tmp = tempfile.TemporaryDirectory(prefix="repgeom-knnlm-") if cfg.store_dir is None else None
+    directory = Path(tmp.name if tmp else cfg.store_dir)  # type: ignore[arg-type]
     directory.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        if store_dir is not None and cfg.overwrite:
+        if cfg.store_dir is not None and cfg.overwrite:
             clear_store_dir(directory)
-        stores = build_datastores(loaded, store_chunks, addrs, directory, fp16=fp16, index=index, nlist=nlist,
-                                  nprobe=nprobe, ivf_threshold=ivf_threshold, batch_size=batch_size, seed=seed,
-                                  progress=progress)
+        stores = build_datastores(loaded, store_chunks, addrs, directory, fp16=cfg.fp16, index=cfg.index,
+                                  nlist=cfg.nlist, nprobe=cfg.nprobe, ivf_threshold=cfg.ivf_threshold,
+                                  batch_size=cfg.batch_size, seed=cfg.seed, progress=cfg.progress)
         t_build = time.perf_counter() - t0
-        if store_dir is not None:
+        if cfg.store_dir is not None:
             faiss = _faiss()
             for name, st in stores.items():
                 faiss.write_index(st.index, str(directory / f"index_{_file_name(name)}.faiss"))
             (directory / "manifest.json").write_text(json.dumps(
-                {"model": loaded.info.name, "datastore": store_path, "chunk_len": chunk_len, "packing": packing,
+                {"model": loaded.info.name, "datastore": store_path, "chunk_len": cfg.chunk_len,
+                 "packing": cfg.packing,
                  "keys": {n: st.describe() for n, st in stores.items()}}, indent=2) + "\n")
 
         t0 = time.perf_counter()
@@ -290,15 +278,15 @@ def knnlm(
         knn_parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
         hit_parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
         with Forward.at(loaded, addrs, logits=True) as runner, progress_bar(
-                total=len(eval_chunks), unit="chunk", desc="evaluate", progress=progress) as bar:
-            for batch in batches(eval_chunks, batch_size):
+                total=len(eval_chunks), unit="chunk", desc="evaluate", progress=cfg.progress) as bar:
+            for batch in batches(eval_chunks, cfg.batch_size):
                 out = runner.token_ids([c.ids for c in batch])
                 logprob, valid = next_token_logprobs(out.logits, out.ids, out.mask)
                 lm_parts.append(logprob[valid].numpy())
                 targets = out.ids[:, 1:][valid].numpy()
                 for a, name in zip(addrs, names):
                     queries = out.hidden[a][:, :-1][valid.to(out.hidden[a].device)].float().cpu().numpy()
-                    lp, hit = knn_logprob(stores[name], queries, targets, k, temperature)
+                    lp, hit = knn_logprob(stores[name], queries, targets, cfg.k, cfg.temperature)
                     knn_parts[name].append(lp)
                     hit_parts[name].append(hit)
                 bar.update(len(batch))
@@ -315,9 +303,9 @@ def knnlm(
             tmp.cleanup()
 
     size = min(st.size for st in stores.values())
-    k_used = min(k, size)
-    if k_used < k:
-        result.warn(f"--neighbors {k} is more than the {size} keys of the datastore: every key was used (k = "
+    k_used = min(cfg.k, size)
+    if k_used < cfg.k:
+        result.warn(f"--neighbors {cfg.k} is more than the {size} keys of the datastore: every key was used (k = "
                     f"{k_used}, recorded as k_used)")
     lm = np.concatenate(lm_parts)
     base = perplexity(lm)
@@ -330,7 +318,7 @@ def knnlm(
                          "mean_p_knn_target": float(np.mean(np.exp(knn))), "datastore": stores[name].describe()}
     best = {str(lam): min(names, key=lambda n: per_key[n]["ppl"][str(lam)]) for lam in lambdas}
     result.results = {"base_ppl": base, "n_eval_tokens": int(lm.size), "keys": per_key, "best_key": best}
-    result.data = {"datastore": store_path, "eval": eval_path, "packing": packing,
+    result.data = {"datastore": store_path, "eval": eval_path, "packing": cfg.packing,
                    "n_datastore_chunks": len(store_chunks), "n_eval_chunks": len(eval_chunks)}
     result.config = cfg.config_block({
         "keys": names, "k_used": k_used, "lambdas": lambdas, "distance": "negative squared L2", "dtype": loaded.info.dtype,

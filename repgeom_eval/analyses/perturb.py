@@ -34,6 +34,7 @@ from .corpus import load_documents, tokenize_documents
 from repgeom_eval.measurement.forward import Forward, batches
 from repgeom_eval.measurement.pooling import pool
 from repgeom_eval.analyses.configs import PerturbConfig
+from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request
 
@@ -84,18 +85,10 @@ def _nanmean(values: list[float]) -> float:
     return float(np.mean(finite)) if finite else float("nan")
 
 
-def perturb(
-    model: str | LoadedModel,
-    data: Any,
-    config: PerturbConfig | None = None,
-    /,
-    *,
-    model_options: ModelOptions | None = None,
-    **options: Any,
-) -> AnalysisResult:
-    """Run the requested ``sweeps`` and return the ``perturb`` result (per sweep: values × addresses tables).
-    The options: a :class:`~repgeom_eval.analyses.configs.PerturbConfig`, or its fields as keywords."""
-    cfg = PerturbConfig.build(config, options)
+@takes_options(PerturbConfig)
+def perturb(model: str | LoadedModel, data: Any, cfg: PerturbConfig, /, *,
+            model_options: ModelOptions | None = None) -> AnalysisResult:
+    """Run the requested ``sweeps`` and return the ``perturb`` result (per sweep: values × addresses tables)."""
     t_start = time.perf_counter()
     unknown = [s for s in cfg.sweeps if s not in SWEEPS]
     if unknown or not cfg.sweeps:

@@ -35,7 +35,6 @@ import bisect
 import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,7 @@ from ..functional.dispersion import token_dispersion
 from repgeom_eval.functional.stats import complete_pairs, pearson, spearman
 from repgeom_eval.output.files import write_jsonl
 from repgeom_eval.modeling.loading import LoadedModel, load_model
-from .corpus import (Chunk, Document, check_context, corpus_chunks, describe, load_documents,
+from .corpus import (Chunk, Texts, check_context, corpus_chunks, describe, load_documents,
                      sample_chunks, sample_per_source)
 from repgeom_eval.analyses.chunk_log import ChunkLog, chunks_digest
 from repgeom_eval.measurement.checkpoint import model_identity
@@ -59,6 +58,7 @@ from repgeom_eval.modeling.addresses import resolve_request
 
 KIND = "ppl-bins"
 from repgeom_eval.analyses.configs import GROUP_SIZE_MAX, GROUPS_PER_SOURCE, PplBinsConfig
+from repgeom_eval.spec.option_fields import takes_options
 
 # The defaults under their earlier names (declared once, in PplBinsConfig)
 DEFAULT_CHUNK_LEN, DEFAULT_GROUP_SIZE, DEFAULT_BINS, DEFAULT_SEED, DEFAULT_CONFOUND_RATIO = (
@@ -230,18 +230,10 @@ def confound_check(pooled: dict[str, Any], by_source: dict[str, dict[str, Any]],
             "sign_reversal_layers": reversed_layers}
 
 
-def ppl_bins(
-    model: str | LoadedModel,
-    data: str | Path | Sequence[str] | Sequence[tuple[str, str]] | Sequence[Document],
-    config: PplBinsConfig | None = None,
-    /,
-    *,
-    model_options: ModelOptions | None = None,
-    **options: Any,
-) -> AnalysisResult:
-    """Run the perplexity-vs-dispersion analysis (see the module docstring); returns the ``ppl-bins`` result.
-    The options: a :class:`~repgeom_eval.analyses.configs.PplBinsConfig`, or its fields as keywords."""
-    cfg = PplBinsConfig.build(config, options)
+@takes_options(PplBinsConfig)
+def ppl_bins(model: str | LoadedModel, data: Texts, cfg: PplBinsConfig, /, *,
+             model_options: ModelOptions | None = None) -> AnalysisResult:
+    """Run the perplexity-vs-dispersion analysis (see the module docstring); returns the ``ppl-bins`` result."""
     t_start = time.perf_counter()
     docs, data_path = load_documents(data, cfg.text_field, cfg.source_field)
     dist = Distributed.from_env(cfg.device)  # torchrun / accelerate launch: chunks spread over ranks, rows merged on 0

@@ -18,7 +18,7 @@ from typing import Any
 
 from repgeom_eval.analyses.configs import SlicesConfig
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.spec.option_fields import option, plain
+from repgeom_eval.spec.option_fields import Must, check_options, integer_at_least, option, plain
 
 PREFIX = "repgeom_"
 # Not a setting: the shipped YAMLs' dataset_kwargs key, which lm-eval passes to the dataset loader beside the metadata.
@@ -29,6 +29,26 @@ CAPTURES = ("fused", "extra")
 # A rolling-perplexity task reads every scored token (`tokens`).
 HARDNESS_POOLINGS = ("last", "mean")
 HARDNESS_ONLY = "hardness_only"  # field metadata: read (and recorded) by hardness tasks only
+
+
+def _pooling_problem(pooling: Any) -> str | None:
+    """``repgeom_pooling``: one pooling name, or a mapping of metric names to pooling names."""
+    from repgeom_eval.measurement.pooling import check_pooling  # torch: only when a pooling is given
+
+    if pooling is None:
+        return None
+    if isinstance(pooling, Mapping) and all(isinstance(k, str) for k in pooling):
+        named = list(pooling.items())
+    elif isinstance(pooling, str):
+        named = [(None, pooling)]
+    else:
+        return f'must be a pooling name (last, mean, first, tokens) or {{"METRIC": pooling}}, got {pooling!r}'
+    for metric, value in named:
+        try:
+            check_pooling(value)
+        except RepgeomError as exc:
+            return str(exc) if metric is None else f"[{metric!r}]: {exc}"
+    return None
 
 
 def _hardness_only(spec: Field) -> Field:
@@ -50,12 +70,15 @@ class Settings:
     # vector the run reads (a hardness task's own geometry and every POOLED registered metric, as `repgeom measure
     # --pooling`); a mapping {METRIC: pooling} sets single metrics' (as `--metric-param METRIC.pooling`). None: the
     # defaults (`last` for a hardness task's own geometry, each registered metric's own).
-    pooling: Any = option(None, config=False, help="pooling of every vector read, or {METRIC: pooling}; default: "
-                                                     "last for the task's own geometry, each metric's own")
+    pooling: Any = option(None, config=False, check=_pooling_problem,
+                          help="pooling of every vector read, or {METRIC: pooling}; default: last for the task's own "
+                               "geometry, each metric's own")
     correct: str = _hardness_only(option("acc", help="the 0/1 metric that defines a correct query (acc or acc_norm)"))
-    capture: str = option("fused", help="fused: read lm-eval's own forward pass; extra: one more pass (fallback)")
-    slice_size: int = _hardness_only(option(SlicesConfig.size, help="queries per controlled slice"))
-    slice_seeds: int = _hardness_only(option(SlicesConfig.seeds, help="slices per fraction"))
+    capture: str = option("fused", check=Must(" or ".join(CAPTURES), lambda v: v in CAPTURES), help="fused: read lm-eval's own forward pass; extra: one more pass (fallback)")
+    slice_size: int = _hardness_only(option(SlicesConfig.size, check=integer_at_least(1),
+                                            help="queries per controlled slice"))
+    slice_seeds: int = _hardness_only(option(SlicesConfig.seeds, check=integer_at_least(1),
+                                             help="slices per fraction"))
     # The registered metrics (docs/lmeval.md#any-registered-metric), None: not requested. Recorded as the metric
     # request normalises them (MetricRequest.record), and only when metrics are requested.
     metrics: Any = option(None, config=False, help="registered metrics to add, at repgeom_layers")
@@ -82,30 +105,10 @@ class Settings:
     def _parse(cls, given: Mapping[str, Any], kind: str) -> "Settings":
         out = cls(**given)
         if kind == "hardness" and isinstance(out.pooling, str) and out.pooling not in HARDNESS_POOLINGS:
+            # a rule of the task kind, not of the value: the perplexity task reads every token whatever is given
             raise RepgeomError(f"repgeom_pooling must be {' or '.join(HARDNESS_POOLINGS)}, got {out.pooling!r}")
-        out.check_pooling()
-        if out.capture not in CAPTURES:
-            raise RepgeomError(f"repgeom_capture must be {' or '.join(CAPTURES)}, got {out.capture!r}")
-        for name in ("slice_size", "slice_seeds"):
-            value = getattr(out, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RepgeomError(f"{key(name)} must be a positive integer, got {value!r}")
+        check_options(out, name=lambda f: key(f.name))  # the one check mechanism: each field's declared check
         return out
-
-    def check_pooling(self) -> None:
-        """``repgeom_pooling``: one pooling name, or a mapping of metric names to pooling names."""
-        from repgeom_eval.measurement.pooling import check_pooling
-
-        pooling = self.pooling
-        if pooling is None or isinstance(pooling, str):
-            if pooling is not None:
-                _named(check_pooling, pooling, key("pooling"))
-            return
-        if not isinstance(pooling, Mapping) or not all(isinstance(k, str) for k in pooling):
-            raise RepgeomError(f"repgeom_pooling must be a pooling name (last, mean, first, tokens) or "
-                               f'{{"METRIC": pooling}}, got {pooling!r}')
-        for metric, value in pooling.items():
-            _named(check_pooling, value, f"{key('pooling')}[{metric!r}]")
 
     def read_pooling(self, kind: str) -> str:
         """The pooling of a task's own geometry: every scored token for a rolling-perplexity task, else the one
@@ -136,14 +139,6 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_canonical(v) for v in value)
     return (type(value).__name__, value)
-
-
-def _named(check: Any, value: Any, name: str) -> Any:
-    """``check(value)``, its error naming the setting."""
-    try:
-        return check(value)
-    except RepgeomError as exc:
-        raise RepgeomError(f"{name}: {exc}") from None
 
 
 def key(name: str) -> str:

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, Field, field, fields, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -67,6 +69,37 @@ def option_like(cls: type, name: str, default: Any = MISSING, **changes: Any) ->
 
 
 # -- checks ---------------------------------------------------------------------------------------------------------
+# One validation mechanism for every door (CLI flags, YAML files, lm-eval settings, Python keywords): a field's
+# ``check`` is a function of its value that returns what is wrong with it, or ``None``. :class:`Must` is such a
+# function with its condition in words; :func:`field_problem` applies a field's ``choices`` and ``check``, and
+# :func:`check_options` raises the first problem, named as the door names the field.
+
+def is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Must:
+    """A check whose condition is said in words: ``Must("a positive integer", test)(0)`` is
+    ``"must be a positive integer, got 0"``; a value ``test`` holds for has no problem."""
+
+    says: str
+    holds: Callable[[Any], bool]
+
+    def __call__(self, value: Any, shown: Any = MISSING) -> str | None:
+        """What is wrong with ``value`` (``shown``: the value as the user gave it, if it was reshaped first)."""
+        if self.holds(value):
+            return None
+        return f"must be {self.says}, got {excerpt(value if shown is MISSING else shown)}"
+
+
+def integer_at_least(low: int) -> Must:
+    return Must("a positive integer" if low == 1 else f"an integer >= {low}", lambda v: is_integer(v) and v >= low)
+
 
 def positive(value: Any) -> str | None:
     """A positive integer (or ``None``: not given)."""
@@ -93,20 +126,29 @@ def label(f: Field) -> str:
     return long[0] if long else (flags[0].upper() if flags else f.name)
 
 
-def check_options(obj: Any) -> None:
-    """Every field's ``check`` and ``choices``, as one-line errors naming the flag."""
+def field_problem(f: Field, value: Any, shown: Any = MISSING) -> str | None:
+    """What is wrong with ``value`` as field ``f``'s value: outside its ``choices``, or its ``check``'s problem
+    (``shown``: the value as given, for a :class:`Must` to quote when the value was reshaped first)."""
+    choices = f.metadata.get("cli", {}).get("choices") if f.metadata else None
+    if choices is not None and value is not None:  # plain values only: the API also takes e.g. a torch.dtype
+        values = value if isinstance(value, (list, tuple)) else [value]
+        bad = [v for v in values if isinstance(v, (str, int, float)) and v not in choices]
+        if bad:
+            return f"unknown value {bad[0]!r} (valid: {', '.join(map(str, choices))})"
+    check = f.metadata.get("check") if f.metadata else None
+    if isinstance(check, Must):
+        return check(value, shown)
+    return check(value) if check else None
+
+
+def check_options(obj: Any, name: Callable[[Field], str] = label) -> None:
+    """Every field's ``choices`` and ``check``, as one-line errors naming the field as ``name`` says (default: its
+    flag): ``--batch-size: expected a positive integer, got 0``, ``repgeom_capture must be fused or extra, got 'x'``."""
     for f in fields(obj):
-        value = getattr(obj, f.name)
-        choices = f.metadata.get("cli", {}).get("choices") if f.metadata else None
-        if choices is not None and value is not None:  # plain values only: the API also takes e.g. a torch.dtype
-            values = value if isinstance(value, (list, tuple)) else [value]
-            bad = [v for v in values if isinstance(v, (str, int, float)) and v not in choices]
-            if bad:
-                raise RepgeomError(f"{label(f)}: unknown value {bad[0]!r} (valid: {', '.join(map(str, choices))})")
-        check = f.metadata.get("check") if f.metadata else None
-        problem = check(value) if check else None
+        problem = field_problem(f, getattr(obj, f.name))
         if problem:
-            raise RepgeomError(f"{label(f)}: {problem}")
+            joiner = " " if problem.startswith("must be ") else ": "
+            raise RepgeomError(f"{name(f)}{joiner}{problem}")
 
 
 # -- the command line ---------------------------------------------------------------------------------------------
@@ -345,3 +387,40 @@ class Options:
         out = {(f.metadata.get("config_name") or f.name): getattr(self, f.name)
                for f in fields(self) if f.metadata.get("config", True)}
         return plain(out | dict(resolved or {}))
+
+
+# -- the calling convention of a configured function ----------------------------------------------------------------
+
+def takes_options(config_cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The calling convention every analysis shares, declared once: ``f(*inputs, config=None, /, *, <keyword-only
+    parameters of its own>, **options)``, where ``config`` is a whole ``config_cls`` and ``options`` its fields as
+    keywords (one or the other: :meth:`Options.build`, which checks every value before anything runs).
+
+    The decorated function is written as ``f(*inputs, cfg, /, *, ...)`` and receives the checked configuration in
+    the place of ``cfg``; its public signature (``help()``, :func:`inspect.signature`) is the convention's."""
+    def decorate(run: Callable[..., Any]) -> Callable[..., Any]:
+        declared = inspect.signature(run)
+        params = list(declared.parameters.values())
+        n_inputs = [p.name for p in params].index("cfg")
+        own = [p for p in params[n_inputs + 1:] if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        own_names = {p.name for p in own}
+
+        @functools.wraps(run)
+        def call(*args: Any, **keywords: Any) -> Any:
+            if len(args) not in (n_inputs, n_inputs + 1):
+                raise TypeError(f"{run.__name__}() takes {n_inputs} positional input(s) and, optionally, a "
+                                f"{config_cls.__name__}; got {len(args)} positional arguments")
+            passed = {name: keywords.pop(name) for name in own_names & set(keywords)}
+            cfg = config_cls.build(args[n_inputs] if len(args) > n_inputs else None, keywords)
+            return run(*args[:n_inputs], cfg, **passed)
+
+        call.__doc__ = (f"{(run.__doc__ or '').rstrip()}\n\n    The options: a :class:`~{config_cls.__module__}."
+                        f"{config_cls.__qualname__}`, or its fields as keywords.")
+        positional = inspect.Parameter.POSITIONAL_ONLY
+        call.__signature__ = declared.replace(parameters=[  # type: ignore[attr-defined]
+            *(p.replace(kind=positional) for p in params[:n_inputs]),
+            inspect.Parameter("config", positional, default=None, annotation=f"{config_cls.__name__} | None"),
+            *own,
+            inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD, annotation="Any")])
+        return call
+    return decorate

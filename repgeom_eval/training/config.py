@@ -37,9 +37,10 @@ from typing import Any
 from repgeom_eval.analyses.configs import GapConfig
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.options import ModelOptions
-from repgeom_eval.spec.option_fields import excerpt, parse_yaml, read_yaml_file
-from repgeom_eval.training.settings import (NON_EMPTY_STRING, ConfigError, Must, check, check_types, config_block,
-                                            from_mapping, help_of, integer_at_least, is_integer, is_number, setting)
+from repgeom_eval.spec.option_fields import (Must, excerpt, integer_at_least, is_integer, is_number, parse_yaml,
+                                             read_yaml_file)
+from repgeom_eval.training.settings import (NON_EMPTY_STRING, ConfigError, check, check_types, config_block,
+                                            from_mapping, help_of, setting)
 
 # Our defaults for TrainingArguments (the user's `training:` wins): log every step, no checkpoints, no wandb.
 TRAINING_DEFAULTS: dict[str, Any] = {"logging_steps": 1, "save_strategy": "no", "report_to": "none",

@@ -5,8 +5,9 @@ A *group* is a frozen dataclass whose fields are declared with :func:`setting`: 
 :func:`repgeom_eval.spec.option_fields.option` (its help, whether the results record it) plus what its value must be.
 :func:`from_mapping` builds a group from a mapping, refusing an unknown key with the closest valid one; every group's
 ``__post_init__`` calls :func:`check`, the one validation place: it reshapes shorthand values (``normalise``), turns
-nested mappings into their groups and checks each field against its condition (``must``) or, without one, its type
-annotation. :func:`recorded` gives a group's plain JSON form for the results' ``config`` block.
+nested mappings into their groups and checks each field against its condition (``must``, a
+:class:`~repgeom_eval.spec.option_fields.Must`: the same check mechanism as the command line's options and lm-eval's
+settings) or, without one, its type annotation. :func:`recorded` gives a group's plain JSON form for the results' ``config`` block.
 
 A :class:`ConfigError` names the culprit by its dotted key (``data.domains.prose.train must be a file path, got
 3``); the groups it sits in complete the key as it travels up.
@@ -18,12 +19,12 @@ import difflib
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.spec.option_fields import excerpt, option
+from repgeom_eval.spec.option_fields import Must, excerpt, field_problem, is_integer, is_number, option
 
 
 class ConfigError(RepgeomError):
@@ -38,26 +39,6 @@ class ConfigError(RepgeomError):
         return ConfigError(self.clause, f"{key}.{self.location}" if self.location else key, self.joiner)
 
 
-@dataclass(frozen=True)
-class Must:
-    """What a setting's value must be: a test, and how an error message says it."""
-
-    says: str
-    holds: Callable[[Any], bool]
-
-
-def is_integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def integer_at_least(low: int) -> Must:
-    return Must("a positive integer" if low == 1 else f"an integer >= {low}", lambda v: is_integer(v) and v >= low)
-
-
 NON_EMPTY_STRING = Must("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
 
 
@@ -68,8 +49,8 @@ def setting(default: Any = MISSING, *, help: str, must: Must | None = None,  # n
     results) plus ``must`` (its condition; default: its type annotation), ``normalise`` (shorthand → canonical
     value, applied before the check), ``in_file`` (``False``: not a key of the config file) and ``then`` (entries
     the run resolves from this setting, recorded right after it: see :func:`config_block`)."""
-    declared = option(default, config=config, default_factory=default_factory, help=help)
-    meta = {**declared.metadata, "must": must, "normalise": normalise, "in_file": in_file, "then": tuple(then)}
+    declared = option(default, config=config, default_factory=default_factory, help=help, check=must)
+    meta = {**declared.metadata, "normalise": normalise, "in_file": in_file, "then": tuple(then)}
     if declared.default_factory is not MISSING:
         return field(default_factory=declared.default_factory, metadata=meta)
     return field(default=declared.default, metadata=meta)
@@ -132,10 +113,12 @@ def check(group: Any) -> None:
         except ConfigError as exc:
             raise exc.inside(f.name) from None
         object.__setattr__(group, f.name, value)  # frozen: normalised once, here
-        must = f.metadata.get("must")
-        if not (must.holds(value) if must is not None else conforms(value, hints[f.name])):
-            says = must.says if must is not None else describe(hints[f.name])
-            raise ConfigError(f"must be {says}, got {excerpt(given)}", f.name)
+        if f.metadata.get("check") is not None:
+            problem = field_problem(f, value, shown=given)
+        else:  # no condition declared: the type annotation is the condition
+            problem = None if conforms(value, hints[f.name]) else f"must be {describe(hints[f.name])}, got {excerpt(given)}"
+        if problem:
+            raise ConfigError(problem, f.name)
 
 
 def check_types(group: Any) -> None:
