@@ -126,7 +126,7 @@ def dry_run_bytes(shape: str, metrics: list[str], vocab: int, depth: int) -> dic
     """``--dry-run``'s estimate for ``--layers all`` at the given depth, from a config alone."""
     from transformers import LlamaConfig
 
-    from repgeom_eval.measurement.config import RunConfig
+    from repgeom_eval.spec.options.measure import RunConfig
     from repgeom_eval.measurement.estimate import estimate
 
     spec = {k: v for k, v in SHAPES[shape].items() if k not in ("full_depth", "name")}

@@ -66,7 +66,7 @@ def child(model: str, case: str, n: int, batch: int) -> None:
     import torch  # noqa: F401  - imported first: the baseline holds them
     import transformers  # noqa: F401
 
-    from repgeom_eval.measurement.config import RunConfig
+    from repgeom_eval.spec.options.measure import RunConfig
     from repgeom_eval.measurement.engine import measure
     from repgeom_eval.measurement.estimate import estimate
 

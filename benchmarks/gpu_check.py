@@ -119,7 +119,7 @@ def memory_check(scale: dict, shape: str, device: str, dtype: str, tokens: int, 
     from transformers import LlamaConfig
 
     from bench_scale import SHAPES
-    from repgeom_eval.measurement.config import RunConfig
+    from repgeom_eval.spec.options.measure import RunConfig
     from repgeom_eval.measurement.estimate import estimate
 
     spec = {k: v for k, v in SHAPES[shape].items() if k not in ("full_depth", "name")}

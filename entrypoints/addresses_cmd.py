@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass
 
 from repgeom_eval.spec.option_fields import option_like
-from repgeom_eval.modeling.option_groups import JsonGroup, LayersGroup, ModelGroup
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.groups import JsonGroup, LayersGroup, ModelGroup
+from repgeom_eval.spec.options.model import ModelOptions
 
 
 @dataclass(frozen=True, kw_only=True)

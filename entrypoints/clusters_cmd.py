@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from repgeom_eval.analyses.configs import ClustersConfig
+from repgeom_eval.spec.options.analyses import ClustersConfig
 from repgeom_eval.spec.option_fields import option_like
-from repgeom_eval.modeling.option_groups import DataGroup, ModelsGroup, PlotsGroup
+from repgeom_eval.spec.options.groups import DataGroup, ModelsGroup, PlotsGroup
 
 from .common import run_configured, say_written, wide_console
 

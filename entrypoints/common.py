@@ -1,4 +1,4 @@
-"""What the analysis commands share besides their options (those are in repgeom_eval/modeling/option_groups.py): where the
+"""What the analysis commands share besides their options (those are in repgeom_eval/spec/options/groups.py): where the
 figures go, and the checks every command runs on its outputs before any compute."""
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def run_configured(command: type, args: Any, analysis: Any, config: type, defaul
     ``analysis(model, data, configuration, model_options=...)``, each read from those options (a series of models
     as a list; the configuration: the fields of ``config``, with ``layers`` the layer request as the analyses take
     it). Returns the options, the result and the figure files."""
-    from repgeom_eval.modeling.option_groups import ModelsGroup
-    from repgeom_eval.modeling.options import ModelOptions
+    from repgeom_eval.spec.options.groups import ModelsGroup
+    from repgeom_eval.spec.options.model import ModelOptions
 
     cfg = command.from_args(args)
     model = list(cfg.model) if isinstance(cfg, ModelsGroup) else cfg.model

@@ -11,9 +11,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.spec.option_fields import Options, option, option_like, positive
-from repgeom_eval.modeling.option_groups import ChunksGroup, RunGroup
+from repgeom_eval.spec.options.groups import ChunksGroup, RunGroup
 
 
 @dataclass(frozen=True, kw_only=True)

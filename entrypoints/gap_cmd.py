@@ -11,11 +11,11 @@ import os
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 
-from repgeom_eval.analyses.configs import GapConfig
+from repgeom_eval.spec.options.analyses import GapConfig
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.spec.option_fields import option, option_like
-from repgeom_eval.modeling.option_groups import JsonGroup, OutputGroup
+from repgeom_eval.spec.options.groups import JsonGroup, OutputGroup
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from repgeom_eval.analyses.configs import KnnKeysConfig
-from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
+from repgeom_eval.spec.options.analyses import KnnKeysConfig
+from repgeom_eval.spec.options.groups import DataGroup, ModelGroup, PlotsGroup
 
 from .common import run_configured, say_written, wide_console
 

@@ -6,10 +6,10 @@ import argparse
 import os
 from dataclasses import MISSING, dataclass
 
-from repgeom_eval.modeling.options import ModelOptions
-from repgeom_eval.analyses.configs import KnnlmConfig
+from repgeom_eval.spec.options.model import ModelOptions
+from repgeom_eval.spec.options.analyses import KnnlmConfig
 from repgeom_eval.spec.option_fields import option
-from repgeom_eval.modeling.option_groups import ModelGroup, OutputGroup
+from repgeom_eval.spec.options.groups import ModelGroup, OutputGroup
 
 from .common import run_analysis, wide_console
 

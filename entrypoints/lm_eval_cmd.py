@@ -37,7 +37,7 @@ def check_arguments(argv: list[str]) -> None:
     import json
 
     from repgeom_eval.spec.errors import RepgeomError
-    from repgeom_eval.lmeval.settings import key
+    from repgeom_eval.spec.options.lmeval import key
     from repgeom_eval.modeling.loading import model_files
     from repgeom_eval.output.files import check_outputs
 

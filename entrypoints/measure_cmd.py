@@ -7,11 +7,11 @@ import json
 from dataclasses import dataclass
 
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.measurement.config import RunConfig
+from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.estimate import parse_size
 from repgeom_eval.spec.option_fields import option, option_like
-from repgeom_eval.modeling.option_groups import DataGroup, JsonGroup, ModelGroup, OutputGroup
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.groups import DataGroup, JsonGroup, ModelGroup, OutputGroup
+from repgeom_eval.spec.options.model import ModelOptions
 
 
 @dataclass(frozen=True, kw_only=True)

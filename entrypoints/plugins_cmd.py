@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 from repgeom_eval.spec.option_fields import option, option_like
-from repgeom_eval.modeling.option_groups import JsonGroup
+from repgeom_eval.spec.options.groups import JsonGroup
 
 
 @dataclass(frozen=True, kw_only=True)

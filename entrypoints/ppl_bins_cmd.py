@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from repgeom_eval.modeling.options import ModelOptions
-from repgeom_eval.analyses.configs import PplBinsConfig
+from repgeom_eval.spec.options.model import ModelOptions
+from repgeom_eval.spec.options.analyses import PplBinsConfig
 from repgeom_eval.spec.option_fields import option_like
-from repgeom_eval.modeling.option_groups import DataGroup, ModelGroup, PlotsGroup
+from repgeom_eval.spec.options.groups import DataGroup, ModelGroup, PlotsGroup
 
 from .common import run_analysis, wide_console
 

@@ -10,9 +10,9 @@ import argparse
 import json
 from dataclasses import MISSING, dataclass
 
-from repgeom_eval.analyses.configs import SlicesConfig
+from repgeom_eval.spec.options.analyses import SlicesConfig
 from repgeom_eval.spec.option_fields import option
-from repgeom_eval.modeling.option_groups import JsonGroup, OutputGroup
+from repgeom_eval.spec.options.groups import JsonGroup, OutputGroup
 
 ANSWER_PPL = ("the gold answer's per-token perplexity given the prompt (the correct choice, as lm-eval scores it), "
               "averaged over the slice's queries")

@@ -7,12 +7,12 @@ import json
 from dataclasses import dataclass
 
 from repgeom_eval.spec.option_fields import add_option_arguments, option, option_like, options_from_namespace
-from repgeom_eval.modeling.option_groups import RunGroup
+from repgeom_eval.spec.options.groups import RunGroup
 
 
 @dataclass(frozen=True)
 class TrainCommand:
-    """The command's own flags; what is trained, and how, is the config file's (repgeom_eval/training/config.py)."""
+    """The command's own flags; what is trained, and how, is the config file's (repgeom_eval/spec/options/train.py)."""
 
     config: str = option(None, "--config", "-c", required=True, metavar="FILE.yaml",
                          help="training config: model or from_scratch, data.domains, aux_losses, training "
@@ -31,9 +31,9 @@ class TrainCommand:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from repgeom_eval.training.config import config_keys_help
+    from repgeom_eval.spec.options.train import config_keys_help
 
-    # The keys of the config file, listed from their declarations (repgeom_eval/training/config.py).
+    # The keys of the config file, listed from their declarations (repgeom_eval/spec/options/train.py).
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = config_keys_help()
     add_option_arguments(TrainCommand, p)
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from repgeom_eval.training.config import GEOMETRY_FILE, read_config
+    from repgeom_eval.spec.options.train import GEOMETRY_FILE, read_config
     from repgeom_eval.training.loop import check_train_outputs, train
 
     command = TrainCommand(**options_from_namespace(TrainCommand, args))

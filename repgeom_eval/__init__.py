@@ -26,13 +26,13 @@ from .plugin_system.kinds import Command  # noqa: E402
 
 # Heavy pieces (torch, transformers) load on first access, so `import repgeom_eval` in a plugin stays cheap.
 _LAZY = {
-    "RunConfig": "repgeom_eval.measurement.config",
+    "RunConfig": "repgeom_eval.spec.options.measure",
     "measure": "repgeom_eval.measurement.engine",
     "MeasureResult": "repgeom_eval.measurement.engine",
     "load_model": "repgeom_eval.modeling.loading",
     "LoadedModel": "repgeom_eval.modeling.loading",
     "ModelInfo": "repgeom_eval.modeling.loading",
-    "ModelOptions": "repgeom_eval.modeling.options",
+    "ModelOptions": "repgeom_eval.spec.options.model",
     "get_host": "repgeom_eval.plugin_system.host",
     "PluginHost": "repgeom_eval.plugin_system.host",
     "AuxLoss": "repgeom_eval.training.auxloss",

@@ -1,7 +1,7 @@
 """Write the generated reference pages of the documentation site from the code itself:
 
 * docs/reference/cli.md: every ``repgeom`` command and sub-command with its options, read from the parsers that the
-  option declarations build (repgeom_eval/spec/option_fields.py, repgeom_eval/modeling/option_groups.py, entrypoints/*): flags,
+  option declarations build (repgeom_eval/spec/option_fields.py, repgeom_eval/spec/options/groups.py, entrypoints/*): flags,
   value, default, the key of the option in a ``--config`` file, and the help text;
 * docs/reference/api.md: one mkdocstrings entry per public name of ``repgeom_eval.__all__``, under the headings of
   the comments that group them there, each pointing at the module that defines it (the package loads most of them

@@ -12,7 +12,7 @@ import pytest
 import repgeom_eval as rg
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.modeling.loading import load_model
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 
 TEXTS = ["one short text", "and another one, longer than the first", "a third", "four is here, with a comma",
          "five"]

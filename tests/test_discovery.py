@@ -273,7 +273,7 @@ def test_peft_adapter_is_applied_and_recorded(tiny_model_dir, tmp_path):
     lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
                                                      init_lora_weights=False))
     lora.save_pretrained(tmp_path / "adapter")
-    from repgeom_eval.modeling.options import ModelOptions
+    from repgeom_eval.spec.options.model import ModelOptions
 
     plain = rg.measure(path, TEXTS, layers="all", metrics=["dispersion"], progress=False)
     adapted = rg.measure(path, TEXTS, layers="all", metrics=["dispersion"], progress=False,

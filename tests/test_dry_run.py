@@ -10,7 +10,7 @@ import pytest
 
 import repgeom_eval as rg
 from repgeom_eval.entrypoints.cli import main
-from repgeom_eval.measurement.config import RunConfig
+from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.estimate import estimate
 
 METRICS = ["dispersion", "dataset_entropy", "effective_rank", "vendi", "token_dispersion"]

@@ -13,10 +13,10 @@ import pytest
 
 import repgeom_eval
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.measurement.config import POOLING_CHOICES, RunConfig
+from repgeom_eval.spec.options.measure import POOLING_CHOICES, RunConfig
 from repgeom_eval.measurement.engine import measure
 from repgeom_eval.modeling.addresses import resolve_request
-from repgeom_eval.measurement.pooling import POOLING_ALIASES, POOLINGS
+from repgeom_eval.spec.poolings import POOLING_ALIASES, POOLINGS
 from repgeom_eval.modeling.loading import load_model
 
 PACKAGE = Path(repgeom_eval.__file__).parent

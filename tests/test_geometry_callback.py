@@ -230,7 +230,7 @@ def test_a_resumed_run_keeps_the_earlier_records(tiny_model_dir, texts, tmp_path
     ("[a, b]", "geometry_probe must be a mapping"),
 ])
 def test_a_bad_geometry_probe_block_is_one_typed_line(block, match, tmp_path, capsys):
-    from repgeom_eval.training.config import read_config
+    from repgeom_eval.spec.options.train import read_config
 
     text = ("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1, save_strategy: steps}\n"
             f"output_dir: o\ngeometry_probe: {block}\n")
@@ -244,7 +244,7 @@ def test_a_bad_geometry_probe_block_is_one_typed_line(block, match, tmp_path, ca
 
 
 def test_no_saved_checkpoint_and_bad_names_are_refused_before_training(tiny_model_dir, run, capsys):
-    from repgeom_eval.training.config import read_config
+    from repgeom_eval.spec.options.train import read_config
 
     (run / "nosave.yaml").write_text("model: m\ndata: {domains: {a: t.jsonl}}\ntraining: {max_steps: 1}\n"
                                      "output_dir: o\ngeometry_probe: {texts: [a, b]}\n")
@@ -268,7 +268,7 @@ def test_a_callback_built_from_a_bad_mapping_names_the_key():
 
 
 def test_an_earlier_geometry_file_is_an_earlier_run(tmp_path):
-    from repgeom_eval.training.config import parse_config
+    from repgeom_eval.spec.options.train import parse_config
     from repgeom_eval.training.loop import check_train_outputs
 
     (tmp_path / "t.jsonl").write_text('{"text": "a b"}\n{"text": "c d"}\n')

@@ -41,8 +41,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     # a built-in layer pick scores with the math and looks itself up in the host, both inside functions
     ("repgeom_eval.spec.layer_pick", "repgeom_eval.functional.entropy"): "inside score()",
     ("repgeom_eval.spec.layer_pick", "repgeom_eval.plugin_system.host"): "inside make_pick()",
-    # the --distance choices are declared with the option (analyses/configs.py stays torch-free for --help)
-    ("repgeom_eval.functional.gap_distances", "repgeom_eval.analyses.configs"): "the option's choices",
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.modeling.addresses import REQUEST_KEY, layer_request
+from repgeom_eval.spec.layer_request import REQUEST_KEY, layer_request
 
 BRACKETS = "resid_post:[0,1]"
 BOTH = ["resid_post:0", "resid_post:1"]
@@ -63,7 +63,7 @@ def test_what_the_grammar_refuses(given, message):
 def test_the_split_lives_in_one_module():
     sources = [p for p in (ROOT / "repgeom_eval").rglob("*.py")] + list((ROOT / "entrypoints").glob("*.py"))
     users = sorted(str(p.relative_to(ROOT)) for p in sources if "_split_items(" in p.read_text(encoding="utf-8"))
-    assert users == ["repgeom_eval/modeling/addresses.py"]
+    assert users == ["repgeom_eval/spec/layer_request.py"]
 
 
 # -- the bracket case through every surface ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from repgeom_eval import Metric
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.precheck import check_settings
 from repgeom_eval.lmeval.registered import MetricRequest
-from repgeom_eval.lmeval.settings import Settings
+from repgeom_eval.spec.options.lmeval import Settings
 
 LM_EVAL = str(Path(sys.executable).parent / "lm_eval")
 

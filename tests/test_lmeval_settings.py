@@ -1,4 +1,4 @@
-"""The ``repgeom_*`` settings are declared once (``repgeom_eval.lmeval.settings.Settings``): the docs list the
+"""The ``repgeom_*`` settings are declared once (``repgeom_eval.spec.options.lmeval.Settings``): the docs list the
 declared keys and defaults, every check names the key, each kind of task records what it reads, and ``repgeom-hf``
 takes the keys out of ``--model_args`` (checked before the model loads, kept from ``from_pretrained``).
 tests/test_lmeval_wrapper.py runs the ``--model_args`` route end to end."""
@@ -14,7 +14,7 @@ import pytest
 import lm_eval  # noqa: F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.lmeval.settings import KEYS, Settings, key
+from repgeom_eval.spec.options.lmeval import KEYS, Settings, key
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "lmeval.md"
 
@@ -46,8 +46,8 @@ def test_each_kind_records_the_settings_it_reads():
 
 
 def test_the_poolings_are_the_projects_own():
-    from repgeom_eval.lmeval.settings import HARDNESS_POOLINGS
-    from repgeom_eval.measurement.pooling import POOLINGS
+    from repgeom_eval.spec.options.lmeval import HARDNESS_POOLINGS
+    from repgeom_eval.spec.poolings import POOLINGS
 
     assert set(HARDNESS_POOLINGS) | {"tokens"} <= set(POOLINGS)
 

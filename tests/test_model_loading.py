@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from repgeom_eval.entrypoints.cli import main
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.loading import load_model
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 
 
 def _variant(src: Path, dst: Path, tensors=None, config=None) -> Path:

@@ -72,7 +72,7 @@ def test_no_process_wide_model_options():
 
 def test_run_layers_takes_one_checked_config(tiny_model_dir, files):
     from repgeom_eval.mteb_layers import make_task, run_layers
-    from repgeom_eval.mteb_layers.config import SweepConfig
+    from repgeom_eval.spec.options.mteb import SweepConfig
     from repgeom_eval.mteb_layers.examples import build_tasks, pydoc_documents
     from repgeom_eval.spec.errors import RepgeomError
 

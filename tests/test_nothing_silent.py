@@ -293,7 +293,7 @@ def test_switching_off_the_commands_plugin_says_what_to_do(capsys):
 
 
 def test_save_strategy_no_is_the_string_no():
-    from repgeom_eval.training.config import _training_arguments
+    from repgeom_eval.spec.options.train import _training_arguments
 
     assert dict(_training_arguments({"save_strategy": False, "max_steps": 3})) == {"save_strategy": "no",
                                                                                    "max_steps": 3}

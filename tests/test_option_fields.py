@@ -11,7 +11,7 @@ import pytest
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.option_fields import Options, option, option_like, positive
-from repgeom_eval.modeling.option_groups import LayersGroup, ModelGroup, RunGroup
+from repgeom_eval.spec.options.groups import LayersGroup, ModelGroup, RunGroup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,10 +68,10 @@ def test_one_check_mechanism_serves_the_cli_the_train_yaml_and_lm_eval_settings(
     import dataclasses
     import pathlib
 
-    from repgeom_eval.lmeval.settings import Settings
+    from repgeom_eval.spec.options.lmeval import Settings
     from repgeom_eval.spec.option_fields import Must, field_problem, integer_at_least
-    from repgeom_eval.training.config import GeometryProbe
-    from repgeom_eval.training.settings import ConfigError, from_mapping
+    from repgeom_eval.spec.options.train import GeometryProbe
+    from repgeom_eval.spec.options.settings import ConfigError, from_mapping
 
     for cls in (Probe, Settings, GeometryProbe):
         checked = [f for f in dataclasses.fields(cls) if f.metadata.get("check") is not None]
@@ -97,7 +97,7 @@ def test_every_analysis_takes_a_config_or_its_fields_as_keywords():
     """``takes_options``: one declaration of the analyses' calling convention (issue 34, item 6)."""
     import inspect
 
-    from repgeom_eval.analyses.configs import KnnlmConfig, PerturbConfig
+    from repgeom_eval.spec.options.analyses import KnnlmConfig, PerturbConfig
     from repgeom_eval.analyses.knnlm import knnlm
     from repgeom_eval.analyses.perturb import perturb
     from repgeom_eval.spec.option_fields import takes_options

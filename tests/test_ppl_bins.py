@@ -209,7 +209,7 @@ def test_sample_per_source_names_the_sources_that_are_too_small():
 
 def test_auto_group_size_gives_every_source_enough_groups():
     from repgeom_eval.analyses.ppl_bins import GROUP_SIZE_MAX, GROUPS_PER_SOURCE, auto_group_size, resolve_group_size
-    from repgeom_eval.analyses.configs import PplBinsConfig
+    from repgeom_eval.spec.options.analyses import PplBinsConfig
 
     assert PplBinsConfig().group_size == "auto" and (GROUPS_PER_SOURCE, GROUP_SIZE_MAX) == (20, 100)
     size, rule = auto_group_size({"code": 5000, "docs": 130, "bible": 900})

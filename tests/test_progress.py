@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.measurement.config import RunConfig
+from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.output.progress import LineProgress, duration, mode_of, progress_bar, progress_mode
 
 

@@ -47,7 +47,7 @@ def test_earlier_module_paths_are_gone_and_nothing_hooks_imports(old):
 
 
 def test_names_moved_to_the_package_root_are_the_same_objects():
-    from repgeom_eval.modeling.options import ModelOptions
+    from repgeom_eval.spec.options.model import ModelOptions
     from repgeom_eval.training.auxloss import AuxLoss
 
     assert repgeom_eval.AuxLoss is AuxLoss and repgeom_eval.ModelOptions is ModelOptions

@@ -13,7 +13,7 @@ import torch
 import repgeom_eval as rg
 from repgeom_eval import Consumes, LayerBatch, Metric
 from repgeom_eval.measurement.bank import MetricBank
-from repgeom_eval.measurement.config import RunConfig
+from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.estimate import estimate
 from repgeom_eval.measurement.metric_specs import fresh_metrics, instantiate_metrics
 from repgeom_eval.modeling.addresses import Address

@@ -113,7 +113,7 @@ def test_condensation_defaults_match_the_functional_constants():
     assert plugin.DEFAULT_BINS == functional.DEFAULT_BINS
     default = plugin.Condensation()
     assert (default.eps, default.bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
-    from repgeom_eval.analyses.configs import CondensationConfig  # the command's defaults (torch-free)
+    from repgeom_eval.spec.options.analyses import CondensationConfig  # the command's defaults (torch-free)
 
     command = CondensationConfig()
     assert (command.eps, command.bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
@@ -210,7 +210,7 @@ def test_a_command_whose_configure_fails_breaks_only_itself(monkeypatch, capsys)
 
 def test_every_command_help_imports_no_torch():
     """``repgeom COMMAND --help`` for every command: the defaults it prints come from the torch-free configurations
-    (repgeom_eval/modeling/option_groups.py, repgeom_eval/analyses/configs.py)."""
+    (repgeom_eval/spec/options/groups.py, repgeom_eval/spec/options/analyses.py)."""
     from repgeom_eval.plugin_system.host import get_host
 
     probe_all = r"""

@@ -11,7 +11,7 @@ import datasets  # noqa: E402,F401  (dev extra: missing must fail, not skip)
 
 from repgeom_eval.entrypoints.cli import main  # noqa: E402
 from repgeom_eval.spec.errors import RepgeomError  # noqa: E402
-from repgeom_eval.training.config import TrainConfig, parse_config, read_config  # noqa: E402
+from repgeom_eval.spec.options.train import TrainConfig, parse_config, read_config  # noqa: E402
 from repgeom_eval.training.data import split_texts  # noqa: E402
 
 
@@ -218,7 +218,7 @@ BASE = {"data": {"domains": {"a": "t.jsonl"}}, "training": {"max_steps": 1}, "ou
 
 
 def test_model_options_come_from_the_model_mapping(tmp_path):
-    from repgeom_eval.modeling.options import ModelOptions
+    from repgeom_eval.spec.options.model import ModelOptions
 
     (tmp_path / "adapter").mkdir()
     cfg = parse_config({**BASE, "model": {"name": "org/name", "revision": "v1", "trust_remote_code": True,
@@ -238,7 +238,7 @@ def test_the_config_is_one_frozen_typed_object_from_python_too():
     import dataclasses
     from pathlib import Path
 
-    from repgeom_eval.training.config import Domain
+    from repgeom_eval.spec.options.train import Domain
 
     cfg = TrainConfig(model="m", data={"domains": {"a": "t.jsonl"}, "block_size": 16}, training={"max_steps": 2},
                       output_dir="o", evaluate_at=[4, 2, 4], aux_losses={"name": "push_away", "weight": 0.1})
@@ -257,8 +257,8 @@ def test_the_config_is_one_frozen_typed_object_from_python_too():
 
 
 def test_help_lists_every_config_key(capsys):
-    from repgeom_eval.training.config import DataOptions, Domain, ScratchModel
-    from repgeom_eval.training.settings import file_keys
+    from repgeom_eval.spec.options.train import DataOptions, Domain, ScratchModel
+    from repgeom_eval.spec.options.settings import file_keys
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -28,12 +28,12 @@ import torch
 
 from ..spec.errors import RepgeomError
 from ..functional.dispersion import dispersion, unit
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, load_documents, tokenize_documents
 from .knn_keys import last_token_vectors
 from .series import series_labels
-from repgeom_eval.analyses.configs import ClustersConfig
+from repgeom_eval.spec.options.analyses import ClustersConfig
 from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request

@@ -17,9 +17,9 @@ from typing import Any
 
 from ..spec.errors import RepgeomError
 from ..functional.condensation import CONDENSATION_EPS, DEFAULT_BINS  # noqa: F401 - re-exported
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.modeling.loading import LoadedModel
-from repgeom_eval.analyses.configs import CondensationConfig
+from repgeom_eval.spec.options.analyses import CondensationConfig
 from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.analyses.series import series_labels

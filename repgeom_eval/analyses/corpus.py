@@ -25,7 +25,7 @@ from typing import Any
 from repgeom_eval.measurement.texts import data_format, read_jsonl, read_lines
 from ..spec.errors import RepgeomError
 
-from repgeom_eval.modeling.option_groups import PACKINGS  # noqa: E402 - declared with --packing
+from repgeom_eval.spec.options.groups import PACKINGS  # noqa: E402 - declared with --packing
 NO_SOURCE = "all"  # the source name of records without a source field
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.output.progress import progress_bar
 
 from ..spec.errors import RepgeomError
@@ -28,7 +28,7 @@ from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, Texts, check_context, corpus_chunks, describe, load_documents
 from repgeom_eval.measurement.forward import Forward, batches
 from repgeom_eval.measurement.pooling import pool
-from repgeom_eval.analyses.configs import KnnKeysConfig
+from repgeom_eval.spec.options.analyses import KnnKeysConfig
 from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request

@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.output.progress import progress_bar
 
 from ..spec.errors import RepgeomError
 from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import Chunk, check_context, corpus_chunks, load_documents
 from repgeom_eval.measurement.forward import Forward, batches, next_token_logprobs
-from repgeom_eval.analyses.configs import INDEX_KINDS, KnnlmConfig
+from repgeom_eval.spec.options.analyses import INDEX_KINDS, KnnlmConfig
 from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.output.progress import progress_bar
 
 from ..spec.errors import RepgeomError
@@ -33,7 +33,7 @@ from repgeom_eval.modeling.loading import LoadedModel, load_model
 from .corpus import load_documents, tokenize_documents
 from repgeom_eval.measurement.forward import Forward, batches
 from repgeom_eval.measurement.pooling import pool
-from repgeom_eval.analyses.configs import PerturbConfig
+from repgeom_eval.spec.options.analyses import PerturbConfig
 from repgeom_eval.spec.option_fields import takes_options
 from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.output.progress import progress_bar
 
 from ..spec.errors import RepgeomError
@@ -57,7 +57,7 @@ from repgeom_eval.analyses.envelope import AnalysisResult
 from repgeom_eval.modeling.addresses import resolve_request
 
 KIND = "ppl-bins"
-from repgeom_eval.analyses.configs import GROUP_SIZE_MAX, GROUPS_PER_SOURCE, PplBinsConfig
+from repgeom_eval.spec.options.analyses import GROUP_SIZE_MAX, GROUPS_PER_SOURCE, PplBinsConfig
 from repgeom_eval.spec.option_fields import takes_options
 
 # The defaults under their earlier names (declared once, in PplBinsConfig)

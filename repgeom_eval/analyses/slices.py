@@ -30,7 +30,7 @@ from repgeom_eval.functional.stats import spearman
 
 FRACTIONS = tuple(round(i / 10, 1) for i in range(11))
 DENSE_FRACTIONS = tuple(round(i / 50, 2) for i in range(51))
-from repgeom_eval.analyses.configs import SlicesConfig
+from repgeom_eval.spec.options.analyses import SlicesConfig
 
 SLICE_SIZE, SEEDS = SlicesConfig().size, SlicesConfig().seeds  # the defaults under their earlier names
 REGRESSORS = ("isotonic", "linear", "poly2", "poly3")

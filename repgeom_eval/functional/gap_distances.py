@@ -20,7 +20,7 @@ import torch
 from ..spec.errors import RepgeomError
 from .dispersion import cross_dispersion, dispersion
 
-from repgeom_eval.analyses.configs import GAP_DISTANCES as DISTANCES  # noqa: F401 - declared with --distance
+from repgeom_eval.spec.options.analyses import GAP_DISTANCES as DISTANCES  # noqa: F401 - declared with --distance
 SIGN = "G = within(T) + between(T, T̄)"
 
 

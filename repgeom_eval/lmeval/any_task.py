@@ -25,7 +25,7 @@ from typing import Any
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.registered import MetricRequest, TaskBank
-from repgeom_eval.lmeval.settings import PREFIX, Settings
+from repgeom_eval.spec.options.lmeval import PREFIX, Settings
 
 _SHADOWED = ("apply_filters", "process_results")
 

@@ -31,7 +31,7 @@ from repgeom_eval.functional.dispersion import DispersionSums
 from repgeom_eval.lmeval.extra_pass import ExtraPass
 from repgeom_eval.lmeval.feeding import BankFeeder
 from repgeom_eval.lmeval.scored import PromptScore, RollingScore, Scored, ScoredRow, prompt_score, read, rolling_windows
-from repgeom_eval.lmeval.settings import CAPTURES
+from repgeom_eval.spec.options.lmeval import CAPTURES
 from repgeom_eval.measurement.forward import check_finite
 from repgeom_eval.modeling.addresses import Address, resolve, resolve_request
 from repgeom_eval.modeling.hooks import Capture

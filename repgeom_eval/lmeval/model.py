@@ -24,7 +24,7 @@ from lm_eval.models.huggingface import HFLM
 
 from repgeom_eval.lmeval import metrics, session  # noqa: F401  (registers the metrics; wraps lm-eval's evaluate)
 from repgeom_eval.lmeval.precheck import check_settings
-from repgeom_eval.lmeval.settings import PREFIX, rejoin_brackets
+from repgeom_eval.spec.options.lmeval import PREFIX, rejoin_brackets
 
 NAME = "repgeom-hf"
 

@@ -20,7 +20,7 @@ def check_settings(given: Mapping[str, Any], partial: bool = False) -> None:
     ``--metadata`` may hold the rest, docs/lmeval.md#settings---metadata), so a setting that needs another one
     (``repgeom_layers`` needs ``repgeom_metrics``) is not refused here: the merged check decides."""
     from repgeom_eval.lmeval.registered import MetricRequest, check_layers, request_items
-    from repgeom_eval.lmeval.settings import Settings
+    from repgeom_eval.spec.options.lmeval import Settings
 
     settings = Settings.from_metadata(given, "any")
     check_layers(request_items(str(settings.layer), "repgeom_layer"), key="repgeom_layer")

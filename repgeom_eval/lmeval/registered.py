@@ -33,12 +33,13 @@ import torch
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.lmeval.ranks import lm_eval_ranks
 from repgeom_eval.measurement.bank import MetricBank
-from repgeom_eval.measurement.config import split_names
+from repgeom_eval.spec.options.measure import split_names
 from repgeom_eval.spec.metric import Consumes
-from repgeom_eval.modeling.addresses import REQUEST_KEY, Address, layer_request
+from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.spec.layer_request import REQUEST_KEY, layer_request
 
 if TYPE_CHECKING:  # pragma: no cover
-    from repgeom_eval.lmeval.settings import Settings
+    from repgeom_eval.spec.options.lmeval import Settings
 
 PREFIX = "repgeom:"
 KINDS = ("context", "document")
@@ -68,7 +69,7 @@ class MetricRequest:
 
     @classmethod
     def from_settings(cls, settings: "Settings", host: Any = None) -> "MetricRequest | None":
-        """The request of a task's :class:`~repgeom_eval.lmeval.settings.Settings`; None when no metric is requested.
+        """The request of a task's :class:`~repgeom_eval.spec.options.lmeval.Settings`; None when no metric is requested.
         Unknown metrics, parameters or bad values fail here, when lm-eval loads the task, before any model is
         loaded."""
         metrics, params, layers, seed = settings.metrics, settings.metric_params, settings.layers, settings.seed

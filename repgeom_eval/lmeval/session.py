@@ -59,9 +59,9 @@ def _wrap_evaluate(module: Any) -> None:
 
 def geometry_tasks(task_dict: Any) -> list:
     """The repgeom tasks of a run (``TaskManager.load()`` result or lm-eval's older nested dict): the tasks that
-    carry repgeom :class:`~repgeom_eval.lmeval.settings.Settings` (``task.GeometryTask`` and its subclasses; that
+    carry repgeom :class:`~repgeom_eval.spec.options.lmeval.Settings` (``task.GeometryTask`` and its subclasses; that
     module imports this one to install the wrapper, so the tasks are recognised by what they carry)."""
-    from repgeom_eval.lmeval.settings import Settings
+    from repgeom_eval.spec.options.lmeval import Settings
 
     found: list = []
 

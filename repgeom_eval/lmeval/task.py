@@ -5,7 +5,7 @@ geometry. Importing this module registers the metrics with lm-eval and installs 
 runs that include a repgeom task (``session``).
 
 Settings come from ``--metadata`` (and from ``--model_args`` with ``--model repgeom-hf``), all optional: the keys
-``repgeom_<field>`` of :class:`~repgeom_eval.lmeval.settings.Settings`, where each is declared once, with its default
+``repgeom_<field>`` of :class:`~repgeom_eval.spec.options.lmeval.Settings`, where each is declared once, with its default
 and meaning (docs/lmeval.md#settings---metadata). What a task reads (its ``repgeom_layer`` address and pooling) is
 resolved on the model when the run starts (``session``).
 
@@ -38,7 +38,7 @@ from repgeom_eval.lmeval import metrics, session
 from repgeom_eval.lmeval.documents import SCHEMAS
 from repgeom_eval.lmeval.ranks import lm_eval_ranks
 from repgeom_eval.lmeval.registered import MetricRequest
-from repgeom_eval.lmeval.settings import SCHEMA_KEY, Settings
+from repgeom_eval.spec.options.lmeval import SCHEMA_KEY, Settings
 from repgeom_eval.modeling.addresses import Address
 
 

@@ -25,7 +25,7 @@ from repgeom_eval.output.progress import progress_bar
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_identity
-from repgeom_eval.measurement.config import RunConfig
+from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.feed import Feeder, StatsCollector
 from repgeom_eval.measurement.forward import Forward, context_length
@@ -59,11 +59,11 @@ def measure(
     """Measure ``metrics`` at every address in ``layers`` over ``data`` with one forward pass per batch.
 
     ``model`` is a hub id, a local directory or a ``.gguf`` file (loaded with ``model_options``, a
-    :class:`~repgeom_eval.modeling.options.ModelOptions`: revision, PEFT adapter, device map ...), an already loaded
+    :class:`~repgeom_eval.spec.options.model.ModelOptions`: revision, PEFT adapter, device map ...), an already loaded
     :class:`LoadedModel`, or a model in memory: a transformers model (give its ``tokenizer``), a PEFT model or a
     ``SentenceTransformer``;
     ``data`` is a ``.jsonl``/``.txt`` path, an ``hf:NAME?split=...`` dataset stream, a list of strings or a
-    :class:`TextSet`. The options are a :class:`~repgeom_eval.measurement.config.RunConfig`, given whole as
+    :class:`TextSet`. The options are a :class:`~repgeom_eval.spec.options.measure.RunConfig`, given whole as
     ``config`` or as keywords (``layers="all"``, ``metrics=["dispersion"]``, ``pooling``, ``batch_size``,
     ``max_length``, ``padding_side``, ``dtype``, ``device``, ``per_text``, ``metric_params``, ``text_field``,
     ``seed``, ``preprocess``, ``preprocess_stats``, ``save_preprocess_stats``, ``massive_share_warning``,
@@ -130,7 +130,7 @@ def _measure_loaded(model, tokenizer, model_options, config, host, source, dist,
     """Load ``model`` (unless loaded) and run :class:`MeasureRun` (the body of :func:`measure`)."""
     t0 = time.perf_counter()
     if isinstance(model, (str, Path)):
-        from repgeom_eval.modeling.options import ModelOptions
+        from repgeom_eval.spec.options.model import ModelOptions
 
         opts = (model_options or ModelOptions()).replace(dtype=config.dtype, device=dist.device(config.device))
         loaded = load_model(str(model), host=host, options=opts)

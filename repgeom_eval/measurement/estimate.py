@@ -120,7 +120,7 @@ def _first(config: Any, *names: str) -> int | None:
 
 def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_size: int | None = None,
              max_length: int | None = None, energy: bool = True) -> MemoryEstimate:
-    """The memory of ``measure(model, ..., run)`` (a :class:`~repgeom_eval.measurement.config.RunConfig`) from the
+    """The memory of ``measure(model, ..., run)`` (a :class:`~repgeom_eval.spec.options.measure.RunConfig`) from the
     model's config: no weights are read. ``energy``: count ``measure``'s per-address energy diagnostic."""
     import torch
     from transformers import AutoConfig
@@ -129,7 +129,7 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
     from repgeom_eval.measurement.states import ENERGY_TOP, energy_metric
     from repgeom_eval.modeling.addresses import parse_request
     from repgeom_eval.modeling.loading import ModelInfo, auto_class, locate_model, resolve_device, resolve_dtype
-    from repgeom_eval.modeling.options import ModelOptions
+    from repgeom_eval.spec.options.model import ModelOptions
     from repgeom_eval.plugin_system.host import get_host
 
     host = host or get_host()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from repgeom_eval.spec.errors import ParameterError, PluginError, RepgeomError
-from repgeom_eval.measurement.pooling import check_pooling
+from repgeom_eval.spec.poolings import check_pooling
 from repgeom_eval.spec.metric import Consumes, Metric
 from repgeom_eval.plugin_system.host import BUILTIN_DISTRIBUTION, PluginHost, origin
 

@@ -4,21 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from repgeom_eval.spec.errors import RepgeomError, UnknownNameError
+from repgeom_eval.spec.poolings import check_pooling
 from repgeom_eval.functional.tokens import TokenBlock
-
-POOLINGS = ("last", "mean", "first", "tokens")
-POOLING_ALIASES = {"cls": "first"}
-
-
-def check_pooling(name: str) -> str:
-    if not isinstance(name, str):
-        raise RepgeomError(f"pooling must be one of {', '.join(POOLINGS + tuple(POOLING_ALIASES))}, got {name!r}")
-    name = POOLING_ALIASES.get(name, name)
-    if name not in POOLINGS:
-        raise UnknownNameError("pooling", name, POOLINGS + tuple(POOLING_ALIASES))
-    return name
-
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool [B, T, D] token vectors with a [B, T] bool mask.

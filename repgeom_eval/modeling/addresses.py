@@ -11,7 +11,8 @@ Grammar (items separated by commas or given as a list)::
     NAME           a registered layer selector, e.g. ``all`` (every hidden state) or ``blocks``
     auto           alone: the layer pick of ``repgeom mteb run --layer auto`` (docs/picks.md)
 
-:func:`layer_request` is the one split of a request into its items, for every surface (``measure --layers``,
+:func:`~repgeom_eval.spec.layer_request.layer_request` (on the torch-free floor, as strings) is the one split of a
+request into its items, for every surface (``measure --layers``,
 ``mteb run --layer``, lm-eval's ``repgeom_layer``/``repgeom_layers``, the Python keywords); everything below parses
 what it returns. Results store only the canonical form (``resid_post:11``, ``final``, ``embed``), and the request
 as given under :data:`REQUEST_KEY`.
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from repgeom_eval.modeling.architectures import SITES
 from repgeom_eval.modeling.hook_point import HookPoint
 from repgeom_eval.spec.errors import RepgeomError, UnknownNameError
+from repgeom_eval.spec.layer_request import AUTO, AUTO_ELSEWHERE, LayerRequest, layer_request
 
 if TYPE_CHECKING:  # pragma: no cover
     from repgeom_eval.modeling.loading import LoadedModel, ModelInfo
@@ -53,76 +55,6 @@ class Address:
         if self.site == "final":
             return (n_layers, 0)
         return (self.layer or 0, _SITE_ORDER[self.site])
-
-
-AUTO = "auto"
-#: the one name under which every output records a layer request as given (its items, as :func:`layer_request`
-#: split them); ``layers`` are canonical addresses, ``layer`` is one (docs/metrics.md#layer-addresses)
-REQUEST_KEY = "layer_request"
-AUTO_ELSEWHERE = ("layer 'auto' is the layer pick of `repgeom mteb run --layer auto` (docs/picks.md); name the "
-                  "layers here (final, all, resid_post:[0,-1], ...)")
-
-
-@dataclass(frozen=True)
-class LayerRequest:
-    """A layer request split into its items by :func:`layer_request`: what every surface hands on."""
-
-    items: tuple[str, ...]
-
-    @property
-    def auto(self) -> bool:
-        """Whether this is the layer pick (``auto``, which :func:`layer_request` allows only alone)."""
-        return self.items == (AUTO,)
-
-    def record(self) -> list[str]:
-        """The request as an output records it, under :data:`REQUEST_KEY`."""
-        return list(self.items)
-
-    def __str__(self) -> str:
-        return ",".join(self.items)
-
-
-def layer_request(request: "str | int | LayerRequest | Sequence[str | int]") -> LayerRequest:
-    """THE split of a layer request (docs/metrics.md#layer-addresses), for every surface: a string, an integer or a
-    list of them; each string splits at the commas outside ``[...]``, so ``"resid_post:[0,1],final"`` and
-    ``["resid_post:[0,1]", "final"]`` are the same two items. ``auto`` (the layer pick) is one item, alone.
-    Errors: an empty request, a value of another type, an item whose brackets do not close, ``auto`` with others."""
-    if isinstance(request, LayerRequest):
-        return request
-    parts = [request] if isinstance(request, (str, int)) else request
-    if not isinstance(parts, (list, tuple)) or not all(
-            isinstance(x, (str, int)) and not isinstance(x, bool) for x in parts):
-        raise RepgeomError(f"a layer request is an address, a comma-separated string or a list of them "
-                           f"(e.g. final or [\"resid_post:[0,1]\", \"final\"]), got {request!r}")
-    items = _split_items([str(x) for x in parts])
-    for item in items:
-        outside = re.sub(r"\[[^\[\]]*\]", "", item)  # what is left once every [...] is taken out
-        if "[" in outside or "]" in outside:
-            raise RepgeomError(f"bad layer address {item!r}: its brackets are unbalanced or nested; a list of "
-                               "blocks is written site:[0,1,-1], in one item")
-    if not items:
-        raise RepgeomError("no layer address given; try --layers final, --layers all or --layers resid_post:*")
-    if AUTO in items and len(items) > 1:
-        raise RepgeomError(f"layer 'auto' picks one layer and evaluates it with final; it cannot be combined with "
-                           f"other layers ({', '.join(items)})")
-    return LayerRequest(tuple(items))
-
-
-def _split_items(parts: Sequence[str]) -> list[str]:
-    """Split each string on the commas that are not inside brackets (only :func:`layer_request` calls this)."""
-    items: list[str] = []
-    for part in parts:
-        depth, cur = 0, ""
-        for ch in part:
-            depth += ch == "["
-            depth -= ch == "]"
-            if ch == "," and depth == 0:
-                items.append(cur)
-                cur = ""
-            else:
-                cur += ch
-        items.append(cur)
-    return [i.strip() for i in items if i.strip()]
 
 
 def _parse_int(text: str, what: str) -> int:

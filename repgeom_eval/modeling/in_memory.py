@@ -11,7 +11,7 @@ import torch
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.modeling.loading import LoadedModel, wrap_model
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 
 
 def as_loaded(model: Any, tokenizer: Any = None, *, name: str | None = None, host: Any = None,

@@ -19,7 +19,7 @@ from repgeom_eval.modeling.gguf_cache import check_gguf_packages, convert_gguf, 
 from repgeom_eval.modeling.adapters import adapter_base, apply_adapter
 from repgeom_eval.modeling.layout import Layout
 from repgeom_eval.modeling.weights_check import check_loading_report, check_safetensors
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 
 __all__ = ["LoadedModel", "ModelInfo", "ModelOptions", "auto_class", "load_model",
            "locate_model", "model_files", "wrap_model"]
@@ -99,7 +99,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from repgeom_eval.modeling.options import device_problem
+    from repgeom_eval.spec.options.model import device_problem
 
     if (problem := device_problem(str(device))) is not None:
         raise RepgeomError(f"--device {problem}")
@@ -168,7 +168,7 @@ def load_model(
     """Load model + tokenizer, find and check its layers (:mod:`~repgeom_eval.modeling.discovery`), put the model in
     eval mode on its device.
 
-    ``options`` (a :class:`~repgeom_eval.modeling.options.ModelOptions`; default: its defaults) say how: revision, dtype, device or device map, remote code, random initialisation, a
+    ``options`` (a :class:`~repgeom_eval.spec.options.model.ModelOptions`; default: its defaults) say how: revision, dtype, device or device map, remote code, random initialisation, a
     PEFT adapter, quantization, other ``from_pretrained`` keywords; ``dtype`` and ``device``, when given, win.
 
     The checkpoint is measured as saved or refused: tensors that the measured hidden states read but the files lack,

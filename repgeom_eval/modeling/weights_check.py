@@ -9,7 +9,7 @@ from typing import Any
 
 from repgeom_eval.spec.errors import RepgeomError, first_line
 from repgeom_eval.modeling.layout import Layout
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 
 
 def check_safetensors(directory: Path, name: str) -> None:

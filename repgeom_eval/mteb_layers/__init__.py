@@ -26,6 +26,7 @@ from repgeom_eval.mteb_layers.encoder import GENERIC_NAME, load_layer_encoder
 from repgeom_eval.mteb_layers.model_meta import register_generic, register_model
 from .metrics import SweepMetrics
 from .runner import SweepResult, resolve_tasks, run_layers
+from repgeom_eval.spec.options.mteb import SweepConfig
 from .summary import summarize, write_summary
 from .tasks import load_tasks_file, make_task
 
@@ -33,7 +34,7 @@ register_generic()
 install_geometry_hook()  # plain mteb.evaluate / mteb.MTEB(...).run of a layer encoder get the repgeom_* keys too
 
 __all__ = [
-    "GENERIC_NAME", "POOLING_CHOICES", "LayerEmbedder", "LayerEncoder", "LayerSweep", "SweepMetrics", "SweepResult",
+    "GENERIC_NAME", "POOLING_CHOICES", "LayerEmbedder", "LayerEncoder", "LayerSweep", "SweepConfig", "SweepMetrics", "SweepResult",
     "attach_geometry", "content_hash", "geometry_scores", "install_geometry_hook", "layer_encoder", "load_layer_encoder", "load_tasks_file",
     "make_task", "register_generic", "register_model", "resolve_tasks", "run_layers", "summarize", "write_summary",
 ]

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lines: --progress
 
-from repgeom_eval.modeling.addresses import (Address, HookPoint, LayerRequest, layer_request, resolve,
-                                          resolve_request)
+from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
+from repgeom_eval.spec.layer_request import LayerRequest, layer_request
+from repgeom_eval.spec.options.mteb import POOLINGS as POOLING_CHOICES  # the name mteb_layers exports
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import unit
 from repgeom_eval.modeling.in_memory import as_loaded
@@ -28,13 +29,13 @@ from repgeom_eval.measurement.forward import Batch, Forward, context_length, tok
 from repgeom_eval.measurement.plan import Item, plan_shard
 from repgeom_eval.measurement.texts import Record
 from repgeom_eval.plugin_system.host import PluginHost, get_host
-from repgeom_eval.measurement.pooling import check_pooling, pool
+from repgeom_eval.measurement.pooling import pool
+from repgeom_eval.spec.poolings import check_pooling
 
 from repgeom_eval.modeling.st_config import STConfig, st_config_for, st_config_of
 
 #: ``--pooling`` choices: the repgeom poolings plus ``st`` (the model's own) and ``auto`` (``st`` if the model is a
 #: sentence-transformers model, else ``mean`` as in paper B).
-POOLING_CHOICES = ("auto", "st", "mean", "last", "cls", "first")
 _SITE_OFFSET = {"resid_pre": 0.0, "attn_out": 0.25, "resid_mid": 0.5, "mlp_in": 0.5, "mlp_out": 0.75, "resid_post": 1.0}
 
 

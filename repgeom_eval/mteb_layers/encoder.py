@@ -300,7 +300,7 @@ def layer_encoder(model: Any, layer: str | int = "final", *, pooling: str = "aut
                   layer_pick: str | None = None, layer_pick_params: dict[str, Any] | None = None,
                   model_options: Any = None) -> LayerEncoder:
     """An mteb encoder for one layer of ``model``: a hub id, local folder, sentence-transformers folder or .gguf file
-    (loaded with ``model_options``, a :class:`~repgeom_eval.modeling.options.ModelOptions`), or a model in memory (a
+    (loaded with ``model_options``, a :class:`~repgeom_eval.spec.options.model.ModelOptions`), or a model in memory (a
     ``SentenceTransformer``, with its own pooling; a transformers model with its ``tokenizer``; a PEFT model). ``layer="auto"``: a layer picked per task by the rule ``layer_pick`` (default
     ``min_dataset_entropy``) with ``layer_pick_params``, on the texts of the task's first encode call."""
     from .pick import is_auto

@@ -38,7 +38,7 @@ import torch
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.bank import MetricBank, flatten_result
-from repgeom_eval.measurement.config import split_names
+from repgeom_eval.spec.options.measure import split_names
 from repgeom_eval.measurement.forward import Batch
 from repgeom_eval.measurement.metric_specs import instantiate_metrics
 from repgeom_eval.measurement.plan import Item

@@ -18,7 +18,8 @@ import numpy as np
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.layer_pick import LayerPick
-from repgeom_eval.modeling.addresses import Address, layer_request
+from repgeom_eval.modeling.addresses import Address
+from repgeom_eval.spec.layer_request import layer_request
 
 from .embedder import LayerEmbedder
 

@@ -27,12 +27,12 @@ from mteb.evaluate import OverwriteStrategy
 from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lines: --progress
 
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.modeling.addresses import LayerRequest
+from repgeom_eval.spec.layer_request import LayerRequest
 from repgeom_eval.modeling.loading import LoadedModel
 
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 
-from .config import SweepConfig
+from repgeom_eval.spec.options.mteb import SweepConfig
 from .embedder import LayerEmbedder
 from .encoder import LayerEncoder, LayerSweep
 from .geometry import GEOMETRY_KEYS, MASSIVE_KEYS, WARNINGS_KEY, ZERO_KEY, attach_geometry, sweep_warning
@@ -173,7 +173,7 @@ def run_layers(
     transformers model with its ``tokenizer``); a name is loaded with ``model_options`` (revision, remote code, device
     map ...; ``dtype`` and ``device`` of the sweep win).
 
-    The options are a :class:`~repgeom_eval.mteb_layers.config.SweepConfig`, given whole as ``config`` or as
+    The options are a :class:`~repgeom_eval.spec.options.mteb.SweepConfig`, given whole as ``config`` or as
     keywords (``pooling="mean"``, ``batch_size=8``, ...); a layer request in its place is its ``layers``
     (``run_layers(model, tasks, "all", pooling="mean")``).
 

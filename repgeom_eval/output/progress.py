@@ -1,6 +1,6 @@
 """Progress of long runs, visible on a terminal and in logs alike: every progress bar of repgeom-eval is made here.
 
-``--progress`` (the shared run options, repgeom_eval/modeling/option_groups.py) takes
+``--progress`` (the shared run options, repgeom_eval/spec/options/groups.py) takes
 
 * ``auto`` (default): a bar on a terminal; otherwise (a log file, a pipe, a batch job) plain lines on stderr, one
   every 30 seconds or every 10 % of the work, whichever comes first, and one when the work is done;

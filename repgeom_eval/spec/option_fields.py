@@ -1,6 +1,6 @@
 """Options declared once: a dataclass field per option carrying its command-line flag, its help, its check and where
 it is recorded. A command's configuration is a frozen dataclass composed of shared groups (model, data, layers, run,
-output: repgeom_eval/modeling/option_groups.py) and its own fields; from the declarations come
+output: repgeom_eval/spec/options/groups.py) and its own fields; from the declarations come
 
 * the CLI flags, grouped, with their help (:meth:`Options.add_arguments`, :func:`add_option_arguments`);
 * the object built from parsed flags and an optional ``--config FILE`` of YAML values, the flags given on the

@@ -17,7 +17,7 @@ from typing import Any
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.texts import TextSet, load_texts
-from repgeom_eval.training.config import DataOptions
+from repgeom_eval.spec.options.train import DataOptions
 
 
 def split_texts(texts: TextSet, fraction: float, seed: int) -> tuple[list[str], list[str]]:

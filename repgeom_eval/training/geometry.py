@@ -39,8 +39,8 @@ from repgeom_eval.analyses.gap.vocabulary import TokenSet, Vocabulary, resolve_t
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.functional.dispersion import dispersion
 from repgeom_eval.functional.gap_distances import DISTANCES, SIGN, dispersion_gap
-from repgeom_eval.training.config import GEOMETRY_FILE, GeometryProbe
-from repgeom_eval.training.settings import ConfigError, from_mapping, recorded
+from repgeom_eval.spec.options.train import GEOMETRY_FILE, GeometryProbe
+from repgeom_eval.spec.options.settings import ConfigError, from_mapping, recorded
 
 FILE_NAME = GEOMETRY_FILE
 PICK_RULE = ("largest cosine G among the checkpoints at or after burn_in × max_steps (ties: the later step); "
@@ -71,8 +71,8 @@ class GeometryCallback(TrainerCallback):
     """G of the output embeddings and the dispersion of probe texts at every saved checkpoint (module docstring).
 
     Args:
-        probe: a :class:`~repgeom_eval.training.config.GeometryProbe` or a mapping of its keys (a bad one is one
-            :class:`~repgeom_eval.training.settings.ConfigError` line); or give its keys as keywords
+        probe: a :class:`~repgeom_eval.spec.options.train.GeometryProbe` or a mapping of its keys (a bad one is one
+            :class:`~repgeom_eval.spec.options.settings.ConfigError` line); or give its keys as keywords
             (``GeometryCallback(texts=[...], layers=["final", 1])``).
         output_dir: the folder of ``geometry_by_checkpoint.json`` (default: the Trainer's ``args.output_dir``).
         tokenizer: the model's tokenizer (default: the Trainer's ``processing_class``).

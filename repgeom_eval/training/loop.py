@@ -1,4 +1,4 @@
-"""``repgeom train``'s run: a :class:`~repgeom_eval.training.config.TrainConfig` end to end.
+"""``repgeom train``'s run: a :class:`~repgeom_eval.spec.options.train.TrainConfig` end to end.
 
 Each domain's texts (:mod:`~repgeom_eval.training.data`) → the model and its tokenizer
 (:mod:`~repgeom_eval.training.model`) → blocks → :class:`~repgeom_eval.training.trainer.AuxLossTrainer`
@@ -18,7 +18,7 @@ from typing import Any
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.output.files import write_json
 from repgeom_eval.output.progress import mode_of, progress_bar
-from repgeom_eval.training.config import GEOMETRY_FILE, TRAINING_DEFAULTS, TrainConfig
+from repgeom_eval.spec.options.train import GEOMETRY_FILE, TRAINING_DEFAULTS, TrainConfig
 from repgeom_eval.training.results import TrainResult
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.training.config import TrainConfig
+from repgeom_eval.spec.options.train import TrainConfig
 
 EOS = "<|endoftext|>"
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from repgeom_eval.training.config import TrainConfig
+from repgeom_eval.spec.options.train import TrainConfig
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 from ...spec.errors import RepgeomError
 from ...functional.gap_distances import SIGN, dispersion_gap
 from ...modeling.checkpoint_tensors import load_tokenizer, locate_checkpoint, open_output_embeddings
-from repgeom_eval.analyses.configs import GapConfig
+from repgeom_eval.spec.options.analyses import GapConfig
 from .vocabulary import (Vocabulary, resolve_token_set,
                          vocabulary_difference)
 
@@ -92,7 +92,7 @@ def screen(models: Sequence[str], config: GapConfig | None = None, /, *, host: A
     Reads each model's tokenizer, refuses models whose vocabularies differ (G compares models only within one
     tokenizer, paper A Limitations) unless ``force``, then per model reads W alone, resolves T (``domain``) and T̄
     (``reference``, excluding T) and computes within(T), within(T̄), between and G. The options: a
-    :class:`~repgeom_eval.analyses.configs.GapConfig`, or its fields as keywords. ``trust_remote_code`` lets
+    :class:`~repgeom_eval.spec.options.analyses.GapConfig`, or its fields as keywords. ``trust_remote_code`` lets
     transformers read config and tokenizer classes a checkpoint brings.
     """
     cfg = GapConfig.build(config, options)

@@ -33,7 +33,7 @@ from typing import Any
 
 from ...spec.errors import RepgeomError, UnknownNameError
 
-from repgeom_eval.analyses.configs import GapConfig
+from repgeom_eval.spec.options.analyses import GapConfig
 
 # The defaults under their earlier names (declared once, in GapConfig)
 DEFAULT_DOMAIN, DEFAULT_REFERENCE, DEFAULT_SIZE, DEFAULT_SEED = (GapConfig().domain, GapConfig().reference,

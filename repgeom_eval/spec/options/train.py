@@ -1,6 +1,6 @@
 """The configuration of ``repgeom train``: one frozen, typed object, read from a YAML file or built in Python.
 
-Each setting is declared once, as a field below (the machinery is in :mod:`repgeom_eval.training.settings`). From
+Each setting is declared once, as a field below (the machinery is in :mod:`repgeom_eval.spec.options.settings`). From
 the declarations come the keys a config file may give (an unknown one is refused with the closest valid key), the
 check of every value, the list of keys in ``repgeom train --help`` (:func:`config_keys_help`) and the ``config``
 block of ``results.json`` (:meth:`TrainConfig.config_block`). A config file looks like::
@@ -34,12 +34,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from repgeom_eval.analyses.configs import GapConfig
+from repgeom_eval.spec.options.analyses import GapConfig
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.spec.option_fields import (Must, excerpt, integer_at_least, is_integer, is_number, parse_yaml,
                                              read_yaml_file)
-from repgeom_eval.training.settings import (NON_EMPTY_STRING, ConfigError, check, check_types, config_block,
+from repgeom_eval.spec.options.settings import (NON_EMPTY_STRING, ConfigError, check, check_types, config_block,
                                             from_mapping, help_of, setting)
 
 # Our defaults for TrainingArguments (the user's `training:` wins): log every step, no checkpoints, no wandb.

@@ -1,6 +1,6 @@
 """The run configuration of ``measure``: one frozen, typed object built by the CLI and by the Python API alike.
 
-Each option is declared once, as a field below or in a shared group (repgeom_eval/modeling/option_groups.py), with its
+Each option is declared once, as a field below or in a shared group (repgeom_eval/spec/options/groups.py), with its
 command-line flag and help. From these declarations come ``repgeom measure``'s flags, the object built from them
 and a ``--config`` file, the resume key of a checkpointed run (:meth:`RunConfig.checkpoint_key`) and the ``config``
 block of the results file (:meth:`RunConfig.config_block`). Adding an option means adding a field. The field
@@ -18,11 +18,12 @@ from typing import Any
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.option_fields import option, option_like, positive
-from repgeom_eval.modeling.option_groups import LayersGroup, RunGroup, TextsGroup
+from repgeom_eval.spec.poolings import POOLING_ALIASES, POOLINGS, check_pooling
+from repgeom_eval.spec.options.groups import LayersGroup, RunGroup, TextsGroup
 
 DEFAULT_SHARD_SIZE = 1024  # texts read, batched and checkpointed together
 PREPROCESS_METHODS = ("none", "center", "standardize", "whiten")
-POOLING_CHOICES = ("last", "mean", "first", "tokens", "cls")  # see measurement.pooling (cls = first)
+POOLING_CHOICES = (*POOLINGS, *POOLING_ALIASES)  # the pooling names, and cls (= first)
 
 
 def _metric_param(text: str) -> tuple[str, str, object]:
@@ -108,8 +109,6 @@ class RunConfig(TextsGroup, LayersGroup, RunGroup):
                           help="continue the run checkpointed in --run-dir (same model, data and options)")
 
     def __post_init__(self) -> None:
-        from repgeom_eval.measurement.pooling import check_pooling
-
         self._set("metrics", split_names(self.metrics))
         self._set("metric_params", MappingProxyType(
             {m: MappingProxyType(dict(p)) for m, p in dict(self.metric_params or {}).items()}))

@@ -2,7 +2,7 @@
 ``--help`` stays instant. Each analysis function takes its configuration whole or the same names as keywords
 (``ppl_bins(model, data, PplBinsConfig(n_bins=50))`` or ``ppl_bins(model, data, n_bins=50)``); its command adds the
 model, data and output options (entrypoints/*_cmd.py). Machinery: repgeom_eval/spec/option_fields.py; shared groups:
-repgeom_eval/modeling/option_groups.py.
+repgeom_eval/spec/options/groups.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.option_fields import Options, each, option, option_like, positive
-from repgeom_eval.modeling.option_groups import ChunksGroup, LayersGroup, RunGroup, TextsGroup
+from repgeom_eval.spec.options.groups import ChunksGroup, LayersGroup, RunGroup, TextsGroup
 
 # ppl-bins: the "auto" group size is the smallest source's chunks // GROUPS_PER_SOURCE, capped at GROUP_SIZE_MAX
 # (paper A's group size, reached from 2000 chunks a source on); docs/metrics.md#perplexity-groups

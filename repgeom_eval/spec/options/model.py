@@ -3,7 +3,7 @@
 The fields carry their command-line flags (``--revision``, ``--dtype``, ``--device``, ``--device-map``,
 ``--trust-remote-code``, ``--allow-random-init``, ``--peft``, ``--quantization``), named after the
 ``--model_args`` keys lm-eval users know. Every command that loads a model composes its configuration with this group
-(with ``--model``: repgeom_eval/modeling/option_groups.py); the CLI takes the group out of the command's configuration
+(with ``--model``: repgeom_eval/spec/options/groups.py); the CLI takes the group out of the command's configuration
 (:meth:`~repgeom_eval.spec.option_fields.Options.of`) and passes it on, as an argument, down to
 :func:`repgeom_eval.modeling.loading.load_model`; from Python, pass one as
 ``load_model(name, options=ModelOptions(...))`` (or ``model_options=`` to ``measure``, ``run_layers`` and the analyses). Torch-free, so

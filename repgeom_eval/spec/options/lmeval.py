@@ -16,8 +16,9 @@ from dataclasses import Field, dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
-from repgeom_eval.analyses.configs import SlicesConfig
+from repgeom_eval.spec.options.analyses import SlicesConfig
 from repgeom_eval.spec.errors import RepgeomError
+from repgeom_eval.spec.poolings import check_pooling
 from repgeom_eval.spec.option_fields import Must, check_options, integer_at_least, option, plain
 
 PREFIX = "repgeom_"
@@ -33,8 +34,6 @@ HARDNESS_ONLY = "hardness_only"  # field metadata: read (and recorded) by hardne
 
 def _pooling_problem(pooling: Any) -> str | None:
     """``repgeom_pooling``: one pooling name, or a mapping of metric names to pooling names."""
-    from repgeom_eval.measurement.pooling import check_pooling  # torch: only when a pooling is given
-
     if pooling is None:
         return None
     if isinstance(pooling, Mapping) and all(isinstance(k, str) for k in pooling):

@@ -2,7 +2,7 @@
 
 A command's configuration inherits the groups it needs and adds its own fields; a group field with another default
 for one command is declared again with :func:`~repgeom_eval.spec.option_fields.option_like`. The model group is
-:class:`~repgeom_eval.modeling.options.ModelOptions` plus ``--model``. Torch-free (``--help`` stays instant).
+:class:`~repgeom_eval.spec.options.model.ModelOptions` plus ``--model``. Torch-free (``--help`` stays instant).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-from repgeom_eval.modeling.options import ModelOptions
+from repgeom_eval.spec.options.model import ModelOptions
 from repgeom_eval.spec.option_fields import Options, option, positive
 
 PACKINGS = ("concat", "document")  # how documents become chunks: repgeom_eval/analyses/corpus.py
@@ -83,7 +83,7 @@ def request_problem(value: Any, auto: bool = False) -> str | None:
     """What the one layer grammar (repgeom_eval.modeling.addresses.layer_request, docs/metrics.md#layer-addresses)
     finds wrong with a layer request before any model loads; ``auto`` (the layer pick) only where ``auto`` is true."""
     from repgeom_eval.spec.errors import RepgeomError
-    from repgeom_eval.modeling.addresses import AUTO_ELSEWHERE, layer_request
+    from repgeom_eval.spec.layer_request import AUTO_ELSEWHERE, layer_request
 
     if value is None:
         return None
@@ -111,7 +111,7 @@ class LayersGroup(Options):
     def config_block(self, resolved: Any = None) -> dict[str, Any]:
         """The request is recorded as its items, split by the one grammar, under ``layer_request`` (the name every
         output gives it; ``layer_spec`` before, as given)."""
-        from repgeom_eval.modeling.addresses import REQUEST_KEY, layer_request
+        from repgeom_eval.spec.layer_request import REQUEST_KEY, layer_request
 
         block = super().config_block(resolved)
         if REQUEST_KEY in block and REQUEST_KEY not in (resolved or {}) and self.layers is not None:
