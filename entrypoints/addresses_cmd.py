@@ -5,21 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 
-from repgeom_eval.spec.option_fields import option_like
-from repgeom_eval.spec.options.groups import JsonGroup, LayersGroup, ModelGroup
 from repgeom_eval.spec.options.model import ModelOptions
-
-
-@dataclass(frozen=True, kw_only=True)
-class AddressesCommand(ModelGroup, LayersGroup, JsonGroup):
-    """Every option of ``repgeom addresses``."""
-
-    layers: tuple[str, ...] | None = option_like(LayersGroup, "layers", None, flags=("--layers",), cli_default=None,
-                                                 help="show what this layer specification resolves to")
-    json: bool = option_like(JsonGroup, "json", help="print the discovery (hook point, check and status of every "
-                                                     "address) as JSON")
+from repgeom_eval.spec.options.commands import AddressesCommand
 
 
 configure = AddressesCommand.add_arguments

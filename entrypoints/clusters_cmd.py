@@ -3,21 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-from repgeom_eval.spec.options.analyses import ClustersConfig
-from repgeom_eval.spec.option_fields import option_like
-from repgeom_eval.spec.options.groups import DataGroup, ModelsGroup, PlotsGroup
+from repgeom_eval.spec.options.analyses import ClustersCommand, ClustersConfig
 
 from .common import run_configured, say_written, wide_console
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClustersCommand(ModelsGroup, DataGroup, ClustersConfig, PlotsGroup):
-    """Every option of ``repgeom clusters``: models, texts, the analysis (ClustersConfig) and its outputs."""
-
-    model: tuple[str, ...] = option_like(ModelsGroup, "model", help="one model, or a series of checkpoints sharing "
-                                         "a tokenizer (measured on the same contexts)")
 
 
 configure = ClustersCommand.add_arguments

@@ -4,30 +4,8 @@ profiles. The reader is repgeom_eval/output/results_table.py (``repgeom_eval.loa
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass
 
-from repgeom_eval.spec.option_fields import Options, option
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompareCommand(Options):
-    """Every option of ``repgeom compare``."""
-
-    results: tuple[str, ...] = option(MISSING, "RESULT", nargs="+", from_cli=tuple,
-                                      help="repgeom measure result .json files, lm-eval --output_path folders (or "
-                                           "their results_*.json) and repgeom mteb run --output-folder folders")
-    csv: str | None = option(None, "--csv", writes="file", metavar="PATH", help="write the long table (one row per value) as CSV")
-    plot: str | None = option(None, "--plot", writes="file", metavar="PATH",
-                              help="PNG: depth profiles overlaid, one panel per metric, one line per model")
-    x: str = option("relative", "--x", choices=["relative", "layer"],
-                    help="x axis of --plot: relative depth (default; models of different depth line up) or layer")
-    metrics: tuple[str, ...] | None = option(None, "--metrics", nargs="+", from_cli=tuple,
-                                             help="only these metrics (default: all)")
-
-    def __post_init__(self) -> None:
-        if isinstance(self.results, str):
-            self._set("results", (self.results,))
-        super().__post_init__()
+from repgeom_eval.spec.options.commands import CompareCommand
 
 
 configure = CompareCommand.add_arguments

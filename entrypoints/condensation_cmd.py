@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-from repgeom_eval.spec.options.analyses import CondensationConfig
-from repgeom_eval.spec.options.groups import DataGroup, ModelsGroup, PlotsGroup
+from repgeom_eval.spec.options.analyses import CondensationCommand, CondensationConfig
 
 from .common import run_configured, say_written, wide_console
-
-
-@dataclass(frozen=True, kw_only=True)
-class CondensationCommand(ModelsGroup, DataGroup, CondensationConfig, PlotsGroup):
-    """Every option of ``repgeom condensation``: models, texts, the analysis (CondensationConfig), outputs."""
 
 
 configure = CondensationCommand.add_arguments

@@ -8,38 +8,10 @@ law over chunks of the Python docs with its correlation (``ppl-bins``), (3) the 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 
 from repgeom_eval.spec.options.model import ModelOptions
-from repgeom_eval.spec.option_fields import Options, option, option_like, positive
-from repgeom_eval.spec.options.groups import ChunksGroup, RunGroup
-
-
-@dataclass(frozen=True, kw_only=True)
-class DemoCommand(Options):
-    """Every option of ``repgeom demo`` (all have defaults: the demo runs without arguments)."""
-
-    output_dir: str = option("repgeom-demo", "--output-dir", writes="folder",
-                             help="where results.json and the plot go (default: ./{default})")
-    n_texts: int = option(96, "--n-texts", type=int, check=positive,
-                          help="paragraphs of pydoc_data.topics (default {default})")
-    max_length: int = option(192, "--max-length", type=int, check=positive, help="tokens per text (default {default})")
-    batch_size: int = option_like(RunGroup, "batch_size", 16)
-    progress: str = option_like(RunGroup, "progress")
-    no_progress: bool = option_like(RunGroup, "no_progress")
-    model: str | None = option(None, "--model", help="override the model (default: SmolLM2-135M-Instruct GGUF)")
-    dtype: str = option_like(ModelOptions, "dtype")
-    revision: str | None = option_like(ModelOptions, "revision")
-    trust_remote_code: bool = option_like(ModelOptions, "trust_remote_code")
-    ppl_chunks: int = option(240, "--ppl-chunks", type=int, check=positive,
-                             help="chunks of the Python docs for the perplexity-vs-dispersion law (default {default})")
-    chunk_len: int = option_like(ChunksGroup, "chunk_len", 128, help="tokens per chunk (default {default}; paper A: "
-                                                                      "512)")
-    group_size: int = option(10, "--group-size", type=int, check=positive,
-                             help="chunks per perplexity group (default {default})")
-    profile_only: bool = option(False, "--profile-only", action="store_true",
-                                help="only step 1, the dispersion profile")
+from repgeom_eval.spec.options.commands import DemoCommand
 
 
 configure = DemoCommand.add_arguments

@@ -8,27 +8,10 @@ import io
 import json
 import math
 import os
-from dataclasses import MISSING, dataclass
 from pathlib import Path
 
-from repgeom_eval.spec.options.analyses import GapConfig
+from repgeom_eval.spec.options.analyses import GapCommand, GapConfig
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.spec.options.model import ModelOptions
-from repgeom_eval.spec.option_fields import option, option_like
-from repgeom_eval.spec.options.groups import JsonGroup, OutputGroup
-
-
-@dataclass(frozen=True, kw_only=True)
-class GapCommand(GapConfig, OutputGroup, JsonGroup):
-    """Every option of ``repgeom gap``: the checkpoints, the analysis (GapConfig) and the outputs."""
-
-    models: tuple[str, ...] = option(MISSING, "--models", "--model", "-m", nargs="+", metavar="MODEL", config=False,
-                                     help="model directories (safetensors, sharded or not), .gguf files, or cached "
-                                          "hub ids; they must share one tokenizer vocabulary")
-    trust_remote_code: bool = option_like(ModelOptions, "trust_remote_code")  # gap reads weights, never loads code
-    scores: str | None = option(None, "--scores", metavar="FILE", config=False,
-                                help="task accuracy per model (JSON object {model: accuracy}, or CSV/TSV lines "
-                                     "model,accuracy): prints the Spearman correlation between G and accuracy")
 
 
 configure = GapCommand.add_arguments

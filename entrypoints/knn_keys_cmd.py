@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-from repgeom_eval.spec.options.analyses import KnnKeysConfig
-from repgeom_eval.spec.options.groups import DataGroup, ModelGroup, PlotsGroup
+from repgeom_eval.spec.options.analyses import KnnKeysCommand, KnnKeysConfig
 
 from .common import run_configured, say_written, wide_console
-
-
-@dataclass(frozen=True, kw_only=True)
-class KnnKeysCommand(ModelGroup, DataGroup, KnnKeysConfig, PlotsGroup):
-    """Every option of ``repgeom knn-keys``: model, corpus, the analysis (KnnKeysConfig) and its outputs."""
 
 
 configure = KnnKeysCommand.add_arguments

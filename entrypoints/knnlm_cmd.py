@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass
 
 from repgeom_eval.spec.options.model import ModelOptions
-from repgeom_eval.spec.options.analyses import KnnlmConfig
-from repgeom_eval.spec.option_fields import option
-from repgeom_eval.spec.options.groups import ModelGroup, OutputGroup
+from repgeom_eval.spec.options.analyses import KnnlmCommand, KnnlmConfig
 
 from .common import run_analysis, wide_console
-
-
-@dataclass(frozen=True, kw_only=True)
-class KnnlmCommand(ModelGroup, KnnlmConfig, OutputGroup):
-    """Every option of ``repgeom knnlm``: model, the two texts, the analysis (KnnlmConfig) and its output."""
-
-    datastore: str = option(MISSING, "--datastore", metavar="FILE", key=False, config=False,
-                            help="text the datastore is built from (.jsonl with a text field, or .txt)")
-    eval: str = option(MISSING, "--eval", metavar="FILE", key=False, config=False,
-                       help="held-out text to measure perplexity on")
 
 
 configure = KnnlmCommand.add_arguments

@@ -4,35 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 
 from repgeom_eval.spec.errors import RepgeomError
-from repgeom_eval.spec.options.measure import RunConfig
-from repgeom_eval.measurement.estimate import parse_size
-from repgeom_eval.spec.option_fields import option, option_like
-from repgeom_eval.spec.options.groups import DataGroup, JsonGroup, ModelGroup, OutputGroup
+from repgeom_eval.spec.options.measure import MeasureCommand, RunConfig
 from repgeom_eval.spec.options.model import ModelOptions
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeasureCommand(ModelGroup, DataGroup, RunConfig, OutputGroup, JsonGroup):
-    """Every option of ``repgeom measure``: the model, the data, the run (RunConfig) and the outputs."""
-
-    model: str | tuple[str, ...] = option_like(
-        ModelGroup, "model", check=None,
-        help="hub id, local model directory, or .gguf file; repeat (-m A -m B) to measure several models one after "
-             "the other, with {model} in the output paths (-o out-{model}.json): one result file per model")
-    data: str = option_like(DataGroup, "data", help=".jsonl with a text field per line, .txt with one text per line, "
-                            "or a Hugging Face datasets stream hf:NAME?split=train (e.g. "
-                            "hf:json?data_files=big.jsonl); read in shards")
-    per_text_path: str | None = option(None, "--per-text", writes="file", metavar="OUT.jsonl", key=False, config=False,
-                                       help="also write per-text scores (c_i, token dispersion) to this JSONL file")
-    dry_run: bool = option(False, "--dry-run", action="store_true", key=False, config=False,
-                           help="print the memory the run will hold (every metric state per address, per 1,000 "
-                                "texts, the device of each, the weights) from the model's config alone, and stop")
-    state_memory: int | None = option(None, "--state-memory", type=parse_size, metavar="SIZE", key=False,
-                                      help="refuse to start when the metric states would need more than SIZE (e.g. "
-                                           "8GB, 512MiB), estimated as --dry-run does, naming what to drop")
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-from repgeom_eval.spec.options.analyses import PerturbConfig
-from repgeom_eval.spec.options.groups import DataGroup, ModelGroup, PlotsGroup
+from repgeom_eval.spec.options.analyses import PerturbCommand, PerturbConfig
 
 from .common import run_configured, say_written, wide_console
-
-
-@dataclass(frozen=True, kw_only=True)
-class PerturbCommand(ModelGroup, DataGroup, PerturbConfig, PlotsGroup):
-    """Every option of ``repgeom perturb``: model, texts, the analysis (PerturbConfig) and its outputs."""
 
 
 configure = PerturbCommand.add_arguments

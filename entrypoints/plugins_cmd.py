@@ -5,19 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 
-from repgeom_eval.spec.option_fields import option, option_like
-from repgeom_eval.spec.options.groups import JsonGroup
-
-
-@dataclass(frozen=True, kw_only=True)
-class PluginsCommand(JsonGroup):
-    """Every option of ``repgeom plugins``."""
-
-    json: bool = option_like(JsonGroup, "json", help="machine-readable list of objects")
-    kind: str | None = option(None, "--kind", help="only this kind (metric, architecture, layer_selector, aux_loss, "
-                                                   "token_set, command, plugin)")
+from repgeom_eval.spec.options.commands import PluginsCommand
 
 
 configure = PluginsCommand.add_arguments

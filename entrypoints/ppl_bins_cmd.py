@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
 from repgeom_eval.spec.options.model import ModelOptions
-from repgeom_eval.spec.options.analyses import PplBinsConfig
-from repgeom_eval.spec.option_fields import option_like
-from repgeom_eval.spec.options.groups import DataGroup, ModelGroup, PlotsGroup
+from repgeom_eval.spec.options.analyses import PplBinsCommand, PplBinsConfig
 
 from .common import run_analysis, wide_console
-
-
-@dataclass(frozen=True, kw_only=True)
-class PplBinsCommand(ModelGroup, DataGroup, PplBinsConfig, PlotsGroup):
-    """Every option of ``repgeom ppl-bins``: model, corpus, the analysis (PplBinsConfig) and its outputs."""
-
-    data: str = option_like(DataGroup, "data", help=".jsonl with a text field (and optionally a source field) per "
-                            "line, or .txt with one document per line")
 
 
 configure = PplBinsCommand.add_arguments

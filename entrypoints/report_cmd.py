@@ -3,21 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass
 
-from repgeom_eval.spec.option_fields import Options, option
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReportCommand(Options):
-    """Every option of ``repgeom report``."""
-
-    results: tuple[str, ...] = option(MISSING, "RESULT", nargs="+",
-                                      help="results .json files written with --output by measure, gap, ppl-bins, "
-                                           "knn-keys, knnlm, condensation, clusters, perturb, ...; a directory "
-                                           "stands for its *.json files")
-    output: str = option("report.html", "--output", "-o", writes="file", help="the HTML page (default: {default})")
-    title: str = option("repgeom-eval report", "--title", help="page title")
+from repgeom_eval.spec.options.commands import ReportCommand
 
 
 configure = ReportCommand.add_arguments

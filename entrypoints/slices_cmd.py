@@ -8,40 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import MISSING, dataclass
 
-from repgeom_eval.spec.options.analyses import SlicesConfig
-from repgeom_eval.spec.option_fields import option
-from repgeom_eval.spec.options.groups import JsonGroup, OutputGroup
+from repgeom_eval.spec.options.analyses import SlicesCommand
 
 ANSWER_PPL = ("the gold answer's per-token perplexity given the prompt (the correct choice, as lm-eval scores it), "
               "averaged over the slice's queries")
 PROMPT_PPL = ("the prompt's own per-token perplexity (its tokens after the first, each given the ones before, from "
               "the same forward pass), averaged over the slice's queries")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SlicesCommand(SlicesConfig, OutputGroup, JsonGroup):
-    """Every option of ``repgeom slices``: the queries, the experiment (SlicesConfig) and the outputs."""
-
-    source: str = option(MISSING, "SAMPLES", config=False,
-                         help="lm-eval --log_samples output of a repgeom_hardness_* task (a samples_*.jsonl file or "
-                              "the --output_path folder), or, with --vectors, a JSONL with one record per query")
-    task: str | None = option(None, "--task", help="task whose samples to read when the folder holds several")
-    vectors: str | None = option(None, "--vectors", metavar="FILE",
-                                 help="per-query vectors (.npy [N, d] or .safetensors), row i = record i of SAMPLES")
-    correct_field: str = option("correct", "--correct-field",
-                                help="field of each record holding correctness (with --vectors; default: {default})")
-    ppl_field: str = option("ppl", "--ppl-field", help="field holding the gold answer's perplexity given the prompt, "
-                                                       "optional (with --vectors; default: {default})")
-    prompt_ppl_field: str = option("prompt_ppl", "--prompt-ppl-field",
-                                   help="field holding the prompt's own perplexity, optional (with --vectors; "
-                                        "default: {default})")
-    calibrate: bool = option(False, "--calibrate", action="store_true",
-                             help="also predict slice accuracy from slice dispersion: 20/10/70 %% calibration/"
-                                  "validation/test split, 2 %% slices, isotonic/linear/polynomial chosen on "
-                                  "validation; prints the test MAE")
-    plot: str | None = option(None, "--plot", writes="file", metavar="PNG", config=False, help="plot of the slice curves")
 
 
 configure = SlicesCommand.add_arguments

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-from repgeom_eval.spec.option_fields import Options
-
-
-@dataclass(frozen=True, kw_only=True)
-class TasksDirCommand(Options):
-    """``repgeom tasks-dir`` has no options of its own (``--config`` only, like every command)."""
+from repgeom_eval.spec.options.commands import TasksDirCommand
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -4,30 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 
-from repgeom_eval.spec.option_fields import add_option_arguments, option, option_like, options_from_namespace
-from repgeom_eval.spec.options.groups import RunGroup
-
-
-@dataclass(frozen=True)
-class TrainCommand:
-    """The command's own flags; what is trained, and how, is the config file's (repgeom_eval/spec/options/train.py)."""
-
-    config: str = option(None, "--config", "-c", required=True, metavar="FILE.yaml",
-                         help="training config: model or from_scratch, data.domains, aux_losses, training "
-                              "(transformers.TrainingArguments), evaluate_at, output_dir (keys below; "
-                              "docs/how-to/training.md)")
-    overrides: tuple[str, ...] = option((), "--set", action="append", cli_default=[], metavar="KEY=VALUE",
-                                        from_cli=tuple,
-                                        help="override a config value, e.g. --set training.max_steps=50 --set "
-                                             "output_dir=runs/b (VALUE is read as YAML; repeatable)")
-    overwrite: bool = option(False, "--overwrite", action="store_true",
-                             help="replace the run already in output_dir (its results.json, model/ and trainer/); "
-                                  "without it such an output_dir is refused")
-    progress: str = option_like(RunGroup, "progress")
-    no_progress: bool = option_like(RunGroup, "no_progress")
-    json: bool = option(False, "--json", action="store_true", help="print the per-domain perplexities as JSON")
+from repgeom_eval.spec.option_fields import add_option_arguments, options_from_namespace
+from repgeom_eval.spec.options.train import TrainCommand
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ def test_a_state_memory_budget_refuses_before_loading(tiny_model_dir, tmp_path, 
 @pytest.mark.parametrize("text, expected", [("8GB", 8 * 10 ** 9), ("512MiB", 512 * 2 ** 20), ("2.5g", 25 * 10 ** 8),
                                             ("1000", 1000)])
 def test_sizes_parse(text, expected):
-    from repgeom_eval.measurement.estimate import parse_size
+    from repgeom_eval.spec.options.measure import parse_size
 
     assert parse_size(text) == expected
 

@@ -194,23 +194,6 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
                           addresses, per_address, weights, hidden, notes)
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
-          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
-
-
-def parse_size(text: str) -> int:
-    """``--state-memory SIZE``: bytes from ``8GB``, ``512MiB``, ``2.5G``, ``1000000``."""
-    import argparse
-    import re
-
-    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = found.group(2).lower() if found else None
-    if not found or unit not in _UNITS or float(found.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give a number with a unit, e.g. 8GB, 512MiB or "
-                                         "2.5G")
-    return int(float(found.group(1)) * _UNITS[unit])
-
-
 def check_budget(est: MemoryEstimate, budget: int, n_texts: int | None, per_text_flag: str = "--per-text") -> None:
     """Refuse, in one line, a run whose metric states would exceed ``budget`` bytes, naming what to drop: the
     metrics that hold the most, the layers (the cost of one address), the per-text states."""

@@ -8,11 +8,13 @@ repgeom_eval/spec/options/groups.py.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.option_fields import Options, each, option, option_like, positive
-from repgeom_eval.spec.options.groups import ChunksGroup, LayersGroup, RunGroup, TextsGroup
+from repgeom_eval.spec.options.groups import (ChunksGroup, DataGroup, JsonGroup, LayersGroup, ModelGroup, ModelsGroup,
+                                             OutputGroup, PlotsGroup, RunGroup, TextsGroup)
+from repgeom_eval.spec.options.model import ModelOptions
 
 # ppl-bins: the "auto" group size is the smallest source's chunks // GROUPS_PER_SOURCE, capped at GROUP_SIZE_MAX
 # (paper A's group size, reached from 2000 chunks a source on); docs/metrics.md#perplexity-groups
@@ -221,3 +223,97 @@ class SlicesConfig(Options):
                        help="queries per slice (default {default}; reduced, with a warning, if the pool is smaller)")
     seeds: int = option(10, "--seeds", type=int, check=positive, help="slices per fraction (default {default})")
     seed: int = option(0, "--seed", type=int, help="base random seed (default {default})")
+
+
+# -- repgeom clusters --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class ClustersCommand(ModelsGroup, DataGroup, ClustersConfig, PlotsGroup):
+    """Every option of ``repgeom clusters``: models, texts, the analysis (ClustersConfig) and its outputs."""
+
+    model: tuple[str, ...] = option_like(ModelsGroup, "model", help="one model, or a series of checkpoints sharing "
+                                         "a tokenizer (measured on the same contexts)")
+
+
+# -- repgeom condensation ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class CondensationCommand(ModelsGroup, DataGroup, CondensationConfig, PlotsGroup):
+    """Every option of ``repgeom condensation``: models, texts, the analysis (CondensationConfig), outputs."""
+
+
+# -- repgeom gap -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class GapCommand(GapConfig, OutputGroup, JsonGroup):
+    """Every option of ``repgeom gap``: the checkpoints, the analysis (GapConfig) and the outputs."""
+
+    models: tuple[str, ...] = option(MISSING, "--models", "--model", "-m", nargs="+", metavar="MODEL", config=False,
+                                     help="model directories (safetensors, sharded or not), .gguf files, or cached "
+                                          "hub ids; they must share one tokenizer vocabulary")
+    trust_remote_code: bool = option_like(ModelOptions, "trust_remote_code")  # gap reads weights, never loads code
+    scores: str | None = option(None, "--scores", metavar="FILE", config=False,
+                                help="task accuracy per model (JSON object {model: accuracy}, or CSV/TSV lines "
+                                     "model,accuracy): prints the Spearman correlation between G and accuracy")
+
+
+# -- repgeom knn-keys --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class KnnKeysCommand(ModelGroup, DataGroup, KnnKeysConfig, PlotsGroup):
+    """Every option of ``repgeom knn-keys``: model, corpus, the analysis (KnnKeysConfig) and its outputs."""
+
+
+# -- repgeom knnlm -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class KnnlmCommand(ModelGroup, KnnlmConfig, OutputGroup):
+    """Every option of ``repgeom knnlm``: model, the two texts, the analysis (KnnlmConfig) and its output."""
+
+    datastore: str = option(MISSING, "--datastore", metavar="FILE", key=False, config=False,
+                            help="text the datastore is built from (.jsonl with a text field, or .txt)")
+    eval: str = option(MISSING, "--eval", metavar="FILE", key=False, config=False,
+                       help="held-out text to measure perplexity on")
+
+
+# -- repgeom perturb ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class PerturbCommand(ModelGroup, DataGroup, PerturbConfig, PlotsGroup):
+    """Every option of ``repgeom perturb``: model, texts, the analysis (PerturbConfig) and its outputs."""
+
+
+# -- repgeom ppl-bins --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class PplBinsCommand(ModelGroup, DataGroup, PplBinsConfig, PlotsGroup):
+    """Every option of ``repgeom ppl-bins``: model, corpus, the analysis (PplBinsConfig) and its outputs."""
+
+    data: str = option_like(DataGroup, "data", help=".jsonl with a text field (and optionally a source field) per "
+                            "line, or .txt with one document per line")
+
+
+# -- repgeom slices ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class SlicesCommand(SlicesConfig, OutputGroup, JsonGroup):
+    """Every option of ``repgeom slices``: the queries, the experiment (SlicesConfig) and the outputs."""
+
+    source: str = option(MISSING, "SAMPLES", config=False,
+                         help="lm-eval --log_samples output of a repgeom_hardness_* task (a samples_*.jsonl file or "
+                              "the --output_path folder), or, with --vectors, a JSONL with one record per query")
+    task: str | None = option(None, "--task", help="task whose samples to read when the folder holds several")
+    vectors: str | None = option(None, "--vectors", metavar="FILE",
+                                 help="per-query vectors (.npy [N, d] or .safetensors), row i = record i of SAMPLES")
+    correct_field: str = option("correct", "--correct-field",
+                                help="field of each record holding correctness (with --vectors; default: {default})")
+    ppl_field: str = option("ppl", "--ppl-field", help="field holding the gold answer's perplexity given the prompt, "
+                                                       "optional (with --vectors; default: {default})")
+    prompt_ppl_field: str = option("prompt_ppl", "--prompt-ppl-field",
+                                   help="field holding the prompt's own perplexity, optional (with --vectors; "
+                                        "default: {default})")
+    calibrate: bool = option(False, "--calibrate", action="store_true",
+                             help="also predict slice accuracy from slice dispersion: 20/10/70 %% calibration/"
+                                  "validation/test split, 2 %% slices, isotonic/linear/polynomial chosen on "
+                                  "validation; prints the test MAE")
+    plot: str | None = option(None, "--plot", writes="file", metavar="PNG", config=False, help="plot of the slice curves")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -19,7 +20,8 @@ from typing import Any
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.option_fields import option, option_like, positive
 from repgeom_eval.spec.poolings import POOLING_ALIASES, POOLINGS, check_pooling
-from repgeom_eval.spec.options.groups import LayersGroup, RunGroup, TextsGroup
+from repgeom_eval.spec.options.groups import (DataGroup, JsonGroup, LayersGroup, ModelGroup, OutputGroup, RunGroup,
+                                             TextsGroup)
 
 DEFAULT_SHARD_SIZE = 1024  # texts read, batched and checkpointed together
 PREPROCESS_METHODS = ("none", "center", "standardize", "whiten")
@@ -128,3 +130,41 @@ class RunConfig(TextsGroup, LayersGroup, RunGroup):
             flag = "--preprocess-stats" if self.preprocess_stats else "--save-preprocess-stats"
             raise RepgeomError(f"{flag} has no effect without preprocessing; add --preprocess center, standardize "
                                "or whiten (or drop the flag)")
+
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
+
+
+def parse_size(text: str) -> int:
+    """``--state-memory SIZE``: bytes from ``8GB``, ``512MiB``, ``2.5G``, ``1000000``."""
+    found = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = found.group(2).lower() if found else None
+    if not found or unit not in _UNITS or float(found.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give a number with a unit, e.g. 8GB, 512MiB or "
+                                         "2.5G")
+    return int(float(found.group(1)) * _UNITS[unit])
+
+
+# -- repgeom measure ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureCommand(ModelGroup, DataGroup, RunConfig, OutputGroup, JsonGroup):
+    """Every option of ``repgeom measure``: the model, the data, the run (RunConfig) and the outputs."""
+
+    model: str | tuple[str, ...] = option_like(
+        ModelGroup, "model", check=None,
+        help="hub id, local model directory, or .gguf file; repeat (-m A -m B) to measure several models one after "
+             "the other, with {model} in the output paths (-o out-{model}.json): one result file per model")
+    data: str = option_like(DataGroup, "data", help=".jsonl with a text field per line, .txt with one text per line, "
+                            "or a Hugging Face datasets stream hf:NAME?split=train (e.g. "
+                            "hf:json?data_files=big.jsonl); read in shards")
+    per_text_path: str | None = option(None, "--per-text", writes="file", metavar="OUT.jsonl", key=False, config=False,
+                                       help="also write per-text scores (c_i, token dispersion) to this JSONL file")
+    dry_run: bool = option(False, "--dry-run", action="store_true", key=False, config=False,
+                           help="print the memory the run will hold (every metric state per address, per 1,000 "
+                                "texts, the device of each, the weights) from the model's config alone, and stop")
+    state_memory: int | None = option(None, "--state-memory", type=parse_size, metavar="SIZE", key=False,
+                                      help="refuse to start when the metric states would need more than SIZE (e.g. "
+                                           "8GB, 512MiB), estimated as --dry-run does, naming what to drop")

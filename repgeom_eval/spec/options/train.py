@@ -37,10 +37,11 @@ from typing import Any
 from repgeom_eval.spec.options.analyses import GapConfig
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.options.model import ModelOptions
-from repgeom_eval.spec.option_fields import (Must, excerpt, integer_at_least, is_integer, is_number, parse_yaml,
-                                             read_yaml_file)
+from repgeom_eval.spec.option_fields import (Must, excerpt, integer_at_least, is_integer, is_number, option,
+                                             option_like, parse_yaml, read_yaml_file)
 from repgeom_eval.spec.options.settings import (NON_EMPTY_STRING, ConfigError, check, check_types, config_block,
                                             from_mapping, help_of, setting)
+from repgeom_eval.spec.options.groups import RunGroup
 
 # Our defaults for TrainingArguments (the user's `training:` wins): log every step, no checkpoints, no wandb.
 TRAINING_DEFAULTS: dict[str, Any] = {"logging_steps": 1, "save_strategy": "no", "report_to": "none",
@@ -400,3 +401,25 @@ def config_keys_help() -> str:
 
     walk(TrainConfig, "")
     return "\n".join(lines)
+
+
+# -- repgeom train -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainCommand:
+    """The command's own flags; what is trained, and how, is the config file's (TrainConfig, above)."""
+
+    config: str = option(None, "--config", "-c", required=True, metavar="FILE.yaml",
+                         help="training config: model or from_scratch, data.domains, aux_losses, training "
+                              "(transformers.TrainingArguments), evaluate_at, output_dir (keys below; "
+                              "docs/how-to/training.md)")
+    overrides: tuple[str, ...] = option((), "--set", action="append", cli_default=[], metavar="KEY=VALUE",
+                                        from_cli=tuple,
+                                        help="override a config value, e.g. --set training.max_steps=50 --set "
+                                             "output_dir=runs/b (VALUE is read as YAML; repeatable)")
+    overwrite: bool = option(False, "--overwrite", action="store_true",
+                             help="replace the run already in output_dir (its results.json, model/ and trainer/); "
+                                  "without it such an output_dir is refused")
+    progress: str = option_like(RunGroup, "progress")
+    no_progress: bool = option_like(RunGroup, "no_progress")
+    json: bool = option(False, "--json", action="store_true", help="print the per-domain perplexities as JSON")
