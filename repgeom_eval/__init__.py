@@ -22,7 +22,7 @@ from .spec.errors import (ParameterError, PluginError, RepgeomError, UnknownName
                           is_count, is_real)
 from .spec.metric import Consumes, LayerBatch, Metric, Statistic  # noqa: E402
 from .spec.statistics import PooledGram, UnitSums  # noqa: E402
-from .plugin_system.kinds import Command  # noqa: E402
+from .spec.hookspecs import Command  # noqa: E402
 
 # Heavy pieces (torch, transformers) load on first access, so `import repgeom_eval` in a plugin stays cheap.
 _LAZY = {

@@ -580,7 +580,7 @@ def _broken_commands_host():
 
     from repgeom_eval import hookimpl
     from repgeom_eval.plugin_system.host import PluginHost
-    from repgeom_eval.plugin_system.kinds import Command
+    from repgeom_eval.spec.hookspecs import Command
 
     @hookimpl(specname="repgeom_register_commands")
     def half(registry):

@@ -1,4 +1,4 @@
-"""One grammar for "which layer" (docs/metrics.md#layer-addresses): ``repgeom_eval.modeling.addresses.layer_request``
+"""One grammar for "which layer" (docs/metrics.md#layer-addresses): ``repgeom_eval.spec.layer_request.layer_request``
 splits every surface's request, so ``resid_post:[0,1]`` is the same two layers in ``measure --layers``,
 ``mteb run --layer``, ``repgeom-hf``'s ``repgeom_layers`` (lm-eval's command line and its Python API's model-argument
 string) and the Python keywords, and every output records the request under one name, ``layer_request``.
@@ -23,6 +23,27 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def llama(tiny_model_dir):
     return tiny_model_dir("llama")  # 2 blocks and a final norm: resid_post:1 is not `final`
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """How many times each request is split in this test: an instrumented ``_split_items`` (issue 34: one parse
+    per door; a request that travels through several checks and config copies is split once per process)."""
+    from collections import Counter
+
+    from repgeom_eval.spec import layer_request as grammar
+
+    grammar._split_once.cache_clear()
+    counts: Counter = Counter()
+    split = grammar._split_items
+
+    def counted(parts):
+        counts[tuple(parts)] += 1
+        return split(parts)
+
+    monkeypatch.setattr(grammar, "_split_items", counted)
+    yield counts
+    grammar._split_once.cache_clear()
 
 
 def _texts(folder: Path, texts) -> Path:
@@ -68,12 +89,13 @@ def test_the_split_lives_in_one_module():
 
 # -- the bracket case through every surface ---------------------------------------------------------------------------
 
-def test_measure_cli(llama, tmp_path, texts):
+def test_measure_cli(llama, tmp_path, texts, splits):
     out = tmp_path / "m.json"
     assert main(["measure", "-m", llama, "-d", str(_texts(tmp_path, texts)), "-l", BRACKETS, "-o", str(out),
                  "--no-progress"]) == 0
     config = json.loads(out.read_text())["config"]
     assert config["layers"] == BOTH and config[REQUEST_KEY] == [BRACKETS]
+    assert splits == {(BRACKETS,): 1}  # the command line's check, the config copies, the engine: one split
 
 
 def test_python_api(llama, texts):
@@ -85,7 +107,7 @@ def test_python_api(llama, texts):
     assert [str(a) for a in LayerEmbedder(llama).addresses(BRACKETS)] == BOTH
 
 
-def test_mteb_run_cli(llama, tmp_path):
+def test_mteb_run_cli(llama, tmp_path, splits):
     from repgeom_eval.mteb_layers.examples import write_example_tasks
 
     tasks_file = write_example_tasks(tmp_path / "ex", size="small")
@@ -94,6 +116,7 @@ def test_mteb_run_cli(llama, tmp_path):
                  "--output-folder", str(out), "-b", "8", "--no-progress", "--no-summary"]) == 0
     layers = sorted(json.loads(meta.read_text())["loader_kwargs"]["layer"] for meta in out.rglob("model_meta.json"))
     assert layers == BOTH
+    assert splits[(BRACKETS,)] == 1
 
 
 def test_mteb_python_api(llama):
@@ -109,7 +132,7 @@ def test_mteb_python_api(llama):
 
 
 @pytest.mark.parametrize("route", ["command line", "python string"])
-def test_repgeom_hf_model_args(llama, tmp_path, route):
+def test_repgeom_hf_model_args(llama, tmp_path, route, splits):
     """lm-eval's command line splits ``--model_args`` at the commas outside brackets; its Python API's string goes
     through ``simple_parse_args_string``, which splits at every comma: both reach the two layers."""
     from lm_eval import simple_evaluate
@@ -134,3 +157,5 @@ def test_repgeom_hf_model_args(llama, tmp_path, route):
         f"repgeom:dispersion@{a},none" for a in BOTH}
     record = out["configs"]["grammar_task"]["metadata"]["repgeom"]
     assert record[REQUEST_KEY] == [BRACKETS] and record["metric_addresses"] == BOTH
+    # the start-up check, the model, the task and the feeding all read repgeom_layers: it is split once
+    assert splits[(BRACKETS,)] == 1

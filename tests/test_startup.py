@@ -176,7 +176,7 @@ def test_a_command_whose_configure_fails_breaks_only_itself(monkeypatch, capsys)
     from repgeom_eval.entrypoints import cli
     from repgeom_eval.plugin_system import host as host_module
     from repgeom_eval.plugin_system.host import PluginHost
-    from repgeom_eval.plugin_system.kinds import Command
+    from repgeom_eval.spec.hookspecs import Command
 
     def configure(parser):
         raise ImportError("no module named 'heavy_dependency'")

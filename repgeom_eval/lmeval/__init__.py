@@ -5,7 +5,8 @@ Modules, in the order a run meets them:
 * ``_repgeom_lm_eval_hook`` (top level, standard library only, run at start-up by ``repgeom_lm_eval.pth``): adds
   the ``task_configs`` folder to every lm-eval ``TaskManager``, the ``repgeom-hf`` model name, one-line errors and
   the settings check before the model loads.
-* ``settings``: the ``repgeom_*`` keys of ``--metadata`` (and ``--model_args``), declared once.
+* the ``repgeom_*`` keys of ``--metadata`` (and ``--model_args``) are declared once on the torch-free floor,
+  :mod:`repgeom_eval.spec.options.lmeval`.
 * ``documents``: ``custom_dataset`` loader (upstream Hub dataset, or a local file through ``--metadata``).
 * ``task``: the task classes the YAMLs name; importing it registers the metrics and installs ``session``.
 * ``session``: wraps ``lm_eval.evaluator.evaluate`` so that a run with repgeom tasks reads hidden states.

@@ -23,7 +23,8 @@ import pluggy
 
 from repgeom_eval.spec import hookspecs
 from repgeom_eval.spec.errors import PluginError, PluginUnavailableError, UnknownNameError
-from repgeom_eval.plugin_system.kinds import KINDS, Registry
+from repgeom_eval.plugin_system.kinds import Registry
+from repgeom_eval.spec.hookspecs import KINDS
 
 ENTRY_POINT_GROUP = "repgeom_eval"
 STRICT_ENV = "REPGEOM_STRICT_PLUGINS"
@@ -100,7 +101,7 @@ class PluginHost:
         self._compatible: dict[str, str] = {}  # plugin → the earlier release whose states and numbers it keeps
         self._first_exc: BaseException | None = None  # the cause of a strict-mode error (--debug shows it)
 
-        # one registry per plugin kind, all described by the one table (plugin_system/kinds.py)
+        # one registry per plugin kind, all described by the one table (KINDS, repgeom_eval/spec/hookspecs.py)
         self._registries: dict[str, Registry] = {}
         for k in KINDS:
             registry: Registry = Registry(k.label, k.check, k.unknown_hint)

@@ -18,7 +18,9 @@ disables only the plugin that raised (see ``repgeom plugins``); ``REPGEOM_STRICT
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -89,4 +91,88 @@ def repgeom_register_layer_picks(registry: "Registry") -> None:
 
 @hookspec
 def repgeom_register_commands(registry: "Registry") -> None:
-    """Register ``repgeom`` sub-commands as :class:`repgeom_eval.plugin_system.kinds.Command` objects."""
+    """Register ``repgeom`` sub-commands as :class:`repgeom_eval.Command` objects (declared below)."""
+
+
+@dataclass
+class Command:
+    """A ``repgeom`` sub-command: ``configure(parser)`` adds arguments, ``run(args)`` returns an exit code."""
+
+    name: str
+    help: str
+    configure: Callable[[Any], None]
+    run: Callable[[Any], int | None]
+
+
+# -- the plugin kinds, in one table ---------------------------------------------------------------------------------
+
+
+def _derives_from(cls: type, base: str) -> bool:
+    """Whether ``base`` (``"module:Class"``) is among ``cls``'s bases, by name: a plugin item is checked without
+    importing the module that defines the base (the host imports no training or modeling code)."""
+    return any(f"{c.__module__}:{c.__qualname__}" == base for c in getattr(cls, "__mro__", ()))
+
+
+def _check_subclass(base: str, what: str, hint: str = "") -> Callable[[Any], str | None]:
+    """A check that the object is a subclass of ``base``."""
+
+    def check(obj: Any) -> str | None:
+        if isinstance(obj, type) and _derives_from(obj, base):
+            return None
+        return f"expected a subclass of {what}, got {obj!r}" + (f"; {hint}" if hint else "")
+
+    return check
+
+
+def _check_instance(base: str, what: str) -> Callable[[Any], str | None]:
+    def check(obj: Any) -> str | None:
+        return None if _derives_from(type(obj), base) else f"expected {what}, got {obj!r}"
+
+    return check
+
+
+def _check_callable(obj: Any) -> str | None:
+    return None if callable(obj) else f"expected a callable, got {obj!r}"
+
+
+def _check_token_set(obj: Any) -> str | None:
+    if callable(obj) or isinstance(obj, (list, tuple, frozenset, set)):
+        return None
+    return f"expected a callable or a collection of strings, got {obj!r}"
+
+
+@dataclass(frozen=True)
+class PluginKind:
+    """One kind of thing a plugin registers: everything the host, ``repgeom plugins`` and the docs say about it."""
+
+    kind: str  # the ``kind`` column of ``repgeom plugins`` and ``PluginHost.registry(kind)``
+    attribute: str  # the host's registry attribute (``host.metrics``)
+    hook: str  # the hookspec that registers it (repgeom_eval/spec/hookspecs.py)
+    label: str  # how messages name one item
+    check: Callable[[Any], str | None]  # why an object is not a valid item (None: it is)
+    unknown_hint: str = ""  # appended to "unknown <label> ..." errors
+
+
+KINDS: tuple[PluginKind, ...] = (
+    PluginKind("metric", "metrics", "repgeom_register_metrics", "metric",
+               _check_subclass("repgeom_eval.spec.metric:Metric", "repgeom_eval.Metric"),
+               "see `repgeom plugins` for installed metrics"),
+    PluginKind("architecture", "architectures", "repgeom_register_architectures", "architecture (config.model_type)",
+               _check_instance("repgeom_eval.modeling.architectures:ArchitectureSpec", "an ArchitectureSpec"),
+               "add an ArchitectureSpec through a plugin (docs/plugins.md) to support it"),
+    PluginKind("layer_selector", "layer_selectors", "repgeom_register_layer_selectors", "layer selector",
+               _check_callable),
+    PluginKind("aux_loss", "aux_losses", "repgeom_register_aux_losses", "aux loss",
+               _check_subclass("repgeom_eval.training.auxloss:AuxLoss", "repgeom_eval.AuxLoss",
+                               "`repgeom train` builds the class with the config's parameters and calls the instance "
+                               "on the hidden states, so register the class, not a loss function "
+                               "(docs/plugins.md#auxiliary-losses)")),
+    PluginKind("token_set", "token_sets", "repgeom_register_token_sets", "token set", _check_token_set),
+    PluginKind("layer_pick", "layer_picks", "repgeom_register_layer_picks", "layer pick",
+               _check_subclass("repgeom_eval.spec.layer_pick:LayerPick", "repgeom_eval.spec.layer_pick.LayerPick",
+                               "`--layer auto` builds the class with the --layer-pick-param values, so register the "
+                               "class (docs/plugins.md#layer-picks)"),
+               "See `repgeom plugins --kind layer_pick`, or docs/picks.md"),
+    PluginKind("command", "commands", "repgeom_register_commands", "command",
+               _check_instance("repgeom_eval.spec.hookspecs:Command", "a repgeom_eval.Command")),
+)

@@ -6,6 +6,7 @@ syntax before torch or a model loads; repgeom_eval/modeling/addresses.py resolve
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +52,14 @@ def layer_request(request: "str | int | LayerRequest | Sequence[str | int]") -> 
             isinstance(x, (str, int)) and not isinstance(x, bool) for x in parts):
         raise RepgeomError(f"a layer request is an address, a comma-separated string or a list of them "
                            f"(e.g. final or [\"resid_post:[0,1]\", \"final\"]), got {request!r}")
-    items = _split_items([str(x) for x in parts])
+    return _split_once(tuple(str(x) for x in parts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_once(parts: tuple[str, ...]) -> LayerRequest:
+    """The split and its checks, once per process for one request (a request travels through several checks and
+    config copies: each gets the same frozen :class:`LayerRequest`); an error is raised again on every call."""
+    items = _split_items(parts)
     for item in items:
         outside = re.sub(r"\[[^\[\]]*\]", "", item)  # what is left once every [...] is taken out
         if "[" in outside or "]" in outside:
@@ -66,7 +74,7 @@ def layer_request(request: "str | int | LayerRequest | Sequence[str | int]") -> 
 
 
 def _split_items(parts: Sequence[str]) -> list[str]:
-    """Split each string on the commas that are not inside brackets (only :func:`layer_request` calls this)."""
+    """Split each string on the commas that are not inside brackets (only :func:`_split_once` calls this)."""
     items: list[str] = []
     for part in parts:
         depth, cur = 0, ""
