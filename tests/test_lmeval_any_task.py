@@ -208,7 +208,7 @@ def test_the_metadata_route_and_the_cache_refusal(model_dir, task_dir, tmp_path)
 
 def test_each_repgeom_setting_is_parsed_once_per_process(model_dir, task_dir, monkeypatch):
     """The model's own check, and every task of the run, read the same repgeom_* settings: one parse (issue 34)."""
-    from repgeom_eval.lmeval import settings as settings_module
+    from repgeom_eval.spec.options import lmeval as settings_module
 
     calls = []
     original = settings_module.Settings._parse.__func__
