@@ -24,18 +24,17 @@ from collections.abc import Sequence
 from repgeom_eval import hookimpl
 from repgeom_eval.plugin_system.lazy import lazy
 from repgeom_eval.training.auxloss import AuxLoss
+from repgeom_eval.spec.names import LOSS_VARIANTS
+from repgeom_eval.spec.poolings import POOLINGS, check_pooling
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
-LOSS_VARIANTS = lazy("repgeom_eval.functional.losses:LOSS_VARIANTS")
 angular_spread = lazy("repgeom_eval.functional.losses:angular_spread")
 decorrelation = lazy("repgeom_eval.functional.losses:decorrelation")
 l2_repel = lazy("repgeom_eval.functional.losses:l2_repel")
 orthogonalization = lazy("repgeom_eval.functional.losses:orthogonalization")
 push_away = lazy("repgeom_eval.functional.losses:push_away")
 subsample_tokens = lazy("repgeom_eval.functional.losses:subsample_tokens")
-POOLINGS = lazy("repgeom_eval.measurement.pooling:POOLINGS")
-check_pooling = lazy("repgeom_eval.measurement.pooling:check_pooling")
 
 GRANULARITIES = ("token", "sequence")
 

@@ -11,6 +11,7 @@ from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
 
 from .token_metric import TokenMetric
+from repgeom_eval.spec.names import CONDENSATION_BINS, CONDENSATION_EPS
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
@@ -19,10 +20,6 @@ cosine_histogram = lazy("repgeom_eval.functional.condensation:cosine_histogram")
 histogram_edges = lazy("repgeom_eval.functional.condensation:histogram_edges")
 kendall_tau_b = lazy("repgeom_eval.functional.stats:kendall_tau_b")
 spearman = lazy("repgeom_eval.functional.stats:spearman")
-# The constructor's defaults are needed while the class is defined: the values of
-# repgeom_eval.functional.condensation's constants of the same names (tests/test_startup.py checks they agree).
-CONDENSATION_EPS = 1e-3
-DEFAULT_BINS = 50
 
 _NAN = float("nan")
 
@@ -53,7 +50,7 @@ class Condensation(TokenMetric):
     name = "condensation"
     consumes = Consumes.TOKENS
 
-    def __init__(self, eps: float = CONDENSATION_EPS, bins: int = DEFAULT_BINS, per_text: bool = False):
+    def __init__(self, eps: float = CONDENSATION_EPS, bins: int = CONDENSATION_BINS, per_text: bool = False):
         super().__init__()
         if not (isinstance(bins, int) and bins >= 0):
             raise RepgeomError(f"{self.name}: bins must be a non-negative integer, got {bins!r}")

@@ -18,13 +18,11 @@ from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
 
 from .token_metric import TokenMetric
+from repgeom_eval.spec.names import CURVATURE_VARIANTS, ENTROPY_CENTERINGS, ENTROPY_VARIANTS
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
-CURVATURE_VARIANTS = lazy("repgeom_eval.functional.curvature:VARIANTS")
 curvature = lazy("repgeom_eval.functional.curvature:curvature")
-CENTERINGS = lazy("repgeom_eval.functional.entropy:CENTERINGS")
-VARIANTS = lazy("repgeom_eval.functional.entropy:VARIANTS")
 dataset_entropy = lazy("repgeom_eval.functional.entropy:dataset_entropy")
 effective_rank_from_gram_eigenvalues = lazy("repgeom_eval.functional.entropy:effective_rank_from_gram_eigenvalues")
 entropy_result = lazy("repgeom_eval.functional.entropy:entropy_result")
@@ -96,7 +94,7 @@ class PromptEntropy(TokenMetric):
     def __init__(self, alpha: float = 1.0, variant: str = "paper", per_text: bool = False):
         super().__init__()
         self.alpha = _check_alpha(self.name, alpha)
-        _check_choice(self.name, "variant", variant, VARIANTS)
+        _check_choice(self.name, "variant", variant, ENTROPY_VARIANTS)
         self.variant = variant
         self.per_text = per_text
         self.add_state("sums", torch.zeros(len(ENTROPY_KEYS), dtype=torch.float64), "sum", shape=(len(ENTROPY_KEYS),))
@@ -159,8 +157,8 @@ class DatasetEntropy(_GramMetric):
     def __init__(self, alpha: float = 1.0, variant: str = "paper", centering: str = "global", batch_size: int = 2):
         super().__init__()
         self.alpha = _check_alpha(self.name, alpha)
-        _check_choice(self.name, "variant", variant, VARIANTS)
-        _check_choice(self.name, "centering", centering, CENTERINGS)
+        _check_choice(self.name, "variant", variant, ENTROPY_VARIANTS)
+        _check_choice(self.name, "centering", centering, ENTROPY_CENTERINGS)
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise RepgeomError(f"{self.name}: batch_size must be a positive integer, got {batch_size!r}")
         self.variant, self.centering, self.batch_size = variant, centering, batch_size

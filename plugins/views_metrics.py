@@ -25,11 +25,10 @@ from __future__ import annotations
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.spec.errors import RepgeomError, check_param, is_count, is_real
 from repgeom_eval.plugin_system.lazy import lazy
+from repgeom_eval.spec.names import INFONCE_VARIANTS, LIDAR_VARIANTS
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
-INFONCE_VARIANTS = lazy("repgeom_eval.functional.contrastive:INFONCE_VARIANTS")
-LIDAR_VARIANTS = lazy("repgeom_eval.functional.contrastive:LIDAR_VARIANTS")
 dime = lazy("repgeom_eval.functional.contrastive:dime")
 infonce = lazy("repgeom_eval.functional.contrastive:infonce")
 lidar_from_stats = lazy("repgeom_eval.functional.contrastive:lidar_from_stats")

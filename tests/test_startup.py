@@ -9,14 +9,18 @@ that starts importing torch at module level again fails here, not silently in a 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import repgeom_eval
 from repgeom_eval import Consumes, Metric
 from repgeom_eval.plugin_system.lazy import is_lazy, lazy, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HEAVY = ("torch", "transformers", "numpy", "safetensors", "tokenizers", "repgeom_eval.functional",
          "repgeom_eval.measurement", "repgeom_eval.modeling.loading", "repgeom_eval.modeling.addresses")
@@ -103,20 +107,24 @@ def test_builtin_plugins_work_after_a_cheap_import(host):
     assert loss(torch.randn(2, 4, 8), torch.ones(2, 4, dtype=torch.bool)) is not None
 
 
-def test_condensation_defaults_match_the_functional_constants():
+def test_condensation_defaults_are_declared_once():
+    """The metric's, the math's and the command's defaults are the one declaration of repgeom_eval/spec/names.py."""
     import importlib
+
+    from repgeom_eval.spec import names
+    from repgeom_eval.spec.options.analyses import CondensationConfig  # the command's defaults (torch-free)
 
     functional = importlib.import_module("repgeom_eval.functional.condensation")  # the package has a function
     plugin = importlib.import_module("repgeom_eval.plugins.condensation")         # of that name
-
-    assert plugin.CONDENSATION_EPS == functional.CONDENSATION_EPS
-    assert plugin.DEFAULT_BINS == functional.DEFAULT_BINS
+    declared = (names.CONDENSATION_EPS, names.CONDENSATION_BINS)
+    assert (functional.CONDENSATION_EPS, functional.DEFAULT_BINS) == declared
     default = plugin.Condensation()
-    assert (default.eps, default.bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
-    from repgeom_eval.spec.options.analyses import CondensationConfig  # the command's defaults (torch-free)
-
+    assert (default.eps, default.bins) == declared
     command = CondensationConfig()
-    assert (command.eps, command.bins) == (functional.CONDENSATION_EPS, functional.DEFAULT_BINS)
+    assert (command.eps, command.bins) == declared
+    for path in [*Path(ROOT, "plugins").glob("*.py"), *Path(ROOT, "repgeom_eval", "functional").glob("*.py")]:
+        assert not re.search(r"^(CONDENSATION_EPS|DEFAULT_BINS|\w*VARIANTS|CENTERINGS) = [(\d]",
+                             path.read_text(encoding="utf-8"), re.M), f"{path.name} declares a name list again"
 
 
 def test_a_plugin_metric_subclass_needs_no_torch_until_used():

@@ -21,8 +21,7 @@ import torch
 
 from .tokens import TokenBlock
 
-CONDENSATION_EPS = 1e-3  # paper C's max-eps (not F.normalize's 1e-12)
-DEFAULT_BINS = 50  # histogram bins over [-1, 1] (the condensation command's --bins default: tests/test_startup.py)
+from repgeom_eval.spec.names import CONDENSATION_BINS as DEFAULT_BINS, CONDENSATION_EPS  # declared once, torch-free
 
 
 def condensation_units(x: torch.Tensor, eps: float = CONDENSATION_EPS) -> torch.Tensor:

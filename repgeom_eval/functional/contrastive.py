@@ -23,8 +23,7 @@ import torch.nn.functional as F
 
 from .dispersion import unit
 
-LIDAR_VARIANTS = ("thilak", "information_flow")
-INFONCE_VARIANTS = ("one_directional", "simclr")
+from repgeom_eval.spec.names import INFONCE_VARIANTS, LIDAR_VARIANTS  # declared once, torch-free
 
 
 # -- matrix entropy ----------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from .entropy import center_and_unit
 
-VARIANTS = ("paper", "information_flow")
+from repgeom_eval.spec.names import CURVATURE_VARIANTS as VARIANTS  # declared once, torch-free
 
 
 def turning_angles(tokens: torch.Tensor, absolute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,7 @@ import torch
 
 from .dispersion import unit
 
-VARIANTS = ("paper", "information_flow")
-CENTERINGS = ("global", "batch", "none")
+from repgeom_eval.spec.names import ENTROPY_CENTERINGS as CENTERINGS, ENTROPY_VARIANTS as VARIANTS  # declared once
 RANKME_EPS = 1e-7  # Garrido et al. (2023), float32 value
 _NAN = float("nan")
 

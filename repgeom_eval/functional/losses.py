@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-LOSS_VARIANTS = ("paper", "reference")
+from repgeom_eval.spec.names import LOSS_VARIANTS  # declared once, torch-free
 _VARIANT_DEFAULTS = {"paper": (0.0, 0.0), "reference": (0.25, 0.01)}
 
 

@@ -11,6 +11,7 @@ import numbers
 from dataclasses import MISSING, dataclass
 
 from repgeom_eval.spec.errors import RepgeomError
+from repgeom_eval.spec.names import CONDENSATION_BINS, CONDENSATION_EPS
 from repgeom_eval.spec.option_fields import Options, each, option, option_like, positive
 from repgeom_eval.spec.options.groups import (ChunksGroup, DataGroup, JsonGroup, LayersGroup, ModelGroup, ModelsGroup,
                                              OutputGroup, PlotsGroup, RunGroup, TextsGroup)
@@ -183,8 +184,9 @@ class CondensationConfig(TextsGroup, LayersGroup, RunGroup):
     layers: str | tuple[str, ...] = option_like(LayersGroup, "layers",
                                                 help="layer addresses, at least 3 (default: {default} = every "
                                                      "hidden state)")
-    bins: int = option(50, "--bins", type=int, check=positive, help="histogram bins over [-1, 1] (default: {default})")
-    eps: float = option(1e-3)  # paper C's max-eps (functional/condensation.py's CONDENSATION_EPS)
+    bins: int = option(CONDENSATION_BINS, "--bins", type=int, check=positive,
+                       help="histogram bins over [-1, 1] (default: {default})")
+    eps: float = option(CONDENSATION_EPS)  # paper C's max-eps
     max_length: int = option(512, "--max-length", type=int, check=positive,
                              help="tokens per text (paper C: 512; default: {default})")
     n_texts: int | None = option(None, "--n-texts", type=int, check=positive,
