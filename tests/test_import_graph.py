@@ -228,3 +228,18 @@ def test_spec_imports_no_torch():
     code += "; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'transformers')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[:2] == ["[]", "[]"]
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject lists the packages one by one (plugins/ and entrypoints/ install inside the namespace): a folder
+    missing from the list is missing from the wheel, and only `make check-install` would notice."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    folders = {"repgeom_eval." + ".".join(p.parent.relative_to(ROOT / "repgeom_eval").parts)
+               for p in (ROOT / "repgeom_eval").rglob("__init__.py")}
+    folders = {f.rstrip(".") for f in folders}
+    for outside in ("plugins", "entrypoints"):
+        folders |= {f"repgeom_eval.{outside}" + "".join("." + x for x in p.parent.relative_to(ROOT / outside).parts)
+                    for p in (ROOT / outside).rglob("__init__.py")}
+    assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
