@@ -151,7 +151,11 @@ def _run(cfg: MtebRunCommand) -> int:
         result.forward_passes = sum(n for _, n in parts)
     console = Console(width=max(Console().width, 120))  # a score table truncated to "0.…" is useless
     console.print(f"{result.model} @ {result.revision}: {len(result.layers)} layer(s) × {len(tasks)} task(s), "
-                  f"{result.forward_passes} forward sweep(s), {result.seconds:.1f}s")
+                  f"{result.forward_passes} forward sweep(s), {result.seconds:.1f}s", highlight=False)
+    # mteb's cache keeps each layer as its own model, shared by every request that names it: the request itself
+    # is said here (and returned as SweepResult.layer_request), under the name every output gives it
+    console.print(f"layer_request: {' '.join(result.layer_request)} → {', '.join(result.layers)}", highlight=False,
+                  soft_wrap=True)
     _print_table(console, result.rows)
     picks = {r["task"]: r["repgeom_layer_pick"] for r in result.rows if r.get("repgeom_layer_pick")}  # all ranks'
     for task, pick in picks.items():

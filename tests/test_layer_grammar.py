@@ -107,7 +107,7 @@ def test_python_api(llama, texts):
     assert [str(a) for a in LayerEmbedder(llama).addresses(BRACKETS)] == BOTH
 
 
-def test_mteb_run_cli(llama, tmp_path, splits):
+def test_mteb_run_cli(llama, tmp_path, splits, capsys):
     from repgeom_eval.mteb_layers.examples import write_example_tasks
 
     tasks_file = write_example_tasks(tmp_path / "ex", size="small")
@@ -117,6 +117,7 @@ def test_mteb_run_cli(llama, tmp_path, splits):
     layers = sorted(json.loads(meta.read_text())["loader_kwargs"]["layer"] for meta in out.rglob("model_meta.json"))
     assert layers == BOTH
     assert splits[(BRACKETS,)] == 1
+    assert f"layer_request: {BRACKETS} → resid_post:0, resid_post:1" in capsys.readouterr().out
 
 
 def test_mteb_python_api(llama):
