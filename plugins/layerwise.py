@@ -52,23 +52,24 @@ def _check_alpha(metric: str, alpha) -> float:
 
 class _GramMetric(Metric):
     """A pooled metric that reads only the linear Gram of its rows: the shared
-    :class:`~repgeom_eval.spec.statistics.PooledGram` (unit rows with ``unit_rows = True``), so two such metrics of the
-    same pooling keep one Gram between them (docs/plugins.md#shared-statistics)."""
+    :class:`~repgeom_eval.spec.statistics.PooledGram`, which keeps the Grams of the raw and of the unit rows in one
+    (D+1)×D array (the unit one read with ``unit_rows = True``), so every such metric of the same pooling shares one
+    state (docs/plugins.md#shared-statistics)."""
 
     unit_rows = False
 
     def statistics(self):
         from repgeom_eval.spec.statistics import PooledGram
 
-        return {"gram": PooledGram(unit=self.unit_rows)}
+        return {"gram": PooledGram()}
 
     def _gram(self):
         """(the smaller linear Gram of all rows seen, N, D), or None before any row."""
-        return self.stat("gram").gram_matrix()
+        return self.stat("gram").gram_matrix(unit=self.unit_rows)
 
     def diagnostics(self):
         g = self.stat("gram")
-        return {"n_vectors": int(g.n), "n_zero_vectors": int(g.n_zero)}
+        return {"n_vectors": int(g.n), "n_zero_vectors": int(g.n_zero_unit if self.unit_rows else g.n_zero)}
 
 
 class PromptEntropy(TokenMetric):
@@ -143,7 +144,7 @@ class DatasetEntropy(_GramMetric):
     * ``"batch"``: B's code, centring each block of ``batch_size`` consecutive prompts (in input order, whatever
       batches the pipeline used), default 2 (B's final setting; it turns each pair into antipodal vectors).
       Same ``"cat"`` state.
-    * ``"none"``: unit rows only. Then the Gram Σ uuᵀ *is* sufficient, and the metric streams it (at most ~2·D²
+    * ``"none"``: unit rows only. Then the Gram Σ uuᵀ *is* sufficient, and the metric streams it (D² + D
       floats, the shared ``PooledGram`` statistic) and diagonalises the smaller form at compute.
 
     ``variant`` and ``alpha`` as for ``prompt_entropy``. Reports ``raw``, ``normalized`` (= raw / log min(N, D),
@@ -210,7 +211,7 @@ class EffectiveRank(_GramMetric):
     * ``exp_entropy``: exp(S₁(ZZᵀ)), the exponential of paper B's von Neumann entropy, which uses σ² (not σ).
 
     Default pooling ``mean``. Only the singular values are needed and σ² are the eigenvalues of ZᵀZ, so the state
-    is the streamed Gram (at most ~2·D² floats, the shared ``PooledGram`` statistic); eigenvalues below the solver's
+    is the streamed Gram (D² + D floats, the shared ``PooledGram`` statistic); eigenvalues below the solver's
     round-off floor count as zero. A zero matrix gives 0.0 for all three; no data gives NaN.
     """
 
@@ -289,7 +290,7 @@ class Vendi(_GramMetric):
     U = unit rows (one pooled vector per text; default pooling ``last``, like ``dispersion``), K = UUᵀ,
     Vendi = exp(−Σ λ log λ) over the eigenvalues λ of K/N = exp(S₁(K)). It is an "effective number of distinct
     texts": 1 when all vectors are parallel, N when they are mutually orthogonal. UUᵀ and UᵀU share their non-zero
-    spectrum, so the state is the streamed Gram (at most ~2·D² floats, the shared ``PooledGram`` statistic). Zero vectors
+    spectrum, so the state is the streamed Gram (D² + D floats, the shared ``PooledGram`` statistic). Zero vectors
     have no direction and are ignored (counted in ``n_zero_vectors``). No data, or only zero vectors, gives NaN.
     """
 

@@ -43,17 +43,24 @@ def test_the_estimate_bounds_what_the_run_holds(tiny_model_dir, n_texts):
 
 def test_dry_run_reads_the_config_alone_at_a_real_shape(tmp_path, capsys):
     """A Llama-3-8B-shaped config with no weight file at all: the estimate says what three Gram metrics at every
-    hidden state hold (256 MiB each per address, 33 addresses) and what the weights need in bfloat16."""
+    hidden state hold (one packed (D+1)×D Gram per address, 128 MiB, read by effective_rank and vendi; the vectors
+    per 1,000 texts for dataset_entropy's global centring; 33 addresses) and what the weights need in bfloat16."""
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path / "llama-8b")
     assert main(["measure", "-m", str(tmp_path / "llama-8b"), "-d", "unread.txt", "--layers", "all", "--metrics",
-                 "effective_rank", "vendi", "dataset_entropy", "--dtype", "bfloat16", "--dry-run", "--json"]) == 0
+                 "effective_rank", "vendi", "dataset_entropy", "--dtype", "bfloat16", "--pooling", "mean", "--dry-run",
+                 "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["width"] == 4096 and len(doc["addresses"]) == 33 and doc["dtype"] == "bfloat16"
-    # the Gram, its fold buffer (up to D rows) and two counts, in float64
-    assert doc["metrics"]["effective_rank"]["fixed_bytes_per_address"] == 2 * 4096 * 4096 * 8 + 2 * 8
+    # the packed Grams (raw below, unit above: (D+1)×D) and three counts, in float64; the fold buffer (up to D rows)
+    # never holds data beside them at two addresses, so it counts once for the run, as do compute's two D×D copies
+    assert doc["metrics"]["effective_rank"]["fixed_bytes_per_address"] == 4097 * 4096 * 8 + 3 * 8
+    assert doc["metrics"]["vendi"]["fixed_bytes_per_address"] == 0  # at the same pooling it reads effective_rank's
+    assert doc["transient_bytes"] == 2 * 4097 * 4096 * 8
+    per_address = sum(m["fixed_bytes_per_address"] for m in doc["metrics"].values() if m["addresses"] == 33)
+    assert doc["state_bytes"] == 33 * per_address + doc["transient_bytes"]
     assert doc["metrics"]["dataset_entropy"]["per_1000_texts_bytes_per_address"] == 1000 * (4096 + 1) * 8
     assert 14e9 < doc["weights_bytes"] < 18e9  # about 8 billion parameters in bfloat16
     assert not list(tmp_path.glob("llama-8b/*.safetensors"))
@@ -104,7 +111,7 @@ def test_mteb_run_dry_run_states_the_sweep_memory_from_the_config_alone(tmp_path
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "33 address(es)" in out  # auto reads every hidden state
     assert "(task embeddings, float32) cpu 0 B 15.6 MiB 33" in out  # 1000 × 4096 × 4 bytes at each address
-    assert "effective_rank" in out and "256.0 MiB" in out  # its Gram (and fold buffer) per address
+    assert "effective_rank" in out and "128.0 MiB" in out  # its packed Gram per address
     assert main(["mteb", "run", "-m", model, "--layer", "resid_post:[0,1]", "--dry-run"]) == 0
     assert "2 address(es)" in capsys.readouterr().out
     assert not list(tmp_path.glob("llama-8b/*.safetensors")) and not (tmp_path / "results").exists()

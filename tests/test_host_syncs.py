@@ -139,6 +139,6 @@ def test_a_state_follows_the_vectors_it_is_fed():
     from repgeom_eval.spec.metric import LayerBatch
     from repgeom_eval.spec.statistics import PooledGram
 
-    gram = PooledGram(unit=True).to("meta")  # any device other than the host: the states move, the values follow
+    gram = PooledGram().to("meta")  # any device other than the host: the states move, the values follow
     gram.update(LayerBatch("x", torch.arange(3, device="meta"), pooled=torch.ones(3, 4, device="meta")))
     assert gram.n.device.type == "meta" and all(r.device.type == "meta" for r in gram.rows)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import repgeom_eval as rg
-from repgeom_eval import Consumes, LayerBatch, Metric
+from repgeom_eval import Consumes, LayerBatch, Metric, Statistic
 from repgeom_eval.measurement.bank import MetricBank
 from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.estimate import estimate
@@ -62,8 +62,9 @@ def test_one_gram_per_distinct_statistic(host):
     # vendi and dataset_entropy without centring read the Gram of the unit rows: one object, owned by vendi
     assert pairs["dataset_entropy"].stat("gram") is pairs["vendi"].stat("gram")
     assert "gram" in pairs["vendi"].owned_statistics() and not pairs["dataset_entropy"].owned_statistics()
-    # effective_rank reads the Gram of the raw rows, another statistic
-    assert pairs["effective_rank"].stat("gram") is not pairs["vendi"].stat("gram")
+    # effective_rank reads the Gram of the raw rows, packed in the same state as the unit one
+    assert pairs["effective_rank"].stat("gram") is pairs["vendi"].stat("gram")
+    assert not pairs["effective_rank"].owned_statistics()
     # a different pooling means different vectors: nothing shared
     specs = instantiate_metrics(GRAM_METRICS, host, {"dataset_entropy": {"centering": "none", "pooling": "last"}},
                                 per_text=False, pooling="mean")
@@ -98,9 +99,9 @@ def test_shards_merge_with_shared_state():
     for start in range(0, 50, 8):
         feed(whole, range(start, min(start + 8, 50)))
         feed(parts[(start // 8) % 3], range(start, min(start + 8, 50)))
-    # the saved state of a shard holds the unit Gram once (under vendi), none under dataset_entropy
+    # the saved state of a shard holds the packed Grams once (under vendi), none under the other two
     state = parts[0].state()["final"]
-    assert "gram" in state["vendi"] and state["dataset_entropy"] == {}
+    assert "grams" in state["vendi"] and state["dataset_entropy"] == {} and state["effective_rank"] == {}
     for other in parts[1:]:
         parts[0].merge_state(other.state())
     for metric, value in whole.compute()["final"].items():
@@ -154,9 +155,57 @@ def test_a_plugin_metric_shares_a_built_in_statistic():
     assert disp.stat("sums").n == 9
 
 
+class RowPowerSums(Statistic):
+    """Σ z^p of the pooled vectors: a statistic with a parameter."""
+
+    def __init__(self, power: int = 2):
+        super().__init__()
+        self.power = power
+        self.add_state("total", torch.zeros(0, dtype=torch.float64), "sum", shape=("D",))
+
+    def update(self, batch):
+        s = (batch.pooled.double() ** self.power).sum(0)
+        self.total = s if self.total.numel() == 0 else self.total + s
+
+
+class PowerMetric(Metric):
+    name = "power_metric"
+    consumes = Consumes.POOLED
+
+    def statistics(self):
+        return {"sums": RowPowerSums(power=2)}
+
+    def compute(self):
+        return float(self.stat("sums").total.sum())
+
+
 def test_a_statistic_of_other_parameters_is_not_shared():
-    assert PooledGram(unit=True).key() != PooledGram(unit=False).key()
-    assert PooledGram(unit=True).key() == PooledGram(unit=True).key()
-    metric = rg.get_host().metrics.get("vendi")()
+    assert RowPowerSums(power=2).key() != RowPowerSums(power=3).key()
+    assert RowPowerSums(power=2).key() == RowPowerSums(power=2).key()
+    assert PooledGram().key() == PooledGram().key()
     with pytest.raises(ValueError, match="cannot share"):
-        metric.share("gram", PooledGram(unit=False))
+        PowerMetric().share("sums", RowPowerSums(power=3))
+    with pytest.raises(ValueError, match="cannot share"):
+        rg.get_host().metrics.get("vendi")().share("gram", RowPowerSums())
+
+
+def test_the_raw_and_unit_grams_are_packed_in_one_state():
+    """Both triangles of one (D+1)×D array: the raw Gram below, the unit Gram above; each equals the brute-force
+    product, past the fold (N > D) and before it (N ≤ D, the N×N form)."""
+    gen = torch.Generator().manual_seed(5)
+    for n, d in ((40, 9), (6, 9), (1300, 600)):
+        x = torch.randn(n, d, dtype=torch.float64, generator=gen) * torch.rand(n, 1, dtype=torch.float64,
+                                                                               generator=gen)
+        x[1] = 0
+        st = PooledGram()
+        for start in range(0, n, 7):
+            st.update(LayerBatch("final", torch.arange(start, min(start + 7, n)), pooled=x[start:start + 7]))
+        if n > d:
+            assert tuple(st.grams.shape) == (d + 1, d) and not st.rows
+        u = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        for unit, z in ((False, x), (True, u)):
+            g, got_n, got_d = st.gram_matrix(unit=unit)
+            want = z.T @ z if n > d else z @ z.T
+            assert (got_n, got_d) == (n, d) and torch.equal(g, g.T)
+            assert torch.allclose(g, want, rtol=0, atol=1e-12 * float(want.abs().max()))
+        assert (int(st.n_zero), int(st.n_zero_unit)) == (1, 1)

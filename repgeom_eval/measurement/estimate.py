@@ -32,6 +32,9 @@ class StateEstimate:
     fixed_bytes: int
     per_1000_texts_bytes: int
     device: str
+    #: held for one address at a time, on top of the states: a buffer beside the sum it is folding into, or the
+    #: copies ``compute`` makes (``Stateful.compute_copies``); the run counts the largest once
+    transient_bytes: int = 0
 
 
 @dataclass
@@ -50,8 +53,15 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def transient_bytes(self) -> int:
+        """The largest temporary of one address (a fold, a compute), held once: addresses are folded and computed
+        one after another."""
+        return max((s.transient_bytes for states in self.per_address.values() for s in states), default=0)
+
+    @property
     def state_bytes(self) -> int:
-        return sum(s.fixed_bytes for states in self.per_address.values() for s in states)
+        """The states of every address, plus the largest temporary (:attr:`transient_bytes`)."""
+        return sum(s.fixed_bytes for states in self.per_address.values() for s in states) + self.transient_bytes
 
     @property
     def per_1000_texts_bytes(self) -> int:
@@ -71,7 +81,7 @@ class MemoryEstimate:
                 row["addresses"] += 1
         return {"model": self.model, "model_type": self.model_type, "n_layers": self.n_layers, "width": self.width,
                 "dtype": self.dtype, "device": self.device, "addresses": self.addresses,
-                "metrics": by_metric, "state_bytes": self.state_bytes,
+                "metrics": by_metric, "state_bytes": self.state_bytes, "transient_bytes": self.transient_bytes,
                 "per_1000_texts_bytes": self.per_1000_texts_bytes, "weights_bytes": self.weights_bytes,
                 "batch_hidden_bytes": self.batch_hidden_bytes, "notes": self.notes}
 
@@ -80,30 +90,58 @@ def _bytes(shape: tuple, width: int, itemsize: int, skip_rows: bool = False) -> 
     dims = list(shape[1:] if skip_rows else shape)
     out = itemsize
     for d in dims:
-        out *= width if d == "D" else d if isinstance(d, int) else 1
+        out *= width if d == "D" else width + 1 if d == "D+1" else d if isinstance(d, int) else 1
     return out
 
 
 def metric_memory(metric: Any, width: int, device: str) -> StateEstimate:
     """The memory of one metric instance's states at a layer of ``width``, from their declared shapes: its own
     states and those of the statistics it owns (a statistic it shares with another metric is counted there)."""
-    fixed = per_text = 0
+    per_text = 0
+    sizes: dict[str, int] = {}  # the fixed bytes of each state
+    folds: dict[str, str] = {}  # a buffer → the sum it is folded into
     devices = set()
-    for _name, reduce, default, shape, bound, state_device in metric.declared_states():
+    for name, reduce, default, shape, bound, state_device, folds_into in metric.declared_states():
         itemsize = default.element_size() if hasattr(default, "element_size") else FLOAT64
         shape = shape or (tuple(default.shape) if hasattr(default, "shape") else ())
         if reduce == "cat":
             row = _bytes(shape, width, itemsize, skip_rows=True)
             if bound is not None:
-                fixed += row * (width if bound == "D" else int(bound))
+                sizes[name] = row * (width if bound == "D" else int(bound))
             else:
                 per_text += row * 1000
         else:
-            fixed += _bytes(shape, width, itemsize)
+            sizes[name] = _bytes(shape, width, itemsize)
+        if folds_into:
+            folds[name] = folds_into
         devices.add("cpu" if state_device == "cpu" else device)
     if not devices:
         devices.add("cpu" if getattr(metric, "state_device", "input") == "cpu" else device)
-    return StateEstimate(metric.name, fixed, per_text, "+".join(sorted(devices)))
+    # a buffer and the sum it folds into hold data together only while one address folds: the larger of the two
+    # per address, the smaller once for the run
+    fixed = sum(v for k, v in sizes.items() if k not in folds)
+    transient = 0
+    for buffer, total in folds.items():
+        fixed += max(sizes[buffer] - sizes.get(total, 0), 0)
+        transient = max(transient, min(sizes[buffer], sizes.get(total, 0)))
+    largest = max((v for k, v in sizes.items() if k not in folds), default=0)
+    copies = max([getattr(metric, "compute_copies", 0)]
+                 + [getattr(st, "compute_copies", 0) for st in _statistics_read(metric)])
+    if copies:
+        largest = max([largest] + [_largest_sum(st, width) for st in _statistics_read(metric)])
+    transient = max(transient, copies * largest)
+    return StateEstimate(metric.name, fixed, per_text, "+".join(sorted(devices)), transient)
+
+
+def _statistics_read(metric: Any) -> list:
+    """Every statistic ``metric`` reads, owned or borrowed (a borrower's compute makes its own copies too)."""
+    slots = getattr(metric, "_slots", None)
+    return list(slots().values()) if callable(slots) else []
+
+
+def _largest_sum(statistic: Any, width: int) -> int:
+    return max((_bytes(shape or (), width, default.element_size())
+                for _n, reduce, default, shape, *_ in statistic.declared_states() if reduce == "sum"), default=0)
 
 
 def _text_config(config: Any) -> Any:
@@ -255,6 +293,9 @@ def render(est: MemoryEstimate, console: Any = None) -> None:
     console.print(f"metric states: {human(est.state_bytes)} + {human(est.per_1000_texts_bytes)} per 1,000 texts; "
                   f"weights: {human(est.weights_bytes)}; captured hidden states per batch: "
                   f"{human(est.batch_hidden_bytes)}")
+    if est.transient_bytes:
+        console.print(f"of the metric states, once for the run (one address at a time folds or computes): "
+                      f"{human(est.transient_bytes)}")
     for note in est.notes:
         console.print(f"note: {note}")
 

@@ -64,24 +64,32 @@ class Stateful:
 
     name: ClassVar[str] = ""
     state_device: ClassVar[str] = "input"
+    #: how many copies of its largest ``sum`` state ``compute`` holds besides the state, for one address at a time
+    #: (a Gram rebuilt whole and the eigendecomposition's copy: 2); ``--dry-run`` counts them once for the run.
+    compute_copies: ClassVar[int] = 0
 
     def __init__(self) -> None:
         self._defaults: dict[str, Any] = {}
         self._reductions: dict[str, str] = {}
         self._shapes: dict[str, tuple[int | str, ...] | None] = {}
         self._bounds: dict[str, int | str] = {}
+        self._folds: dict[str, str] = {}  # buffer → the sum it is folded into (add_state(folds_into=...))
 
     # -- state -------------------------------------------------------------------------------------------------
     def add_state(self, name: str, default: torch.Tensor | list, reduce: str,
-                  shape: tuple[int | str, ...] | None = None, max_rows: int | str | None = None) -> None:
+                  shape: tuple[int | str, ...] | None = None, max_rows: int | str | None = None,
+                  folds_into: str | None = None) -> None:
         """Declare a state. ``"cat"`` states start as an empty list and are concatenated on merge.
 
         ``shape`` declares the state's shape once it holds data, for the checks of a saved state (a resumed
         checkpoint): each dimension a number, ``"D"`` (the width of the layer's vectors), or another name that
-        must agree wherever it appears (``"N"`` for the rows of ``cat`` states that grow together)
-        (docs/plugins.md#state-checks). ``max_rows``: a ``cat`` state that never holds more rows than this (a number
-        or ``"D"``: a buffer the metric folds into a fixed-size sum), so that its memory does not grow with the data
-        (``repgeom measure --dry-run`` counts it as fixed)."""
+        must agree wherever it appears (``"N"`` for the rows of ``cat`` states that grow together); ``"D+1"`` is one
+        more than the width (docs/plugins.md#state-checks). ``max_rows``: a ``cat`` state that never holds more rows
+        than this (a number or ``"D"``: a buffer the metric folds into a fixed-size sum), so that its memory does not
+        grow with the data (``repgeom measure --dry-run`` counts it as fixed). ``folds_into``: the ``sum`` state such
+        a buffer is folded into, when that sum is made only at the first fold and the buffer emptied then (the two
+        hold data together only while one address folds, so the estimate counts the larger of the two per
+        address, and the buffer once for the run)."""
         if reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
         if reduce == "cat":
@@ -94,12 +102,18 @@ class Stateful:
         self._shapes[name] = tuple(shape) if shape is not None else None
         if max_rows is not None:
             self._bounds[name] = max_rows
+        if folds_into is not None:
+            if reduce != "cat" or max_rows is None or self._reductions.get(folds_into) != "sum":
+                raise ValueError(f"state {name!r}: folds_into names a 'sum' state declared before it, for a 'cat' "
+                                 "buffer with max_rows")
+            self._folds[name] = folds_into
         setattr(self, name, copy.deepcopy(default))
 
-    def declared_states(self) -> Iterator[tuple[str, str, Any, tuple | None, int | str | None, str]]:
-        """(name, reduction, default, shape, max_rows, state_device) of every declared state."""
+    def declared_states(self) -> Iterator[tuple[str, str, Any, tuple | None, int | str | None, str, str | None]]:
+        """(name, reduction, default, shape, max_rows, state_device, folds_into) of every declared state."""
         for name, reduce in self._reductions.items():
-            yield name, reduce, self._defaults[name], self._shapes.get(name), self._bounds.get(name), self.state_device
+            yield (name, reduce, self._defaults[name], self._shapes.get(name), self._bounds.get(name),
+                   self.state_device, self._folds.get(name))
 
     def reset(self) -> None:
         for name, default in self._defaults.items():
@@ -147,6 +161,10 @@ class Stateful:
             value = state.get(name)
             if shape is None or not isinstance(value, torch.Tensor) or value.numel() == 0:
                 continue
+            if "D+1" in shape and "D" in shape and value.ndim == len(shape):  # read D from the plain dimension
+                symbols.setdefault("D", value.shape[shape.index("D")])
+            if "D" in symbols:
+                symbols["D+1"] = symbols["D"] + 1
             if value.ndim != len(shape):
                 problems.append(f"{name} has shape {tuple(value.shape)}, expected {len(shape)} dimension(s) {shape}")
                 continue
@@ -258,7 +276,7 @@ class Metric(Stateful):
 
     # -- shared statistics ---------------------------------------------------------------------------------------
     def statistics(self) -> dict[str, Statistic]:
-        """The statistics this metric reads, by slot name (e.g. ``{"gram": PooledGram(unit=True)}``); called once,
+        """The statistics this metric reads, by slot name (e.g. ``{"sums": UnitSums()}``); called once,
         after ``__init__``, so it may depend on the parameters. Default: none."""
         return {}
 
@@ -283,14 +301,14 @@ class Metric(Stateful):
     def owned_statistics(self) -> dict[str, Statistic]:
         return {slot: st for slot, st in self._slots().items() if slot in self._owned}
 
-    def declared_states(self) -> Iterator[tuple[str, str, Any, tuple | None, int | str | None, str]]:
-        """(name, reduction, default, shape, max_rows, state_device) of every state this metric keeps: its own and
-        those of the statistics it owns (``slot.name``); for the memory estimate."""
+    def declared_states(self) -> Iterator[tuple[str, str, Any, tuple | None, int | str | None, str, str | None]]:
+        """(name, reduction, default, shape, max_rows, state_device, folds_into) of every state this metric keeps:
+        its own and those of the statistics it owns (``slot.name``); for the memory estimate."""
         yield from super().declared_states()
         keys = self._keys()
         for slot, st in sorted(self.owned_statistics().items()):
-            for name, *rest in st.declared_states():
-                yield (keys[slot, name], *rest)
+            for name, *rest, folds in st.declared_states():
+                yield (keys[slot, name], *rest, keys[slot, folds] if folds else None)
 
     def reset(self) -> None:
         super().reset()
