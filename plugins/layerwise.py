@@ -166,6 +166,8 @@ class DatasetEntropy(_GramMetric):
         if centering != "none":
             self.add_state("vectors", [], "cat", shape=("N", "D"))
             self.add_state("index", [], "cat", shape=("N",))
+            # compute: the vectors gathered in text order (one copy, centred in place), their Gram, eigvalsh's copy
+            self.compute_temporaries = (("N", "D"), ("D", "D"), ("D", "D"))
 
     unit_rows = True
 
@@ -185,14 +187,31 @@ class DatasetEntropy(_GramMetric):
         if self.centering != "none":
             if not self.vectors:
                 return {k: _NAN for k in ENTROPY_KEYS}
-            x = torch.cat(self.vectors)
-            order = torch.argsort(torch.cat(self.index), stable=True)
-            return dataset_entropy(x[order], self.alpha, self.centering, self.batch_size, self.variant)
+            x = self._in_text_order()
+            if self.centering == "global" and x.shape[0] >= 2:  # centred in place: no second [N, D] copy
+                from repgeom_eval.functional.entropy import center_and_unit_, matrix_entropy
+
+                return matrix_entropy(center_and_unit_(x), self.alpha, self.variant)
+            return dataset_entropy(x, self.alpha, self.centering, self.batch_size, self.variant)
         found = self._gram()
         if found is None or found[1] < 2:
             return {k: _NAN for k in ENTROPY_KEYS}
         g, n, d = found
         return entropy_result(float(gram_entropy(g, self.alpha, self.variant)), n, d)
+
+    def _in_text_order(self) -> torch.Tensor:
+        """The kept vectors as one [N, D] float64 array in text order (the order a single pass would give, however
+        the batches and shards came), written in place: one copy, not a concatenation and then its reordering."""
+        index = torch.cat(self.index)
+        order = torch.argsort(index, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(len(order), device=order.device)
+        x = self.vectors[0].new_empty((len(order), self.vectors[0].shape[1]), dtype=torch.float64)
+        start = 0
+        for v in self.vectors:
+            x[rank[start:start + v.shape[0]]] = v
+            start += v.shape[0]
+        return x
 
     def diagnostics(self):
         if self.centering == "none":

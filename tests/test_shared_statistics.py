@@ -209,3 +209,29 @@ def test_the_raw_and_unit_grams_are_packed_in_one_state():
             assert (got_n, got_d) == (n, d) and torch.equal(g, g.T)
             assert torch.allclose(g, want, rtol=0, atol=1e-12 * float(want.abs().max()))
         assert (int(st.n_zero), int(st.n_zero_unit)) == (1, 1)
+
+
+def test_rows_before_the_fold_are_one_block_no_larger_than_the_gram():
+    """Before the first fold the rows sit in one block that doubles as it fills, never beyond (D+1)×D (the size of
+    the Gram that replaces it), whatever the batches; a merged or moved state is gathered back into one block."""
+    d = 40
+    x = torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    st = PooledGram()
+    for start in range(0, d, 3):
+        st.update(LayerBatch("final", torch.arange(start, min(start + 3, d)), pooled=x[start:start + 3]))
+        held = min(start + 3, d)
+        assert len(st.rows) == 1 and torch.equal(st.rows[0], x[:held])
+        assert st.rows[0].untyped_storage().nbytes() <= (d + 1) * d * 8
+    other = PooledGram()
+    other.update(LayerBatch("final", torch.arange(2), pooled=x[:2]))
+    st.merge(other)
+    assert len(st.rows) == 2 and st.grams.numel() == 0
+    st.update(LayerBatch("final", torch.arange(1), pooled=x[5:6]))  # d + 3 rows: folded
+    assert not st.rows and st.grams.shape == (d + 1, d)
+    z = torch.cat([x, x[:2], x[5:6]])
+    assert torch.allclose(st.gram_matrix()[0], z.T @ z, rtol=0, atol=1e-12 * float((z.T @ z).abs().max()))
+    small = PooledGram()
+    small.update(LayerBatch("final", torch.arange(3), pooled=torch.ones(3, 5)))
+    small.to("meta")  # the block moves whole; the rows stay its view and keep filling it
+    small.update(LayerBatch("final", torch.arange(3, 5, device="meta"), pooled=torch.ones(2, 5, device="meta")))
+    assert len(small.rows) == 1 and small.rows[0].device.type == "meta" and small.rows[0].shape == (5, 5)

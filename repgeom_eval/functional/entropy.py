@@ -141,8 +141,14 @@ def center_and_unit(Z: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     ``unit`` uses ``max(‖z‖, eps)`` like ``F.normalize``, so a row that is zero after centring stays zero (cosine 0
     with everything). The B code has **no** eps: such a row (a 1-token prompt, identical vectors) becomes NaN there.
     """
-    Z = Z.double()
-    return unit(Z - Z.mean(0, keepdim=True), eps)
+    return center_and_unit_(Z.double().clone(), eps)
+
+
+def center_and_unit_(Z: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """:func:`center_and_unit` in place, on a float64 ``Z`` the caller owns (no [N, D] copy); returns ``Z``. The
+    same operations as ``F.normalize(Z − mean)``, so the same numbers to the bit."""
+    Z.sub_(Z.mean(0, keepdim=True))
+    return Z.div_(torch.linalg.vector_norm(Z, 2, dim=-1, keepdim=True).clamp_min(eps))
 
 
 def gram_entropy(K: torch.Tensor, alpha: float = 1.0, variant: str = "paper") -> torch.Tensor:

@@ -33,8 +33,12 @@ class StateEstimate:
     per_1000_texts_bytes: int
     device: str
     #: held for one address at a time, on top of the states: a buffer beside the sum it is folding into, or the
-    #: copies ``compute`` makes (``Stateful.compute_copies``); the run counts the largest once
+    #: arrays ``compute`` makes (``Stateful.compute_temporaries``); the run counts the largest once
     transient_bytes: int = 0
+    transient_per_1000_texts_bytes: int = 0
+
+    def transient_for(self, n_texts: int) -> int:
+        return self.transient_bytes + self.transient_per_1000_texts_bytes * n_texts // 1000
 
 
 @dataclass
@@ -52,24 +56,37 @@ class MemoryEstimate:
     batch_hidden_bytes: int
     notes: list[str] = field(default_factory=list)
 
+    def transient_for(self, n_texts: int) -> int:
+        """The largest temporary of one address (a fold, a compute) over ``n_texts`` texts, held once: addresses
+        are folded and computed one after another."""
+        return max((s.transient_for(n_texts) for states in self.per_address.values() for s in states), default=0)
+
     @property
     def transient_bytes(self) -> int:
-        """The largest temporary of one address (a fold, a compute), held once: addresses are folded and computed
-        one after another."""
+        """The fixed part of the largest temporary (:meth:`transient_for`)."""
         return max((s.transient_bytes for states in self.per_address.values() for s in states), default=0)
 
     @property
+    def transient_per_1000_texts_bytes(self) -> int:
+        return max((s.transient_per_1000_texts_bytes for states in self.per_address.values() for s in states),
+                   default=0)
+
+    @property
     def state_bytes(self) -> int:
-        """The states of every address, plus the largest temporary (:attr:`transient_bytes`)."""
+        """The fixed states of every address, plus the fixed part of the largest temporary."""
         return sum(s.fixed_bytes for states in self.per_address.values() for s in states) + self.transient_bytes
 
     @property
     def per_1000_texts_bytes(self) -> int:
-        return sum(s.per_1000_texts_bytes for states in self.per_address.values() for s in states)
+        """The states that keep a row per text, and the per-text part of the largest temporary, per 1,000 texts."""
+        return (sum(s.per_1000_texts_bytes for states in self.per_address.values() for s in states)
+                + self.transient_per_1000_texts_bytes)
 
     def for_texts(self, n_texts: int) -> int:
-        """State bytes of a run over ``n_texts`` texts."""
-        return self.state_bytes + self.per_1000_texts_bytes * n_texts // 1000
+        """State bytes of a run over ``n_texts`` texts, the largest temporary included."""
+        grows = sum(s.per_1000_texts_bytes for states in self.per_address.values() for s in states)
+        fixed = sum(s.fixed_bytes for states in self.per_address.values() for s in states)
+        return fixed + grows * n_texts // 1000 + self.transient_for(n_texts)
 
     def to_dict(self) -> dict[str, Any]:
         by_metric: dict[str, dict[str, Any]] = {}
@@ -82,6 +99,7 @@ class MemoryEstimate:
         return {"model": self.model, "model_type": self.model_type, "n_layers": self.n_layers, "width": self.width,
                 "dtype": self.dtype, "device": self.device, "addresses": self.addresses,
                 "metrics": by_metric, "state_bytes": self.state_bytes, "transient_bytes": self.transient_bytes,
+                "transient_per_1000_texts_bytes": self.transient_per_1000_texts_bytes,
                 "per_1000_texts_bytes": self.per_1000_texts_bytes, "weights_bytes": self.weights_bytes,
                 "batch_hidden_bytes": self.batch_hidden_bytes, "notes": self.notes}
 
@@ -124,24 +142,22 @@ def metric_memory(metric: Any, width: int, device: str) -> StateEstimate:
     for buffer, total in folds.items():
         fixed += max(sizes[buffer] - sizes.get(total, 0), 0)
         transient = max(transient, min(sizes[buffer], sizes.get(total, 0)))
-    largest = max((v for k, v in sizes.items() if k not in folds), default=0)
-    copies = max([getattr(metric, "compute_copies", 0)]
-                 + [getattr(st, "compute_copies", 0) for st in _statistics_read(metric)])
-    if copies:
-        largest = max([largest] + [_largest_sum(st, width) for st in _statistics_read(metric)])
-    transient = max(transient, copies * largest)
-    return StateEstimate(metric.name, fixed, per_text, "+".join(sorted(devices)), transient)
+    # compute's arrays: the metric's own, or those of a statistic it reads (owned or borrowed: a borrower's compute
+    # makes its own), whichever is larger
+    per_text_temporary = 0
+    for shapes in [getattr(metric, "compute_temporaries", ())] + [getattr(st, "compute_temporaries", ())
+                                                                  for st in _statistics_read(metric)]:
+        fixed_part = sum(_bytes(s, width, FLOAT64) for s in shapes if "N" not in s)
+        per_text_part = sum(_bytes(s, width, FLOAT64, skip_rows=True) * 1000 for s in shapes if "N" in s)
+        if (fixed_part, per_text_part) > (transient, per_text_temporary):
+            transient, per_text_temporary = fixed_part, per_text_part
+    return StateEstimate(metric.name, fixed, per_text, "+".join(sorted(devices)), transient, per_text_temporary)
 
 
 def _statistics_read(metric: Any) -> list:
     """Every statistic ``metric`` reads, owned or borrowed (a borrower's compute makes its own copies too)."""
     slots = getattr(metric, "_slots", None)
     return list(slots().values()) if callable(slots) else []
-
-
-def _largest_sum(statistic: Any, width: int) -> int:
-    return max((_bytes(shape or (), width, default.element_size())
-                for _n, reduce, default, shape, *_ in statistic.declared_states() if reduce == "sum"), default=0)
 
 
 def _text_config(config: Any) -> Any:
@@ -293,9 +309,9 @@ def render(est: MemoryEstimate, console: Any = None) -> None:
     console.print(f"metric states: {human(est.state_bytes)} + {human(est.per_1000_texts_bytes)} per 1,000 texts; "
                   f"weights: {human(est.weights_bytes)}; captured hidden states per batch: "
                   f"{human(est.batch_hidden_bytes)}")
-    if est.transient_bytes:
+    if est.transient_bytes or est.transient_per_1000_texts_bytes:
         console.print(f"of the metric states, once for the run (one address at a time folds or computes): "
-                      f"{human(est.transient_bytes)}")
+                      f"{human(est.transient_bytes)} + {human(est.transient_per_1000_texts_bytes)} per 1,000 texts")
     for note in est.notes:
         console.print(f"note: {note}")
 

@@ -64,9 +64,10 @@ class Stateful:
 
     name: ClassVar[str] = ""
     state_device: ClassVar[str] = "input"
-    #: how many copies of its largest ``sum`` state ``compute`` holds besides the state, for one address at a time
-    #: (a Gram rebuilt whole and the eigendecomposition's copy: 2); ``--dry-run`` counts them once for the run.
-    compute_copies: ClassVar[int] = 0
+    #: the float64 arrays ``compute`` holds at once beside the states, for one address at a time, as shapes like
+    #: ``add_state``'s (``"D"`` the width, ``"N"`` a row per text): a Gram rebuilt whole and the eigendecomposition's
+    #: copy are ``(("D", "D"), ("D", "D"))``. ``--dry-run`` counts the largest once for the run.
+    compute_temporaries: ClassVar[tuple[tuple[int | str, ...], ...]] = ()
 
     def __init__(self) -> None:
         self._defaults: dict[str, Any] = {}

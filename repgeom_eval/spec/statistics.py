@@ -64,12 +64,12 @@ class PooledGram(Statistic):
     that for N ≤ D a Gram is Z Zᵀ (N×N), the smaller form and paper B's branch rule (``ZᵀZ if N > D else ZZᵀ``,
     docs/metrics.md#dataset_entropy). Past D rows they are folded into ``grams`` and from then on every batch is
     folded as it arrives, so an address holds D² + D floats, whether one metric reads one Gram or three metrics read
-    both. Folding both triangles costs one D×D product a row, as a single full Gram did. Shards merge exactly (sums
+    both (the rows before the fold sit in one block that is never larger). Folding both triangles costs one D×D product a row, as a single full Gram did. Shards merge exactly (sums
     add, row lists concatenate).
     """
 
     name = "pooled_gram"
-    compute_copies = 2  # a reader's compute: the Gram rebuilt whole, and the eigendecomposition's copy of it
+    compute_temporaries = (("D", "D"), ("D", "D"))  # a reader's compute: the Gram rebuilt whole, eigvalsh's copy of it
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,13 +87,48 @@ class PooledGram(Statistic):
         self.n_zero = self.n_zero + ((z * z).sum(-1) == 0).sum()
         u = unit_rows(z)
         self.n_zero_unit = self.n_zero_unit + ((u * u).sum(-1) == 0).sum()
-        self.rows.append(z)
+        width = z.shape[1]
         held = sum(r.shape[0] for r in self.rows)
-        if self.grams.numel() or held > z.shape[1]:
+        if self.grams.numel() or held + z.shape[0] > width:
             if self.grams.numel() == 0:
-                self.grams = z.new_zeros((z.shape[1] + 1, z.shape[1]))
-            fold_rows(self.grams, self.rows)
-            self.rows = []
+                self.grams = z.new_zeros((width + 1, width))
+            fold_rows(self.grams, self.rows + [z])
+            self.rows, self._buffer = [], None  # the buffer's memory goes back before the next address folds
+        else:
+            self._keep(z, held, width)
+
+    def _buffered_rows(self) -> int | None:
+        """How many rows the block holds, when the rows are its view (not a merged or loaded list); else None."""
+        buffer = getattr(self, "_buffer", None)
+        if buffer is not None and len(self.rows) == 1 and self.rows[0].data_ptr() == buffer.data_ptr():
+            return self.rows[0].shape[0]
+        return None
+
+    def to(self, device):
+        held = self._buffered_rows()
+        super().to(device)
+        if held is None:
+            self._buffer = None
+        else:  # the block moves whole, and the rows stay its view
+            self._buffer = self._buffer.to(device)
+            self.rows = [self._buffer[:held]]
+        return self
+
+    def _keep(self, z: "torch.Tensor", held: int, width: int) -> None:
+        """Append ``z`` to the rows, held in one block that doubles as it fills, up to (D+1)×D: the size of the
+        Gram it is folded into, so the allocator hands the block freed by one address's fold to the next address's
+        Gram (not a new one beside it) and the many batch-sized pieces never pile up."""
+        buffer = getattr(self, "_buffer", None)
+        mine = self._buffered_rows() is not None and buffer.device == z.device
+        if not mine or held + z.shape[0] > buffer.shape[0]:
+            rows = self.rows if self.rows else []
+            capacity = width + 1 if held + z.shape[0] > width // 2 else max(16, 2 * (held + z.shape[0]))
+            buffer = z.new_empty((capacity, width))
+            if rows:
+                torch.cat(rows, out=buffer[:held]) if len(rows) > 1 else buffer[:held].copy_(rows[0])
+            self._buffer = buffer
+        buffer[held:held + z.shape[0]] = z
+        self.rows = [buffer[:held + z.shape[0]]]
 
     def gram_matrix(self, unit: bool = False) -> tuple[torch.Tensor, int, int] | None:
         """(the smaller linear Gram of all rows seen, of the unit rows with ``unit=True``, N, D), or None before any
