@@ -16,7 +16,14 @@ reused). The state part of a case is that rise minus the rise of ``dispersion`` 
 states are a few D-vectors), set against the estimate's difference for the same N (``estimate().for_texts(N)``).
 The estimate counts (D+1)·D per address for the packed Grams (the rows held before the first fold are no more),
 and once for the run the largest temporary of one address (the fold's rows beside the sum, compute's arrays:
-``compute_temporaries``, e.g. dataset_entropy's vectors gathered in text order with a Gram and eigvalsh's copy). Printed per case: the measured peak over one D×D float64 Gram per address.
+``compute_temporaries``, e.g. dataset_entropy's vectors gathered in text order with a Gram and eigvalsh's copy).
+Printed per case: the measured peak over one D×D float64 Gram per address.
+
+The run's rise above the baseline cannot show a temporary smaller than the memory the run freed before it (the
+forward passes' scratch is reused), so the measured state part lies between the states alone and the estimate with
+its temporary. Each case's compute temporaries are therefore also measured apart, in another fresh process: its
+metrics at one address, fed N random vectors of width D, the rise of the peak while they compute, against the
+estimate's ``transient_for(N)``.
 
     .venv/bin/python benchmarks/bench_state_memory.py              # about 6 minutes on 2 cores
     .venv/bin/python benchmarks/bench_state_memory.py --write      # also benchmarks/results/bench_state_memory.json
@@ -88,8 +95,32 @@ def child(model: str, case: str, n: int, batch: int) -> None:
     t0 = time.perf_counter()
     result = measure(loaded, data, config)
     print(json.dumps({"base_kib": base, "peak_kib": _kib("VmHWM"), "seconds": time.perf_counter() - t0,
-                      "estimate_bytes": est.for_texts(n), "state_bytes_at_end": result.timings["state_bytes"],
-                      "addresses": len(result.results)}))
+                      "estimate_bytes": est.for_texts(n), "estimate_temporary_bytes": est.transient_for(n),
+                      "state_bytes_at_end": result.timings["state_bytes"], "addresses": len(result.results)}))
+
+
+def temporary_child(case: str, n: int, width: int, batch: int) -> None:
+    """The case's metrics at one address, fed ``n`` random vectors of ``width``: how far the peak rises while they
+    compute (their temporaries, for one address at a time), against the estimate's ``transient_for(n)``."""
+    import torch
+
+    from repgeom_eval.measurement.bank import MetricBank
+    from repgeom_eval.modeling.addresses import Address
+
+    torch.set_num_threads(2)
+    addr = Address("final")
+    bank = MetricBank(CASES[case], [addr], params=PARAMS.get(case, {}), pooling="mean")
+    gen = torch.Generator().manual_seed(0)
+    for start in range(0, n, batch):
+        rows = min(batch, n - start)
+        bank.update(addr, torch.randn(rows, 1, width, generator=gen), torch.ones(rows, 1, dtype=torch.bool),
+                    list(range(start, start + rows)))
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _kib("VmRSS")
+    bank.compute()
+    print(json.dumps({"compute_rise_bytes": (_kib("VmHWM") - base) * 1024}))
 
 
 def build(path: Path, width: int, blocks: int) -> str:
@@ -116,9 +147,13 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--write", action="store_true")
     p.add_argument("--child", nargs=3, metavar=("MODEL", "CASE", "N"), help=argparse.SUPPRESS)
+    p.add_argument("--temporary-child", nargs=2, metavar=("CASE", "N"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]), args.batch)
+        return 0
+    if args.temporary_child:
+        temporary_child(args.temporary_child[0], int(args.temporary_child[1]), args.width, args.batch)
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     n = args.width + 256  # more texts than the width: every Gram is folded
@@ -134,6 +169,10 @@ def main() -> int:
                                  capture_output=True, text=True, check=True, env=env)
             if case in CASES:
                 rows[case] = json.loads(out.stdout.strip().splitlines()[-1])
+                tmp_out = subprocess.run([sys.executable, __file__, "--width", str(args.width), "--batch",
+                                          str(args.batch), "--temporary-child", case, str(n)],
+                                         capture_output=True, text=True, check=True, env=env)
+                rows[case].update(json.loads(tmp_out.stdout.strip().splitlines()[-1]))
                 print(case, rows[case], flush=True)
     base = rows["dispersion (baseline)"]
     table = {}
@@ -142,14 +181,24 @@ def main() -> int:
             continue
         measured = ((row["peak_kib"] - row["base_kib"]) - (base["peak_kib"] - base["base_kib"])) * 1024
         estimated = row["estimate_bytes"] - base["estimate_bytes"]
+        states_only = estimated - (row["estimate_temporary_bytes"] - base["estimate_temporary_bytes"])
+        temporary = row["compute_rise_bytes"] - base["compute_rise_bytes"]
+        temporary_est = row["estimate_temporary_bytes"] - base["estimate_temporary_bytes"]
         table[case] = {"state_peak_bytes_measured": measured, "state_bytes_estimated": estimated,
                        "measured_over_estimate": round(measured / estimated, 3),
                        "within_25_percent": abs(measured / estimated - 1) <= 0.25,
+                       "states_alone_estimated": states_only,
+                       "measured_over_states_alone": round(measured / states_only, 3),
+                       "between_states_alone_and_estimate": states_only * 0.95 <= measured <= estimated * 1.05,
+                       "compute_temporary_measured": temporary, "compute_temporary_estimated": temporary_est,
+                       "temporary_measured_over_estimate": round(temporary / temporary_est, 3) if temporary_est
+                       else None,
                        "state_bytes_at_end": row["state_bytes_at_end"] - base["state_bytes_at_end"],
                        "peak_over_one_gram_per_address": round(measured / (8 * args.width ** 2 * row["addresses"]),
                                                                3)}
-        print(f"{case}: peak {measured / 2**20:.1f} MiB, estimate {estimated / 2**20:.1f} MiB, "
-              f"ratio {measured / estimated:.2f}; "
+        print(f"{case}: peak {measured / 2**20:.1f} MiB, estimate {estimated / 2**20:.1f} MiB "
+              f"(states alone {states_only / 2**20:.1f} MiB), ratio {measured / estimated:.2f}; compute's temporary "
+              f"{temporary / 2**20:.1f} MiB, estimate {temporary_est / 2**20:.1f} MiB; "
               f"{table[case]['peak_over_one_gram_per_address']:.2f} × one D×D Gram per address", flush=True)
     one, three = (table.get(k, {}).get("state_peak_bytes_measured") for k in list(CASES)[1:3])
     shared_over_one = round(three / one, 3) if one and three else None

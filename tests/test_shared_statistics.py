@@ -235,3 +235,26 @@ def test_rows_before_the_fold_are_one_block_no_larger_than_the_gram():
     small.to("meta")  # the block moves whole; the rows stay its view and keep filling it
     small.update(LayerBatch("final", torch.arange(3, 5, device="meta"), pooled=torch.ones(2, 5, device="meta")))
     assert len(small.rows) == 1 and small.rows[0].device.type == "meta" and small.rows[0].shape == (5, 5)
+
+
+def test_state_bytes_are_read_in_place_and_equal_the_saved_state(tiny_model_dir, monkeypatch):
+    """The run's ``timings.state_bytes`` adds up the states where they are: no ``state_dict`` copy of every
+    address's states at the end of a run (it doubled the states' memory there), and the same number."""
+    model = tiny_model_dir("llama")
+    specs = instantiate_metrics(GRAM_METRICS + ["dispersion"], get_host(), NONE, per_text=False, pooling="mean")
+    pairs = fresh_metrics(specs)
+    x = torch.randn(30, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    for _, m in pairs:
+        for start in range(0, 30, 8):
+            m.update(LayerBatch("final", torch.arange(start, min(start + 8, 30)), pooled=x[start:start + 8]))
+    for _, m in pairs:
+        saved = sum(t.numel() * t.element_size() for t in m.state_dict().values())
+        assert m.state_bytes() == saved, m.name
+
+    def no_copies(self):
+        raise AssertionError("state_dict called while the run reports its memory")
+
+    result = run(model, GRAM_METRICS, 20)
+    monkeypatch.setattr(Metric, "state_dict", no_copies)
+    again = run(model, GRAM_METRICS, 20)
+    assert again.timings["state_bytes"] == result.timings["state_bytes"] > 0

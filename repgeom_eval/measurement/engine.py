@@ -399,8 +399,8 @@ def memory_used(state: RunState, device: Any) -> dict[str, int]:
 
     import torch
 
-    tensors = [t for ms in state.states.values() for _, m in ms for t in m.state_dict().values()]
-    out = {"state_bytes": int(sum(t.numel() * t.element_size() for t in tensors)),
+    held = sum(m.state_bytes() for ms in state.states.values() for _, m in ms)  # in place: no copy of the states
+    out = {"state_bytes": int(held),
            "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
     if getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
         out["cuda_max_memory_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))

@@ -29,8 +29,8 @@ def out_of_memory(stage: str, run: Any, n_texts: int) -> Iterator[None]:
             raise
         from repgeom_eval.measurement.estimate import human
 
-        held = sum(t.numel() * t.element_size() for ms in run.state.states.values() for _, m in ms
-                   for t in m.state_dict().values())
+        # read in place: copying every state (state_dict) is the last thing to do out of memory
+        held = sum(m.state_bytes() for ms in run.state.states.values() for _, m in ms)
         resume = (f"; every finished shard is kept in {run.config.run_dir}: run the same command with --resume"
                   if run.config.run_dir else "; with --run-dir a run resumes after such an error")
         raise RepgeomError(f"out of memory in the {stage} of a batch of {n_texts} text(s) on {run.loaded.device} "

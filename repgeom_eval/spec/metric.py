@@ -141,6 +141,16 @@ class Stateful:
             out[name] = value.detach().clone()
         return out
 
+    def state_bytes(self) -> int:
+        """The bytes the states hold now (a ``cat`` state's pieces added up), read in place: no copy is made, unlike
+        :meth:`state_dict` (a run reports it at its end, when every address's states are still held)."""
+        total = 0
+        for name, reduce in self._reductions.items():
+            value = getattr(self, name)
+            for t in (value if reduce == "cat" else [value]):
+                total += t.numel() * t.element_size()
+        return total
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         missing = set(self._reductions) - set(state)
         if missing:
@@ -328,6 +338,9 @@ class Metric(Stateful):
         names = [(slot, n) for slot, st in sorted(self.owned_statistics().items()) for n in st._reductions]
         seen = list(self._reductions) + [n for _, n in names]
         return {(slot, n): n if seen.count(n) == 1 else f"{slot}.{n}" for slot, n in names}
+
+    def state_bytes(self) -> int:
+        return super().state_bytes() + sum(st.state_bytes() for st in self.owned_statistics().values())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = super().state_dict()

@@ -69,7 +69,9 @@ class PooledGram(Statistic):
     """
 
     name = "pooled_gram"
-    compute_temporaries = (("D", "D"), ("D", "D"))  # a reader's compute: the Gram rebuilt whole, eigvalsh's copy of it
+    # a reader's compute: the Gram rebuilt whole, eigvalsh's copy, and the tiles and workspace between them (measured
+    # at 2.5 D², benchmarks/bench_state_memory.py)
+    compute_temporaries = (("D", "D"), ("D", "D"), ("D", "D"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,6 +105,12 @@ class PooledGram(Statistic):
         if buffer is not None and len(self.rows) == 1 and self.rows[0].data_ptr() == buffer.data_ptr():
             return self.rows[0].shape[0]
         return None
+
+    def state_bytes(self) -> int:
+        """As held: the rows' whole block (its capacity), not only the rows it holds so far."""
+        if self._buffered_rows() is None:
+            return super().state_bytes()
+        return super().state_bytes() - self.rows[0].numel() * 8 + self._buffer.numel() * 8
 
     def to(self, device):
         held = self._buffered_rows()
