@@ -201,10 +201,11 @@ class Experiment:
     ``--smoke`` runs at a tiny size (the scripts' keep-working check; results go to the work folder, never over the
     committed ones). ``--workdir`` holds data, logs and raw command outputs (default: a folder under
     ``~/.cache/repgeom-eval/experiments``). ``--out`` is where result.json, result.md and the figures go (default:
-    the experiment's ``results/`` folder; with ``--smoke``, ``WORKDIR/results``)."""
+    the experiment's ``results/`` folder, or the folder ``results(args)`` names; with ``--smoke``,
+    ``WORKDIR/results``)."""
 
     def __init__(self, name: str, title: str, mirrors: str, doc: str | None = None,
-                 argv: Sequence[str] | None = None, configure: Any = None) -> None:
+                 argv: Sequence[str] | None = None, configure: Any = None, results: Any = None) -> None:
         self.name, self.title, self.mirrors = name, title, mirrors
         parser = argparse.ArgumentParser(prog=f"experiments/{name}/run.py", description=doc,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -217,7 +218,8 @@ class Experiment:
         self.smoke: bool = self.args.smoke
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "repgeom-eval" / "experiments"
         self.workdir: Path = (self.args.workdir or cache / (name + ("-smoke" if self.smoke else ""))).resolve()
-        self.out: Path = (self.args.out or (self.workdir / "results" if self.smoke else HERE / name / "results"))
+        folder = results(self.args) if results is not None else "results"
+        self.out: Path = (self.args.out or (self.workdir / "results" if self.smoke else HERE / name / folder))
         self.out = self.out.resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.out.mkdir(parents=True, exist_ok=True)

@@ -83,14 +83,12 @@ def configure(parser: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # a --paper run writes results_paper/, never over the committed 100-chunk results
     exp = Experiment(NAME, "Perplexity vs dispersion, per domain", "paper A Fig. 3 and Fig. 5", doc=__doc__,
-                     argv=argv, configure=configure)
+                     argv=argv, configure=configure, results=lambda a: "results_paper" if a.paper else "results")
     size = SMOKE if exp.smoke else PAPER if exp.args.paper else FULL
     sources = size.get("sources", SOURCES)
     tag = "_paper" if exp.args.paper else ""
-    if exp.args.paper and exp.args.out is None:  # never over the committed 100-chunk results
-        exp.out = (gallery.HERE / NAME / "results_paper").resolve()
-        exp.out.mkdir(parents=True, exist_ok=True)
     corpus = exp.workdir / f"corpus{tag}.jsonl"
     out = exp.workdir / f"ppl_bins{tag}.json"
     per_chunk = exp.workdir / f"ppl_bins{tag}_chunks.jsonl"
