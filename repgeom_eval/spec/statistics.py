@@ -64,8 +64,8 @@ class PooledGram(Statistic):
     that for N ≤ D a Gram is Z Zᵀ (N×N), the smaller form and paper B's branch rule (``ZᵀZ if N > D else ZZᵀ``,
     docs/metrics.md#dataset_entropy). Past D rows they are folded into ``grams`` and from then on every batch is
     folded as it arrives, so an address holds D² + D floats, whether one metric reads one Gram or three metrics read
-    both (the rows before the fold sit in one block that is never larger). Folding both triangles costs one D×D product a row, as a single full Gram did. Shards merge exactly (sums
-    add, row lists concatenate).
+    both (the rows before the fold sit in one block that is never larger). Folding both triangles costs one D×D
+    product a row, as a single full Gram did. Shards merge exactly (sums add, row lists concatenate).
     """
 
     name = "pooled_gram"
@@ -111,6 +111,14 @@ class PooledGram(Statistic):
         if self._buffered_rows() is None:
             return super().state_bytes()
         return super().state_bytes() - self.rows[0].numel() * 8 + self._buffer.numel() * 8
+
+    def reset(self) -> None:
+        super().reset()
+        self._buffer = None
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        self._buffer = None  # the loaded rows are their own tensor; the next batch gathers them into a new block
 
     def to(self, device):
         held = self._buffered_rows()
