@@ -235,8 +235,11 @@ def chunk_bootstrap(data: dict[str, Any], pop: str, size: int, n: int = 2000, se
     ppl, disp = population(data, pop)
     n_chunks, n_layers = disp.shape
     groups = n_chunks // size
-    if groups > data["config"]["n_bins"]:  # Algorithm 1 would then select groups; not needed at these sizes
-        raise SystemExit(f"{pop}: {groups} groups of {size} exceed n_bins; the bootstrap here keeps every group")
+    if groups > data["config"]["n_bins"]:
+        # Algorithm 1 then selects n_bins of the groups, which this bootstrap does not redo: no chunk resamples (the
+        # population's tests fall back to resampling its groups, gallery.correlation_test). Only the pooled
+        # population of a --paper run comes here (4000 chunks in groups of 20).
+        return {"draws": None, "final": None, "groups": groups, "n_chunks": int(n_chunks)}
     idx = bootstrap_indices(n_chunks, n, seed)
     values = {"pearson": np.empty((n, n_layers)), "spearman": np.empty((n, n_layers))}
     j_final = data["layers"].index(data["final"])
@@ -268,7 +271,7 @@ def population_tests(data: dict[str, Any], pop: str, size: int, boot: dict[str, 
         ys = [g["dispersion"][layer] for g in point["groups"]]
         out[layer] = {}
         for kind in ("pearson", "spearman"):
-            draws = boot["draws"][kind][:, j] if len(xs) > gallery.SMALL else None
+            draws = boot["draws"][kind][:, j] if boot["draws"] is not None and len(xs) > gallery.SMALL else None
             label = "Spearman ρ" if kind == "spearman" else "Pearson r"
             out[layer][kind] = gallery.correlation_test(f"{pop}: {label}, {layer}, groups of {size}", xs, ys, kind,
                                                         "below", draws)
@@ -453,6 +456,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
             for j, a in enumerate(layers):
                 for kind in ("pearson", "spearman"):
                     c = iv(g, p, a, kind)
+                    if boots[g][p]["draws"] is None:  # more groups than n_bins: no chunk bootstrap (chunk_bootstrap)
+                        continue
                     draws = boots[g][p]["draws"][kind][:, j]
                     lo, hi, _ = percentile_interval(draws)
                     if not (math.isfinite(c["estimate"]) and math.isfinite(lo)):
