@@ -71,21 +71,24 @@ class MemoryEstimate:
         return max((s.transient_per_1000_texts_bytes for states in self.per_address.values() for s in states),
                    default=0)
 
+    def _held(self) -> tuple[int, int]:
+        """(fixed bytes, bytes per 1,000 texts) of the states of every address, temporaries aside."""
+        states = [s for per in self.per_address.values() for s in per]
+        return sum(s.fixed_bytes for s in states), sum(s.per_1000_texts_bytes for s in states)
+
     @property
     def state_bytes(self) -> int:
         """The fixed states of every address, plus the fixed part of the largest temporary."""
-        return sum(s.fixed_bytes for states in self.per_address.values() for s in states) + self.transient_bytes
+        return self._held()[0] + self.transient_bytes
 
     @property
     def per_1000_texts_bytes(self) -> int:
         """The states that keep a row per text, and the per-text part of the largest temporary, per 1,000 texts."""
-        return (sum(s.per_1000_texts_bytes for states in self.per_address.values() for s in states)
-                + self.transient_per_1000_texts_bytes)
+        return self._held()[1] + self.transient_per_1000_texts_bytes
 
     def for_texts(self, n_texts: int) -> int:
         """State bytes of a run over ``n_texts`` texts, the largest temporary included."""
-        grows = sum(s.per_1000_texts_bytes for states in self.per_address.values() for s in states)
-        fixed = sum(s.fixed_bytes for states in self.per_address.values() for s in states)
+        fixed, grows = self._held()
         return fixed + grows * n_texts // 1000 + self.transient_for(n_texts)
 
     def to_dict(self) -> dict[str, Any]:
