@@ -209,3 +209,53 @@ def test_a_dying_rank_stops_the_survivor_in_one_line_and_the_run_resumes_exactly
     assert fa.keys() == fb.keys() and len(fa) > 5
     for key, va in fa.items():
         assert math.isclose(va, fb[key], rel_tol=1e-9, abs_tol=1e-12), (key, va, fb[key])
+
+
+def test_the_launchers_sigterm_after_a_dead_peer_ends_the_rank_without_a_second_message():
+    """The race CI once hit: a collective fails because a peer died (one line is printed), then torchrun's SIGTERM
+    lands while the command is cleaning up (in a ``finally``). The signal must end the process quietly, not raise a
+    second error with a traceback from wherever it landed."""
+    script = """
+import os, signal, sys
+from repgeom_eval.measurement.distributed import Distributed, RankStopped
+d = Distributed(rank=0, world=2)
+d.stop_on_sigterm()
+def peer_gone():
+    raise RuntimeError("Connection closed by peer")
+try:
+    try:
+        d._collective(peer_gone)
+    except RankStopped as exc:
+        print(f"repgeom: error: {exc}", file=sys.stderr)
+finally:
+    os.kill(os.getpid(), signal.SIGTERM)
+    import time; time.sleep(5)
+print("not reached")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("repgeom: error: rank 0 of 2: another rank"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_first_sigterm_is_one_error_and_a_second_ends_quietly():
+    script = """
+import os, signal, sys
+from repgeom_eval.measurement.distributed import Distributed, RankStopped
+d = Distributed(rank=1, world=2)
+d.stop_on_sigterm()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    import time; time.sleep(5)
+except RankStopped as exc:
+    print(f"repgeom: error: {exc}", file=sys.stderr)
+os.kill(os.getpid(), signal.SIGTERM)
+import time; time.sleep(5)
+print("not reached")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_env(), timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "stopped by the launcher" in lines[0], proc.stderr

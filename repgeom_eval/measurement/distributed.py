@@ -34,6 +34,7 @@ class Distributed:
     local_rank: int = 0
     backend: str | None = None
     created_group: bool = False  # we created the process group, so we destroy it
+    stopping: bool = False  # this rank has already said why it stops (a later SIGTERM ends it without a word)
 
     @property
     def active(self) -> bool:
@@ -80,12 +81,12 @@ class Distributed:
         if threading.current_thread() is not threading.main_thread():
             return
 
-        fired: list[bool] = []
-
         def stop(signum: int, frame: Any) -> None:
-            if fired or sys.is_finalizing():  # a second signal, or one during shutdown: the line is already out
+            # the line is already out (a dead peer's collective, an earlier signal) or the process is ending:
+            # raising again would print a traceback from wherever the signal lands, even a finally block
+            if self.stopping or sys.is_finalizing():
                 os._exit(2)
-            fired.append(True)
+            self.stopping = True
             raise RankStopped(f"rank {self.rank} of {self.world}: stopped by the launcher, after another rank ended "
                               f"(see its message); with --run-dir, every finished shard is kept: run the same "
                               f"command with --resume and the same number of processes")
@@ -97,6 +98,7 @@ class Distributed:
         try:
             return call(*args, **kwargs)
         except RuntimeError as exc:  # torch's DistBackendError derives from RuntimeError
+            self.stopping = True  # the launcher's SIGTERM that follows must not raise a second time
             raise RankStopped(f"rank {self.rank} of {self.world}: another rank of the run is gone "
                               f"({first_line(exc)[:120]}); with --run-dir, every finished shard is kept: run the "
                               "same command with --resume and the same number of processes") from None
