@@ -20,6 +20,7 @@ results; ``repgeom report experiments`` renders every finding into one HTML page
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -432,12 +433,30 @@ def correlation(x: Sequence[float], y: Sequence[float], kind: str = "pearson") -
     return float(_corr([list(x)], [list(y)], kind)[0])
 
 
+@functools.lru_cache(maxsize=2)
+def _all_permutations(n: int) -> Any:
+    """Every permutation of range(n), one per row ([n!, n], uint8; 36 MB at n = 10), built by inserting k at every
+    position of the permutations of range(k): one table per n, shared by every test at that n."""
+    import numpy as np
+
+    table = np.zeros((1, 0), np.uint8)
+    for k in range(n):
+        rows = len(table)
+        grown = np.empty((rows * (k + 1), k + 1), np.uint8)
+        for j in range(k + 1):
+            block = grown[j * rows:(j + 1) * rows]
+            block[:, :j], block[:, j], block[:, j + 1:] = table[:, :j], k, table[:, j:]
+        table = grown
+    return table
+
+
 def permutation_correlation_p(x: Sequence[float], y: Sequence[float], kind: str = "pearson") -> float:
     """Exact two-sided permutation p of a correlation: every one of the n! pairings of ``y`` with ``x`` is
     enumerated; p is twice the smaller share at or beyond the observed r on either side (scipy's permutation_test
-    convention), at most 1. For n up to SMALL (10! pairings, in blocks)."""
-    import itertools
+    convention), at most 1. For n up to SMALL (10! pairings, in blocks).
 
+    Only the cross term Σ x_i y_π(i) of the centred values changes between pairings (the norms do not; ranks of a
+    permuted y are the permuted ranks, so Spearman ranks once), so each pairing costs one row of a product."""
     import numpy as np
 
     xs, ys = np.asarray(x, float), np.asarray(y, float)
@@ -447,18 +466,20 @@ def permutation_correlation_p(x: Sequence[float], y: Sequence[float], kind: str 
     observed = correlation(xs, ys, kind)
     if not math.isfinite(observed):
         return math.nan
+    if kind == "spearman":
+        from repgeom_eval.functional.bootstrap import rowwise_ranks
+
+        xs, ys = rowwise_ranks(xs[None])[0], rowwise_ranks(ys[None])[0]
+    xc, yc = xs - xs.mean(), ys - ys.mean()
+    scale = float(np.sqrt((xc @ xc) * (yc @ yc)))
     tol = 1e-12 * max(1.0, abs(observed))
-    above = below = total = 0
-    perms = itertools.permutations(range(n))
-    while True:
-        block = np.array(list(itertools.islice(perms, 200_000)))
-        if block.size == 0:
-            break
-        r = _corr(np.broadcast_to(xs, block.shape), ys[block], kind)
+    above = below = 0
+    table = _all_permutations(n)
+    for lo in range(0, len(table), 400_000):
+        r = yc[table[lo:lo + 400_000]] @ xc / scale
         above += int(np.sum(r >= observed - tol))
         below += int(np.sum(r <= observed + tol))
-        total += len(block)
-    return min(1.0, 2 * min(above, below) / total)
+    return min(1.0, 2 * min(above, below) / len(table))
 
 
 def fisher_z_interval(r: float, n: int, kind: str = "pearson", controls: int = 0,

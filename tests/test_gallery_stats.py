@@ -61,6 +61,25 @@ def test_exact_permutation_p_of_a_correlation_is_scipys(kind, n):
     assert gallery.correlation(x, y, kind) == pytest.approx(ref, abs=1e-12)
 
 
+@pytest.mark.parametrize("n", [1, 2, 5, 7])
+def test_the_permutation_table_holds_every_permutation_once(n):
+    table = gallery._all_permutations(n)
+    assert table.shape == (math.factorial(n), n)
+    assert len({tuple(row) for row in table.tolist()}) == math.factorial(n)
+    assert (np.sort(table, axis=1) == np.arange(n)).all()
+
+
+@pytest.mark.parametrize("kind", ["pearson", "spearman"])
+def test_exact_permutation_p_with_ties_is_scipys(kind):
+    x = np.array([1.0, 2, 2, 3, 5, 5, 7])
+    y = np.array([2.0, 1, 3, 3, 6, 4, 6])
+    stat = (lambda a: stats.pearsonr(a, x).statistic) if kind == "pearson" else \
+        (lambda a: stats.spearmanr(a, x).statistic)
+    want = stats.permutation_test((y,), stat, permutation_type="pairings", n_resamples=np.inf,
+                                  alternative="two-sided").pvalue
+    assert gallery.permutation_correlation_p(x, y, kind) == pytest.approx(want, rel=1e-12)
+
+
 def test_fisher_z_interval_is_scipys_for_pearson_and_widened_for_spearman():
     rng = np.random.default_rng(3)
     for n in (5, 12, 40):

@@ -258,3 +258,42 @@ def test_state_bytes_are_read_in_place_and_equal_the_saved_state(tiny_model_dir,
     monkeypatch.setattr(Metric, "state_dict", no_copies)
     again = run(model, GRAM_METRICS, 20)
     assert again.timings["state_bytes"] == result.timings["state_bytes"] > 0
+
+
+def test_a_checkpoint_saves_the_held_states_not_a_copy_of_them():
+    """``state_dict(copy=False)`` (what a ``--run-dir`` checkpoint saves) hands out the states themselves: saving
+    does not hold a second copy of every address's states at once. A ``cat`` state in pieces is joined in place, a
+    view of a larger block is copied alone, and the values and later updates are those of a copying save."""
+    # dataset_entropy with global centring keeps its vectors (a ``cat`` state)
+    specs = instantiate_metrics(GRAM_METRICS + ["dispersion"], get_host(), {}, per_text=False, pooling="mean")
+    pairs = fresh_metrics(specs)
+    x = torch.randn(40, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    shared = cats = 0
+    for _, m in pairs:
+        for start in range(0, 40, 8):
+            m.update(LayerBatch("final", torch.arange(start, start + 8), pooled=x[start:start + 8]))
+        copied, held = m.state_dict(), m.state_dict(copy=False)
+        assert copied.keys() == held.keys()
+        for k in copied:
+            assert torch.equal(copied[k], held[k]), (m.name, k)
+            assert copied[k].numel() == 0 or copied[k].data_ptr() != held[k].data_ptr()
+            storage = held[k].untyped_storage().nbytes()
+            assert storage == held[k].numel() * held[k].element_size(), (m.name, k)  # the view, not its block
+        holders = [m, *m.owned_statistics().values()]
+        sums = {getattr(h, n).data_ptr() for h in holders for n, r in h._reductions.items() if r == "sum"}
+        shared += sum(t.data_ptr() in sums for t in held.values())  # the states themselves
+        for h in holders:
+            for name, reduce in h._reductions.items():
+                if reduce == "cat" and getattr(h, name):
+                    assert len(getattr(h, name)) == 1, (m.name, name)  # joined in place
+                    cats += 1
+    assert shared >= 3 and cats >= 1
+    # the joined states go on as before: later updates and the values equal a run that never saved
+    other = fresh_metrics(specs)
+    for (_, a), (_, b) in zip(pairs, other):
+        for start in range(0, 40, 8):
+            b.update(LayerBatch("final", torch.arange(start, start + 8), pooled=x[start:start + 8]))
+        for m in (a, b):
+            m.update(LayerBatch("final", torch.arange(40, 44), pooled=x[:4] * 2))
+        for u, v in zip(flat(a.compute()), flat(b.compute())):
+            assert u == v or (math.isnan(u) and math.isnan(v)), a.name

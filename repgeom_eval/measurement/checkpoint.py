@@ -157,7 +157,8 @@ def field_digests(state: Any, path: str = "") -> dict[str, str]:
     if isinstance(state, torch.Tensor):
         t = state.detach().cpu().contiguous()
         digest.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():  # the tensor's own bytes, read in place (no copy of a state on the host)
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())
     else:
         digest.update(json.dumps(jsonable(state), sort_keys=True, default=str).encode())
     return {path: digest.hexdigest()}

@@ -331,7 +331,7 @@ class MeasureRun:
         counts = self.source.counts()
         if self.checkpoint is not None:
             self.state.complete = True
-            self.checkpoint.save(self.state.state())
+            self.checkpoint.save(self.state.state(copy=False))
         return self._finish(counts, t_start)
 
     def _preprocess_statistics(self) -> None:
@@ -427,7 +427,7 @@ class _MeasureSink:
         run.state.n_processed += run.processed
         run.processed = 0
         if run.checkpoint is not None:
-            run.checkpoint.save(run.state.state())
+            run.checkpoint.save(run.state.state(copy=False))
 
 
 class _StatsSink:

@@ -90,11 +90,13 @@ class RunState:
                                  f"says are done hold {owned} text(s) for this process")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
+    def state(self, copy: bool = True) -> dict[str, Any]:
+        """Everything to save or send. ``copy=False`` (a checkpoint): the held tensors themselves, so that saving
+        does not hold a second copy of every state at once (:meth:`Metric.state_dict`)."""
         return {
             "next_shard": self.next_shard, "complete": self.complete,
-            "metrics": {str(a): {spec.name: m.state_dict() for spec, m in ms} for a, ms in self.states.items()},
-            "energy": {str(a): m.state_dict() for a, m in self.energy.items()},
+            "metrics": {str(a): {spec.name: _state_dict(m, copy) for spec, m in ms} for a, ms in self.states.items()},
+            "energy": {str(a): _state_dict(m, copy) for a, m in self.energy.items()},
             "counts": [self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed],
             "empty_ids": list(self.empty_ids),
             "text_info": {i: list(v) for i, v in self.text_info.items()},
@@ -165,6 +167,16 @@ class RunState:
                 other = self._energy_cls(top_k=ENERGY_TOP)  # type: ignore[misc]
                 other.load_state_dict(part["energy"][str(addr)])
                 m.merge(other)
+
+
+def _state_dict(metric: Metric, copy: bool) -> dict[str, torch.Tensor]:
+    """``metric.state_dict(copy=copy)``; a third-party metric that overrides ``state_dict()`` without the ``copy``
+    parameter gets its own (copying) call."""
+    import inspect
+
+    if copy or "copy" not in inspect.signature(metric.state_dict).parameters:
+        return metric.state_dict()
+    return metric.state_dict(copy=False)
 
 
 def on_host(obj: Any) -> Any:

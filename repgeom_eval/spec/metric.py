@@ -131,14 +131,26 @@ class Stateful:
             setattr(self, name, [v.to(device) for v in value] if reduce == "cat" else value.to(device))
         return self
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The state as tensors (``cat`` states concatenated along dim 0), e.g. for checkpoints or collectives."""
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The state as tensors (``cat`` states concatenated along dim 0), e.g. for checkpoints or collectives.
+
+        ``copy=False`` (a checkpoint, written at once and dropped) hands out the held tensors themselves instead of a
+        copy of every state of every address at once: a ``cat`` state in several pieces is joined in place first
+        (one state's transient at a time), and a view of a larger block is copied alone, so that what is saved is
+        the view, not the block behind it. The caller must not modify them."""
         out = {}
         for name, reduce in self._reductions.items():
             value = getattr(self, name)
             if reduce == "cat":
-                value = torch.cat(value) if value else torch.empty(0, dtype=torch.float64)
-            out[name] = value.detach().clone()
+                if not value:
+                    out[name] = torch.empty(0, dtype=torch.float64)
+                    continue
+                if len(value) > 1 and not copy:
+                    value[:] = [torch.cat(value)]  # the same rows in one piece: later updates append after it
+                value = value[0] if len(value) == 1 else torch.cat(value)
+            value = value.detach()
+            whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            out[name] = value if not copy and whole and value.is_contiguous() else value.clone()
         return out
 
     def state_bytes(self) -> int:
@@ -342,11 +354,11 @@ class Metric(Stateful):
     def state_bytes(self) -> int:
         return super().state_bytes() + sum(st.state_bytes() for st in self.owned_statistics().values())
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        out = super().state_dict()
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        out = super().state_dict(copy)
         keys = self._keys()
         for slot, st in sorted(self.owned_statistics().items()):
-            out.update({keys[slot, k]: v for k, v in st.state_dict().items()})
+            out.update({keys[slot, k]: v for k, v in st.state_dict(copy).items()})
         return out
 
     def _split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
