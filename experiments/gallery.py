@@ -450,36 +450,43 @@ def _all_permutations(n: int) -> Any:
     return table
 
 
-def permutation_correlation_p(x: Sequence[float], y: Sequence[float], kind: str = "pearson") -> float:
+def permutation_correlation_p(x: Sequence[float], y: Any, kind: str = "pearson") -> Any:
     """Exact two-sided permutation p of a correlation: every one of the n! pairings of ``y`` with ``x`` is
     enumerated; p is twice the smaller share at or beyond the observed r on either side (scipy's permutation_test
-    convention), at most 1. For n up to SMALL (10! pairings, in blocks).
+    convention), at most 1. For n up to SMALL (10! pairings, in blocks). ``y`` of shape [n, m] (m series paired
+    with the same ``x``, e.g. one per layer) gives the m p values at once.
 
     Only the cross term Σ x_i y_π(i) of the centred values changes between pairings (the norms do not; ranks of a
-    permuted y are the permuted ranks, so Spearman ranks once), so each pairing costs one row of a product."""
+    permuted series are the permuted ranks, so Spearman ranks once), and the pairings are as well enumerated by
+    permuting ``x`` (every permutation's inverse is one too), so each block of pairings is one gather of ``x`` and
+    one product with every series."""
     import numpy as np
 
+    from repgeom_eval.functional.bootstrap import rowwise_ranks
+
     xs, ys = np.asarray(x, float), np.asarray(y, float)
+    single = ys.ndim == 1
+    ys = ys[:, None] if single else ys
     n = xs.size
     if n > SMALL:
         raise ValueError(f"exact permutation over {n}! pairings: use at most {SMALL} units")
-    observed = correlation(xs, ys, kind)
-    if not math.isfinite(observed):
-        return math.nan
+    observed = np.array([correlation(xs, ys[:, j], kind) for j in range(ys.shape[1])])
     if kind == "spearman":
-        from repgeom_eval.functional.bootstrap import rowwise_ranks
-
-        xs, ys = rowwise_ranks(xs[None])[0], rowwise_ranks(ys[None])[0]
-    xc, yc = xs - xs.mean(), ys - ys.mean()
-    scale = float(np.sqrt((xc @ xc) * (yc @ yc)))
-    tol = 1e-12 * max(1.0, abs(observed))
-    above = below = 0
+        xs, ys = rowwise_ranks(xs[None])[0], rowwise_ranks(ys.T).T
+    xc, yc = xs - xs.mean(), ys - ys.mean(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scale = np.sqrt((xc @ xc) * (yc * yc).sum(axis=0))
+    tol = 1e-12 * np.maximum(1.0, np.abs(observed))
+    above, below = np.zeros(len(observed), np.int64), np.zeros(len(observed), np.int64)
     table = _all_permutations(n)
-    for lo in range(0, len(table), 400_000):
-        r = yc[table[lo:lo + 400_000]] @ xc / scale
-        above += int(np.sum(r >= observed - tol))
-        below += int(np.sum(r <= observed + tol))
-    return min(1.0, 2 * min(above, below) / len(table))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for lo in range(0, len(table), 100_000):
+            r = xc[table[lo:lo + 100_000]] @ yc / scale
+            above += np.sum(r >= observed - tol, axis=0)
+            below += np.sum(r <= observed + tol, axis=0)
+    p = np.minimum(1.0, 2 * np.minimum(above, below) / len(table))
+    p[~np.isfinite(observed)] = math.nan
+    return float(p[0]) if single else p
 
 
 def fisher_z_interval(r: float, n: int, kind: str = "pearson", controls: int = 0,
@@ -555,7 +562,7 @@ def mean_test(name: str, values: Sequence[float], null: float = 0.0, expect: str
 
 def correlation_test(name: str, x: Sequence[float], y: Sequence[float], kind: str = "pearson", expect: str = "below",
                      draws: Any = None, controls: int = 0, seed: int = 0, estimate: float | None = None,
-                     p_from_draws: bool = False) -> StatTest:
+                     p_from_draws: bool = False, exact_p: float | None = None) -> StatTest:
     """A correlation (``kind`` pearson or spearman) of the paired ``x`` and ``y`` (one pair per unit) against 0.
 
     Up to SMALL pairs: Fisher-z interval and exact permutation p. More: percentile bootstrap over the pairs (or of
@@ -564,7 +571,8 @@ def correlation_test(name: str, x: Sequence[float], y: Sequence[float], kind: st
     ``y`` are then the residuals, and ``estimate`` may be passed), which lowers the degrees of freedom.
     ``p_from_draws``: the ``draws`` resample a finer unit too (the items each pair was measured on), so the p comes
     from them as well (twice the share past 0; the normal interval and p from their s.d. where the percentile
-    interval leaves out the estimate), never from the t test that treats the pairs as exact."""
+    interval leaves out the estimate), never from the t test that treats the pairs as exact. ``exact_p``: the exact
+    permutation p of these pairs, computed beforehand (:func:`permutation_correlation_p` of many series at once)."""
     import numpy as np
 
     from repgeom_eval.functional.bootstrap import bootstrap_indices
@@ -575,7 +583,8 @@ def correlation_test(name: str, x: Sequence[float], y: Sequence[float], kind: st
     label = "Spearman ρ" if kind == "spearman" else "Pearson r"
     if n <= SMALL:
         low, high = fisher_z_interval(est, n, kind, controls)
-        p = permutation_correlation_p(xs, ys, kind) if not controls else correlation_t_p(est, n, controls)
+        p = ((exact_p if exact_p is not None else permutation_correlation_p(xs, ys, kind)) if not controls
+             else correlation_t_p(est, n, controls))
         test = (f"exact permutation ({math.factorial(n)} pairings)" if not controls
                 else f"t test of the partial correlation (df {n - 2 - controls})")
         return StatTest(name, kind, est, low, high, p, n, f"Fisher z ({n} pairs)", test, 0.0, expect)
@@ -868,9 +877,11 @@ ORDER = ("ppl_vs_dispersion", "hardness_without_labels", "checkpoint_screening",
 
 def gallery_results(root: Path = HERE) -> list[tuple[Path, dict[str, Any]]]:
     out = []
-    found = root.glob("*/results/result.json")
+    # results/ of every finding, and results_X/ of a finding's --X run (ppl_vs_dispersion's --paper) after it
+    found = [p for p in root.glob("*/results*/result.json") if re.fullmatch(r"results(_\w+)?", p.parent.name)]
     rank = {name: i for i, name in enumerate(ORDER)}
-    for path in sorted(found, key=lambda p: (rank.get(p.parent.parent.name, len(ORDER)), p.parent.parent.name)):
+    for path in sorted(found, key=lambda p: (rank.get(p.parent.parent.name, len(ORDER)), p.parent.parent.name,
+                                             p.parent.name)):
         doc = json.loads(path.read_text(encoding="utf-8"))
         if doc.get("kind") == KIND:
             out.append((path, doc))
@@ -882,7 +893,9 @@ def gallery_section(root: Path = HERE) -> str:
     parts = [GALLERY_START, ""]
     for path, doc in gallery_results(root):
         folder = path.parent.relative_to(root).as_posix()
-        parts += [f"### [{doc['title']}]({folder}/result.md)", "",
+        run = path.parent.name.partition("_")[2]
+        title = doc["title"] + (f" (the --{run} run)" if run else "")
+        parts += [f"### [{title}]({folder}/result.md)", "",
                   f"*{doc['mirrors']}* · `{doc['command']}` · {doc['seconds'] / 60:.0f} min", ""]
         if doc["figures"]:
             fig = doc["figures"][0]

@@ -22,6 +22,8 @@ sys.path.insert(0, str(EXPERIMENTS))
 import gallery  # noqa: E402
 
 RUNS = sorted(p.parent.name for p in EXPERIMENTS.glob("*/run.py"))
+# every committed result folder: each finding's "results", and the paper-protocol run of ppl_vs_dispersion
+RESULTS = [(name, "results") for name in RUNS] + [("ppl_vs_dispersion", "results_paper")]
 CHEAP = {"dispersion_training"}  # smoke runs under a minute: part of make test
 
 
@@ -141,13 +143,13 @@ def _run_module(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", RUNS)
-def test_committed_results_are_what_the_code_writes_from_their_raw_data(name):
+@pytest.mark.parametrize("name,folder", RESULTS)
+def test_committed_results_are_what_the_code_writes_from_their_raw_data(name, folder):
     """No hand edits: ``run.py --from-raw`` recomputes the summary, intervals, verdicts and tables from the raw
     values in the committed result.json, and gives back result.json and result.md byte for byte."""
     from repgeom_eval.output.files import jsonable
 
-    result = EXPERIMENTS / name / "results" / "result.json"
+    result = EXPERIMENTS / name / folder / "result.json"
     assert result.is_file(), f"{name} has no committed results"
     doc = json.loads(result.read_text(encoding="utf-8"))
     new = _run_module(name).summarize(doc)
@@ -171,11 +173,11 @@ def _tests_in(value):
             yield from _tests_in(v)
 
 
-@pytest.mark.parametrize("name", RUNS)
-def test_each_finding_names_one_primary_test_and_its_holm_family(name):
+@pytest.mark.parametrize("name,folder", RESULTS)
+def test_each_finding_names_one_primary_test_and_its_holm_family(name, folder):
     """Issue 35: one primary test per finding, Holm over its stated family, verdicts from the adjusted p; every other
     test exploratory; no interval that leaves out its own estimate."""
-    doc = json.loads((EXPERIMENTS / name / "results" / "result.json").read_text(encoding="utf-8"))
+    doc = json.loads((EXPERIMENTS / name / folder / "result.json").read_text(encoding="utf-8"))
     findings = doc["data"]["findings"]
     assert findings
     for f in findings.values():

@@ -80,6 +80,20 @@ def test_exact_permutation_p_with_ties_is_scipys(kind):
     assert gallery.permutation_correlation_p(x, y, kind) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["pearson", "spearman"])
+def test_exact_permutation_p_of_many_series_at_once_is_each_series_alone(kind):
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=8)
+    ys = np.column_stack([x + rng.normal(size=8) * s for s in (0.2, 1.0, 5.0)] + [np.round(x), np.ones(8)])
+    many = gallery.permutation_correlation_p(x, ys, kind)
+    for j in range(ys.shape[1]):
+        alone = gallery.permutation_correlation_p(x, ys[:, j], kind)
+        assert (math.isnan(alone) and math.isnan(many[j])) or many[j] == alone, j
+    assert math.isnan(many[-1])  # a constant series has no correlation
+    t = gallery.correlation_test("t", x, ys[:, 1], kind, exact_p=float(many[1]))
+    assert t.p == gallery.correlation_test("t", x, ys[:, 1], kind).p
+
+
 def test_fisher_z_interval_is_scipys_for_pearson_and_widened_for_spearman():
     rng = np.random.default_rng(3)
     for n in (5, 12, 40):

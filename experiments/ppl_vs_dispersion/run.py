@@ -264,8 +264,14 @@ def population_tests(data: dict[str, Any], pop: str, size: int, boot: dict[str, 
     """Every layer's Pearson and Spearman test of the population's group means (gallery.correlation_test: up to
     gallery.SMALL groups Fisher z and the exact permutation p; more, the chunk bootstrap where it holds its own
     estimate, else Fisher z, and the t test of r)."""
+    import numpy as np
+
     point = regrouped(data, pop, size)
     xs = [g["mean_ppl"] for g in point["groups"]]
+    by_layer = np.array([[g["dispersion"][layer] for layer in data["layers"]] for g in point["groups"]])
+    # few groups: every layer's exact permutation p in one enumeration of the pairings
+    exact = ({kind: gallery.permutation_correlation_p(xs, by_layer, kind) for kind in ("pearson", "spearman")}
+             if len(xs) <= gallery.SMALL else None)
     out: dict[str, Any] = {}
     for j, layer in enumerate(data["layers"]):
         ys = [g["dispersion"][layer] for g in point["groups"]]
@@ -274,7 +280,8 @@ def population_tests(data: dict[str, Any], pop: str, size: int, boot: dict[str, 
             draws = boot["draws"][kind][:, j] if boot["draws"] is not None and len(xs) > gallery.SMALL else None
             label = "Spearman ρ" if kind == "spearman" else "Pearson r"
             out[layer][kind] = gallery.correlation_test(f"{pop}: {label}, {layer}, groups of {size}", xs, ys, kind,
-                                                        "below", draws)
+                                                        "below", draws,
+                                                        exact_p=None if exact is None else float(exact[kind][j]))
     return out
 
 
@@ -416,7 +423,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"{len(family)} (the primary and each source's Pearson r at the final layer, groups of {g5}): {fam_said}. "
         "Exploratory, unadjusted: " + "; ".join(explored) + ". "
         + (f"With {n_chunks // g20} groups a source (size {g20}) an exact test cannot go below p = "
-           f"{2 / math.factorial(n_chunks // g20):.3f}, and the Fisher-z intervals are wide. " if g20 != g5 else "")
+           f"{2 / math.factorial(n_chunks // g20):.3f}, and the Fisher-z intervals are wide. "
+           if g20 != g5 and n_chunks // g20 <= gallery.SMALL else "")
         + f"Pooled over the domains r = {iv(g5, 'pooled', final)['estimate']:+.2f} "
         f"({iv(g5, 'pooled', final)['low']:+.2f} to {iv(g5, 'pooled', final)['high']:+.2f}) at size {g5}"
         + (", which mostly compares domains (domain-confound warning), not the paper's within-domain law" if fired
@@ -484,7 +492,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         "group size can be formed from the per-chunk values without the model.",
     ]
     grouping = f"groups of {g5} (top) and {g20} (bottom)" if g20 != g5 else f"groups of {g5}"
-    tables.append(protocol_table(cfg, sources, n_chunks, PAPER_GROUP_SIZE in sizes))
+    tables.append(protocol_table(cfg, sources, n_chunks, sizes))
     figures = [{"file": "correlation_by_depth.png", "caption": "corr(group perplexity, group token dispersion) at "
                 "every hidden state of SmolLM2-135M, per source and pooled, with 95 % bands (bootstrap over chunks, "
                 f"or Fisher z), {grouping}; {cfg['per_source']} chunks of {cfg['chunk_len']} tokens a source"},
@@ -496,8 +504,10 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def protocol_table(cfg: dict[str, Any], sources: list[str], n_chunks: int, paper_size: bool) -> dict[str, Any]:
-    """Where this run departs from paper A's perplexity-vs-dispersion protocol (Fig. 3 and 5)."""
+def protocol_table(cfg: dict[str, Any], sources: list[str], n_chunks: int, sizes: list[int]) -> dict[str, Any]:
+    """Where this run departs from paper A's perplexity-vs-dispersion protocol (Fig. 3 and 5). ``sizes``: the group
+    sizes regrouped, the primary test's first."""
+    paper_size = PAPER_GROUP_SIZE in sizes
     return {"title": "Protocol: paper A against this run",
             "header": ["", "paper A", "this run", "why"],
             "rows": [
@@ -507,8 +517,9 @@ def protocol_table(cfg: dict[str, Any], sources: list[str], n_chunks: int, paper
                 ["chunks", "100 000 chunks of 512 tokens", f"{n_chunks} chunks of {cfg['chunk_len']} tokens a source",
                  "2-core CPU time (a --paper run: " + ("this one" if paper_size else f"{PAPER_CHUNKS} a source, "
                  "resumable with --run-dir") + ")"],
-                ["group size", f"about {PAPER_GROUP_SIZE} chunks", f"{cfg['group_size']} (primary), {LARGER_GROUP_SIZE}"
-                 + (f", {PAPER_GROUP_SIZE}" if paper_size else f"; {PAPER_GROUP_SIZE} needs {PAPER_CHUNKS} a source"),
+                ["group size", f"about {PAPER_GROUP_SIZE} chunks", f"{sizes[0]} (primary), "
+                 + ", ".join(str(g) for g in sizes[1:])
+                 + ("" if paper_size else f"; {PAPER_GROUP_SIZE} needs {PAPER_CHUNKS} a source"),
                  "enough groups a source for a correlation"],
                 ["statistic", "correlation of group perplexity with group token dispersion", "the same, per source; "
                  "within-domain r as primary", "paper A's law is within a domain"],
