@@ -491,7 +491,9 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"{worst:.1e}). A group's values are the means of its chunks' perplexities and token dispersions, so any "
         "group size can be formed from the per-chunk values without the model.",
     ]
-    grouping = f"groups of {g5} (top) and {g20} (bottom)" if g20 != g5 else f"groups of {g5}"
+    grouping = (f"groups of {sizes[0]}" if len(sizes) == 1 else f"groups of {sizes[0]} (top) and {sizes[1]} (bottom)"
+                if len(sizes) == 2 else f"groups of {sizes[0]} (top), {sizes[1]} (middle) and {sizes[2]} (bottom)"
+                if len(sizes) == 3 else f"groups of {', '.join(map(str, sizes))}, top to bottom")
     tables.append(protocol_table(cfg, sources, n_chunks, sizes))
     figures = [{"file": "correlation_by_depth.png", "caption": "corr(group perplexity, group token dispersion) at "
                 "every hidden state of SmolLM2-135M, per source and pooled, with 95 % bands (bootstrap over chunks, "
