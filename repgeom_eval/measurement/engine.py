@@ -15,6 +15,8 @@ merge (processes) → report. Each step lives in its own module of this package:
 
 from __future__ import annotations
 
+import functools
+
 import time
 import warnings
 from collections.abc import Sequence
@@ -148,7 +150,6 @@ class MeasureRun:
         self.config, self.loaded, self.source, self.dist, self.specs, self.prep, self.host = (
             config, loaded, source, dist, specs, prep, host)
         self.plan = resolve_request(config.layers, loaded, host)
-        self.model_identity = model_identity(loaded)  # content hash: keys the checkpoint and statistics files
         if config.preprocess_stats and prep.active:
             prep.check_identity(self.model_identity, loaded.info.name, config.allow_other_stats)
         # where each metric comes from (plugin, distribution, version): recorded in the config, part of the resume key
@@ -170,6 +171,12 @@ class MeasureRun:
         self._pool = None  # threads of the metric work (see _feed_addresses), made on first use
         self._feed_workers = self._metric_threads(host)
         self.checkpoint = self._open_checkpoint()
+
+    @functools.cached_property
+    def model_identity(self) -> str:
+        """The model's content hash, which keys the checkpoint and statistics files: read the first time one of them
+        asks (hashing the weights costs a read of every file, which a plain run does not need)."""
+        return model_identity(self.loaded)
 
     def _stats_identity(self) -> dict[str, Any]:
         """What this run's preprocessing statistics come from (written into --save-preprocess-stats files)."""
