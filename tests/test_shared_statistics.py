@@ -297,3 +297,41 @@ def test_a_checkpoint_saves_the_held_states_not_a_copy_of_them():
             m.update(LayerBatch("final", torch.arange(40, 44), pooled=x[:4] * 2))
         for u, v in zip(flat(a.compute()), flat(b.compute())):
             assert u == v or (math.isnan(u) and math.isnan(v)), a.name
+
+
+def test_a_plugin_that_overrides_state_dict_without_copy_is_still_checkpointed():
+    """A third-party metric or statistic written before ``state_dict(copy=...)`` existed overrides ``state_dict()``
+    with no parameter: a checkpoint calls it as it is (a copy) instead of failing."""
+    from repgeom_eval.spec.metric import state_of
+
+    class OldSums(Statistic):
+        def __init__(self):
+            super().__init__()
+            self.add_state("s", torch.zeros(3, dtype=torch.float64), "sum")
+
+        def update(self, batch):
+            self.s += batch.pooled.sum(0)
+
+        def state_dict(self):
+            return super().state_dict()
+
+    class OldMetric(Metric):
+        name = "old_metric"
+        consumes = Consumes.POOLED
+
+        def statistics(self):
+            return {"sums": OldSums()}
+
+        def compute(self):
+            return float(self.stat("sums").s.sum())
+
+    class OlderMetric(OldMetric):
+        def state_dict(self):
+            return super().state_dict()
+
+    for cls in (OldMetric, OlderMetric):
+        m = cls()
+        m.update(LayerBatch("final", torch.arange(2), pooled=torch.ones(2, 3, dtype=torch.float64)))
+        saved = state_of(m, copy=False)
+        assert torch.equal(saved["s"], torch.full((3,), 2.0, dtype=torch.float64)), cls.__name__
+        assert saved["s"].data_ptr() != m.stat("sums").s.data_ptr()  # their own call: a copy

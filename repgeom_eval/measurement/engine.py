@@ -16,7 +16,6 @@ merge (processes) → report. Each step lives in its own module of this package:
 from __future__ import annotations
 
 import functools
-
 import time
 import warnings
 from collections.abc import Sequence

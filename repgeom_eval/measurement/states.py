@@ -15,7 +15,7 @@ import torch
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.metric_specs import MetricSpec, fresh_metrics
 from repgeom_eval.measurement.plan import ShardPlan
-from repgeom_eval.spec.metric import Metric
+from repgeom_eval.spec.metric import Metric, state_of
 from repgeom_eval.modeling.addresses import Address
 from repgeom_eval.plugin_system.host import PluginHost
 
@@ -95,8 +95,8 @@ class RunState:
         does not hold a second copy of every state at once (:meth:`Metric.state_dict`)."""
         return {
             "next_shard": self.next_shard, "complete": self.complete,
-            "metrics": {str(a): {spec.name: _state_dict(m, copy) for spec, m in ms} for a, ms in self.states.items()},
-            "energy": {str(a): _state_dict(m, copy) for a, m in self.energy.items()},
+            "metrics": {str(a): {spec.name: state_of(m, copy) for spec, m in ms} for a, ms in self.states.items()},
+            "energy": {str(a): state_of(m, copy) for a, m in self.energy.items()},
             "counts": [self.n_tokens, self.n_truncated, self.n_empty, self.n_sequences, self.n_processed],
             "empty_ids": list(self.empty_ids),
             "text_info": {i: list(v) for i, v in self.text_info.items()},
@@ -167,16 +167,6 @@ class RunState:
                 other = self._energy_cls(top_k=ENERGY_TOP)  # type: ignore[misc]
                 other.load_state_dict(part["energy"][str(addr)])
                 m.merge(other)
-
-
-def _state_dict(metric: Metric, copy: bool) -> dict[str, torch.Tensor]:
-    """``metric.state_dict(copy=copy)``; a third-party metric that overrides ``state_dict()`` without the ``copy``
-    parameter gets its own (copying) call."""
-    import inspect
-
-    if copy or "copy" not in inspect.signature(metric.state_dict).parameters:
-        return metric.state_dict()
-    return metric.state_dict(copy=False)
 
 
 def on_host(obj: Any) -> Any:

@@ -358,7 +358,7 @@ class Metric(Stateful):
         out = super().state_dict(copy)
         keys = self._keys()
         for slot, st in sorted(self.owned_statistics().items()):
-            out.update({keys[slot, k]: v for k, v in st.state_dict(copy).items()})
+            out.update({keys[slot, k]: v for k, v in state_of(st, copy).items()})
         return out
 
     def _split(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -428,3 +428,13 @@ class Metric(Stateful):
         Returns a JSON-serialisable dict written to ``result.summary[metric]``, or ``None``.
         """
         return None
+
+
+def state_of(stateful: Stateful, copy: bool) -> dict[str, torch.Tensor]:
+    """``stateful.state_dict(copy=copy)``; a plugin's class that overrides ``state_dict()`` without the ``copy``
+    parameter gets its own (copying) call."""
+    import inspect
+
+    if copy or "copy" not in inspect.signature(stateful.state_dict).parameters:
+        return stateful.state_dict()
+    return stateful.state_dict(copy=False)
