@@ -31,7 +31,8 @@ MOUNTS: tuple[tuple[str, str], ...] = (
     ("experiments", "gallery"),
     ("benchmarks/README.md", "reference/benchmarks.md"),
 )
-GLOBS = ("*/results/*.md", "*/results/*.png", "*/results/*.svg")
+# results/ of every finding, and results_X/ of a finding's --X run (ppl_vs_dispersion's --paper)
+GLOBS = tuple(f"*/{folder}/*.{ext}" for folder in ("results", "results_*") for ext in ("md", "png", "svg"))
 
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 CODE_SPAN = re.compile(r"(`+)(?:.+?)\1")
