@@ -491,9 +491,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
         f"{worst:.1e}). A group's values are the means of its chunks' perplexities and token dispersions, so any "
         "group size can be formed from the per-chunk values without the model.",
     ]
-    grouping = (f"groups of {sizes[0]}" if len(sizes) == 1 else f"groups of {sizes[0]} (top) and {sizes[1]} (bottom)"
-                if len(sizes) == 2 else f"groups of {sizes[0]} (top), {sizes[1]} (middle) and {sizes[2]} (bottom)"
-                if len(sizes) == 3 else f"groups of {', '.join(map(str, sizes))}, top to bottom")
+    grouping = figure_rows(sizes)
     tables.append(protocol_table(cfg, sources, n_chunks, sizes))
     figures = [{"file": "correlation_by_depth.png", "caption": "corr(group perplexity, group token dispersion) at "
                 "every hidden state of SmolLM2-135M, per source and pooled, with 95 % bands (bootstrap over chunks, "
@@ -504,6 +502,15 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     out = gallery.regenerated(doc, summary, tables, notes, ci, figures)
     out["data"]["findings"] = gallery.stable({"within_domain": finding})
     return out
+
+
+def figure_rows(sizes: list[int]) -> str:
+    """``groups of 100 (top), 20 (middle) and 50 (bottom)``: the depth figure's rows, one group size each."""
+    where = {2: ("top", "bottom"), 3: ("top", "middle", "bottom")}.get(len(sizes))
+    if where is None:
+        return "groups of " + ", ".join(map(str, sizes)) + (", top to bottom" if len(sizes) > 1 else "")
+    rows = [f"{g} ({w})" for g, w in zip(sizes, where)]
+    return f"groups of {', '.join(rows[:-1])} and {rows[-1]}"
 
 
 def protocol_table(cfg: dict[str, Any], sources: list[str], n_chunks: int, sizes: list[int]) -> dict[str, Any]:
