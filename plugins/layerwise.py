@@ -117,6 +117,14 @@ class PromptEntropy(TokenMetric):
         self.skipped = self.skipped + (~ok).sum()
         self.keep_per_text(index, values[:, :2])
 
+    def work_note(self, tokens: int, width: int) -> str | None:
+        if self.alpha == 2 and self.variant == "paper":
+            return None  # S_2 from two traces of the Gram the block already holds (collision_entropy)
+        m = min(tokens, width)
+        return (f"one float64 eigendecomposition of up to {m}×{m} per text and address: its time grows as "
+                f"min(T, D)³ with the context length T (the forward's about as T); alpha: 2 (paper variant) "
+                f"needs none, a shorter --max-length shrinks it")
+
     def compute(self) -> dict[str, float]:
         if self.count == 0:
             return {k: _NAN for k in ENTROPY_KEYS}

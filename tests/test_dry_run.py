@@ -117,3 +117,48 @@ def test_mteb_run_dry_run_states_the_sweep_memory_from_the_config_alone(tmp_path
     assert main(["mteb", "run", "-m", model, "--layer", "resid_post:[0,1]", "--dry-run"]) == 0
     assert "2 address(es)" in capsys.readouterr().out
     assert not list(tmp_path.glob("llama-8b/*.safetensors")) and not (tmp_path / "results").exists()
+
+
+def test_dry_run_states_work_that_outgrows_the_forward_with_the_length(tmp_path, capsys):
+    """prompt_entropy's per-text eigendecomposition (min(T, D)³) is named at the run's length and address count;
+    at alpha 2 it reads two traces and says nothing; a plugin's work_note that raises costs its line only."""
+    import types
+
+    from transformers import LlamaConfig
+
+    from repgeom_eval import Consumes, Metric
+    from repgeom_eval.plugin_system.host import PluginHost
+
+    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path / "llama-8b")
+    model = str(tmp_path / "llama-8b")
+    argv = ["measure", "-m", model, "-d", "unread.txt", "--layers", "all", "--max-length", "2048", "--dry-run",
+            "--json", "--metrics", "dispersion", "prompt_entropy"]
+    assert main(argv) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    work = [n for n in notes if n.startswith("prompt_entropy at 2048 tokens × 33 addresses: ")]
+    assert len(work) == 1 and "up to 2048×2048 per text and address" in work[0] and "min(T, D)³" in work[0], notes
+    assert not [n for n in notes if n.startswith("dispersion")]
+    assert main(argv + ["--metric-param", "prompt_entropy.alpha=2"]) == 0
+    assert not [n for n in json.loads(capsys.readouterr().out)["notes"] if n.startswith("prompt_entropy")]
+
+    class BrokenNote(Metric):
+        name, consumes = "broken_note", Consumes.POOLED
+
+        def __init__(self):
+            super().__init__()
+            self.add_state("total", __import__("torch").zeros(()), "sum")
+
+        def work_note(self, tokens, width):
+            raise ZeroDivisionError("no note")
+
+    @rg.hookimpl
+    def repgeom_register_metrics(registry):
+        registry.add(BrokenNote)
+
+    module = types.ModuleType("broken_note_plugin")
+    module.repgeom_register_metrics = repgeom_register_metrics
+    host = PluginHost(extra_plugins=[("broken_note_plugin", module)])
+    est = estimate(model, RunConfig(layers="final", metrics=("broken_note", "prompt_entropy"), max_length=64), host=host)
+    assert "broken_note at 64 tokens × 1 address: work_note raised ZeroDivisionError: no note" in est.notes
+    assert any(n.startswith("prompt_entropy at 64 tokens × 1 address: ") and "64×64" in n for n in est.notes)

@@ -139,6 +139,42 @@ def test_batched_prompt_entropies_equal_one_prompt_at_a_time(kind, variant, alph
             assert got[i, j].item() == pytest.approx(one[k], rel=1e-11, abs=1e-12, nan_ok=True), (i, k)
 
 
+def test_collision_entropy_from_traces_equals_the_spectrum_route():
+    """S_2 of a PSD Gram from ‖K‖_F² / (tr K)² equals the eigenvalue route on Grams of many shapes and scales,
+    anisotropic, rank-deficient (centred: rank ≤ N−1; repeated rows) and rank one, and NaN on a zero Gram."""
+    from repgeom_eval.functional.entropy import center_and_unit, collision_entropy, linear_gram, serial_eigvalsh
+
+    g = torch.Generator().manual_seed(11)
+    worst = 0.0
+    for n, d in [(2, 8), (3, 8), (8, 16), (16, 8), (100, 64), (64, 100), (300, 24)]:
+        for scale in (1e-6, 1.0, 1e6):
+            z = torch.randn(n, d, generator=g, dtype=torch.float64) * scale
+            z[:, : d // 2] *= 30  # a few strong directions
+            z[n // 2:] = z[: n - n // 2] if n > 8 else z[n // 2:]  # repeated rows halve the rank
+            for k in (linear_gram(center_and_unit(z)), linear_gram(z)):
+                route = spectrum_entropy(serial_eigvalsh(k), 2.0).item()
+                worst = max(worst, abs(collision_entropy(k).item() - route))
+    assert worst < 1e-12
+    ones = torch.ones(5, 3, dtype=torch.float64)
+    assert collision_entropy(ones @ ones.T).item() == 0.0  # rank one: Σp² = 1, never −1e-16
+    assert math.isnan(collision_entropy(torch.zeros(4, 4)).item())
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes"])
+def test_prompt_entropy_at_alpha_2_diagonalises_nothing(kind, monkeypatch):
+    """The paper variant's S_2 is read from traces: no eigendecomposition, so its cost does not grow as T³."""
+    rows = prompts()
+    expected = prompt_entropies(block_of(rows, kind), 2.0, "paper")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("eigvalsh called for S_2")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", refuse)
+    assert torch.equal(prompt_entropies(block_of(rows, kind), 2.0, "paper").nan_to_num(-1), expected.nan_to_num(-1))
+    with pytest.raises(AssertionError, match="eigvalsh"):
+        prompt_entropies(block_of(rows, kind), 1.0, "paper")
+
+
 @pytest.mark.parametrize("kind", ["right", "left", "holes"])
 @pytest.mark.parametrize("variant", ["paper", "information_flow"])
 def test_batched_curvature_equals_one_prompt_at_a_time(kind, variant):

@@ -151,18 +151,36 @@ def center_and_unit_(Z: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     return Z.div_(torch.linalg.vector_norm(Z, 2, dim=-1, keepdim=True).clamp_min(eps))
 
 
+def collision_entropy(grams: torch.Tensor) -> torch.Tensor:
+    """S_2 of positive semi-definite Grams [..., m, m] from two traces, with no eigendecomposition
+    (docs/metrics.md#matrix-entropy): Σ p_i² = Σ λ_i² / (Σ λ_i)² = ‖K‖_F² / (tr K)², so S_2 = −log(‖K‖_F² / (tr K)²).
+
+    O(m²) instead of the spectrum's O(m³). For a PSD K it equals :func:`spectrum_entropy` at α = 2 up to the
+    eigenvalues that rule drops as round-off (below m · eps · λ_max, which move S_2 by about that much relative);
+    a zero trace gives NaN as a spectrum with no positive eigenvalue does. Not for an indefinite K (B's clamped
+    Gram), whose negative eigenvalues the spectrum rule drops and the Frobenius norm counts."""
+    k = grams.double()
+    trace = k.diagonal(dim1=-2, dim2=-1).sum(-1)
+    ok = trace > 0
+    potential = k.square().sum((-2, -1)) / torch.where(ok, trace, torch.ones_like(trace)).square()
+    # Σp² ≤ 1 for a PSD K; round-off can put it a few ulps above (a rank-one K), which would give S_2 = −1e-16
+    h = (-torch.log(torch.where(ok, potential, torch.ones_like(potential)))).clamp(min=0)
+    return torch.where(ok, h, torch.full_like(h, _NAN))
+
+
 def gram_entropy(K: torch.Tensor, alpha: float = 1.0, variant: str = "paper") -> torch.Tensor:
     """S_α of a linear Gram K, as the paper defines it or as paper B's code computes it
     (docs/metrics.md#prompt_entropy).
 
-    ``variant="paper"``: S_α of K's spectrum, no clamp. ``variant="information_flow"``: ``K = clamp(K, min=0)``
+    ``variant="paper"``: S_α of K's spectrum, no clamp (α = 2 from two traces, :func:`collision_entropy`).
+    ``variant="information_flow"``: ``K = clamp(K, min=0)``
     elementwise, ``K = K / tr K``, then S_α (NaN if the trace is 0). Pass the Gram that B's branch rule picks
     (:func:`linear_gram`): after the clamp, Z Zᵀ and Zᵀ Z no longer share their spectrum.
     """
     _check_variant(variant)
     K = K.double()
     if variant == "paper":
-        return spectrum_entropy(serial_eigvalsh(K), alpha)
+        return collision_entropy(K) if alpha == 2 else spectrum_entropy(serial_eigvalsh(K), alpha)
     K = K.clamp(min=0)
     trace = torch.trace(K)
     if not trace > 0:
@@ -255,7 +273,10 @@ def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, vari
 
     The eigendecompositions run as one batched ``eigvalsh`` when the Grams fill most of L×L; when padding would add
     more than a quarter to the O(L³) work, each Gram is cut to its real rows and columns (a view where ``spans``
-    gives them as consecutive ``(start, stop)``) and diagonalised on its own."""
+    gives them as consecutive ``(start, stop)``) and diagonalised on its own. The ``paper`` variant at α = 2 needs
+    no spectrum (:func:`collision_entropy`; pad rows and columns are zero and add nothing to either trace)."""
+    if alpha == 2 and variant == "paper":  # a PSD Gram's S_2 is two traces: no eigendecomposition, flat in the length
+        return collision_entropy(grams)
     if variant == "information_flow":
         grams = grams.clamp(min=0)
         trace = grams.diagonal(dim1=-2, dim2=-1).sum(-1)

@@ -243,6 +243,14 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
         notes.append(f"weights not estimated ({type(exc).__name__})")
     tokens = max_length or _first(text, "max_position_embeddings", "n_positions") or 512
     tokens = min(tokens, run.max_length or tokens)
+    for spec, metric in pairs:  # work that outgrows the forward pass with the context length
+        try:
+            work = metric.work_note(tokens, width) if hasattr(metric, "work_note") else None
+        except Exception as exc:  # noqa: BLE001 - a plugin's broken note costs its line, not the dry run
+            work = f"work_note raised {type(exc).__name__}: {exc}"
+        if work:
+            where = f"{len(addresses)} address" + ("es" if len(addresses) != 1 else "")
+            notes.append(f"{spec.name} at {tokens} tokens × {where}: {work}")
     batch = batch_size or run.batch_size
     hidden = batch * tokens * width * len(addresses) * 4
     notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} × "

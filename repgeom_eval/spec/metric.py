@@ -418,6 +418,12 @@ class Metric(Stateful):
         """Optional counts and caveats written next to the results (e.g. how many texts were skipped)."""
         return {}
 
+    def work_note(self, tokens: int, width: int) -> str | None:
+        """Optional: one line ``--dry-run`` prints when this metric's work per text grows faster with the context
+        length than the forward pass's (which grows about linearly): what it does per text and address, and how that
+        grows. ``tokens`` is the run's longest input, ``width`` the layer's. ``None`` (the default) says nothing."""
+        return None
+
     @classmethod
     def across_layers(cls, values: dict[str, Any], depth: list[int]) -> dict[str, Any] | None:
         """Optional summary over every requested address (e.g. a trend against depth).
