@@ -16,7 +16,8 @@ address, then extrapolated to the full depth (32 and 80 blocks), and it says so 
   ``from_pretrained`` of the same saved model.
 
 Per context length (``--contexts``, first shape): the layer-wise suite's cost against the forward, and where
-prompt_entropy's per-text eigendecomposition (min(T, D)³) makes it grow.
+prompt_entropy's per-text eigendecomposition (min(T, D)³) makes it grow; then the same suite with prompt_entropy at
+alpha 2, which reads two traces of each text's Gram instead of its spectrum.
 
     .venv/bin/python benchmarks/bench_scale.py --write                  # 8B and 70B widths, results JSON
     .venv/bin/python benchmarks/bench_scale.py --quick                  # seconds: small widths, checks the script
@@ -104,7 +105,7 @@ def forward_only(model, tokenizer, texts: list[str], batch: int, tokens: int, de
     return time.perf_counter() - t0
 
 
-def run_measure(model, tokenizer, texts, metrics, batch, tokens, device) -> dict:
+def run_measure(model, tokenizer, texts, metrics, batch, tokens, device, metric_params=None) -> dict:
     import torch
 
     import repgeom_eval as rg
@@ -114,7 +115,7 @@ def run_measure(model, tokenizer, texts, metrics, batch, tokens, device) -> dict
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = rg.measure(model, texts, tokenizer=tokenizer, layers="all", metrics=metrics, batch_size=batch,
-                            max_length=tokens, progress=False, pooling="mean")
+                            max_length=tokens, progress=False, pooling="mean", metric_params=metric_params or {})
     t = result.timings
     return {"forward_s": t["forward_s"], "metrics_s": t["metrics_s"], "total_s": t["total_s"],
             "state_bytes": t["state_bytes"], "peak_rss_bytes": t["peak_rss_bytes"],
@@ -195,10 +196,18 @@ def contexts(model, tokenizer, args, device) -> list[dict]:
         texts = texts_of(args.context_texts, tokens, tokenizer)
         bar = forward_only(model, tokenizer, texts, args.context_batch, tokens, device)
         run = run_measure(model, tokenizer, texts, LAYERWISE, args.context_batch, tokens, device)
+        # the same suite with prompt_entropy at alpha 2, which reads two traces instead of a T×T spectrum
+        alpha2 = run_measure(model, tokenizer, texts, LAYERWISE, args.context_batch, tokens, device,
+                             metric_params={"prompt_entropy": {"alpha": 2.0}})
         rows.append({"tokens": tokens, "texts": len(texts), "forward_only_s": bar, **run,
                      "metrics_over_forward": run["metrics_s"] / run["forward_s"],
-                     "measure_over_forward_only": run["total_s"] / bar})
-        print(f"context {tokens}: layer-wise metrics/forward {rows[-1]['metrics_over_forward']:.3f}, "
+                     "measure_over_forward_only": run["total_s"] / bar,
+                     "prompt_entropy_alpha2": {
+                         "metrics_s": alpha2["metrics_s"], "forward_s": alpha2["forward_s"],
+                         "metrics_over_forward": alpha2["metrics_s"] / alpha2["forward_s"],
+                         "measure_over_forward_only": alpha2["total_s"] / bar}})
+        print(f"context {tokens}: layer-wise metrics/forward {rows[-1]['metrics_over_forward']:.3f} "
+              f"({rows[-1]['prompt_entropy_alpha2']['metrics_over_forward']:.3f} with prompt_entropy at alpha 2), "
               f"measure/forward-only {rows[-1]['measure_over_forward_only']:.2f}", flush=True)
     return rows
 

@@ -5,7 +5,8 @@
    bfloat16 on the device against float32 on the CPU (within docs/metrics.md#precision's 0.02).
 2. **The 8B shape, all 32 blocks, in bfloat16** (random init, Llama-3-8B's widths, the byte-level test tokenizer's
    vocabulary): ``measure --layers all`` with dispersion alone and with the layer-wise suite, timed against a
-   forward-only loop over the same batches (benchmarks/bench_scale.py does the timing), per context length.
+   forward-only loop over the same batches (benchmarks/bench_scale.py does the timing), per context length (the
+   suite as it is, and with prompt_entropy at alpha 2, which needs no per-text eigendecomposition).
 3. **Peak GPU memory against the ``--dry-run`` estimate**: ``torch.cuda.max_memory_allocated`` of each run beside
    the estimate of the weights, one batch's captured hidden states and the states that live on the device.
 4. **No host synchronisation per batch**: ``torch.cuda.set_sync_debug_mode("warn")`` during ``measure --layers
@@ -13,7 +14,8 @@
    grow with the batches (tests/test_host_syncs.py counts the same on the CPU by call site).
 
 It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
-CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine).
+CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine),
+written after every stage, so a run cut short keeps what it finished (``finished_stages``).
 
     python benchmarks/gpu_check.py --out $OUT/gpu_check.json              # on the GPU machine
     .venv/bin/python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check.json
@@ -158,13 +160,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     doc = {"check": "gpu_check", "machine": bench_scale.machine(), "device": args.device, "quick": args.quick}
+
+    def save(stage: str) -> None:  # after every stage: a run cut short by the lease keeps what it finished
+        doc["finished_stages"] = doc.get("finished_stages", []) + [stage]
+        doc["wall_s"] = time.perf_counter() - t0
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+
     doc["values"] = values_check(args.device, TINY_TYPES[:2] if args.quick else TINY_TYPES, 12 if args.quick else 24)
+    save("values")
     shape, blocks = ("quick", 2) if args.quick else ("8b", 32)
     tokens, texts, batch = (32, 6, 3) if args.quick else (512, 32, 8)
     contexts = [32, 64] if args.quick else [128, 1024, 4096]
     dtype = "float32" if args.quick else "bfloat16"
     scale_args = argparse.Namespace(blocks=blocks, texts=texts, tokens=tokens, batch=batch, repeats=1,
-                                    contexts=contexts, context_texts=2 if args.quick else 8, context_batch=2,
+                                    contexts=contexts, context_texts=2 if args.quick else 4, context_batch=2,
                                     load=False, load_only=False, shapes=[shape])
     from repgeom_eval.testing import make_tokenizer
 
@@ -174,18 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     scale = bench_scale.per_shape(shape, scale_args, tokenizer, torch.device(args.device), getattr(torch, dtype))
     doc["scale"] = scale
     doc["memory"] = memory_check(scale, shape, args.device, dtype, tokens, batch)
+    save("scale and memory")
     try:
         doc["syncs"] = sync_check(args.device)
     except Exception as exc:  # noqa: BLE001 - a report, not a crash, on a machine lent for minutes
         doc["syncs"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    doc["wall_s"] = time.perf_counter() - t0
     doc["ok"] = all(r["ok"] for r in doc["values"].values())
+    save("syncs")
     print(json.dumps({"values_ok": doc["ok"], "wall_s": round(doc["wall_s"], 1),
                       "layerwise_metrics_over_forward": scale["suites"]["layerwise"]["metrics_over_forward"],
-                      "dispersion_metrics_over_forward": scale["suites"]["dispersion"]["metrics_over_forward"]}))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+                      "dispersion_metrics_over_forward": scale["suites"]["dispersion"]["metrics_over_forward"],
+                      "per_context_layerwise_over_forward": {
+                          r["tokens"]: [round(r["metrics_over_forward"], 4),
+                                        round(r["prompt_entropy_alpha2"]["metrics_over_forward"], 4)]
+                          for r in scale.get("contexts", [])}}))
     return 0 if doc["ok"] else 1
 
 
