@@ -321,3 +321,14 @@ def test_check_metric_catches_a_parameter_missing_from_config():
                                              r"self\.scale = scale"):
         check_metric(Hidden)
     check_metric(Coordinate, {"per_text": True})
+
+
+def test_check_metric_catches_a_work_note_that_is_not_one_line():
+    class Chatty(Coordinate):
+        name = "chatty_note"
+
+        def work_note(self, tokens, width):
+            return ["a list", "is not a line"] if tokens > width else None
+
+    with pytest.raises(AssertionError, match=r"chatty_note: work_note\(4096, 64\) must return one line or None"):
+        check_metric(Chatty)

@@ -136,12 +136,16 @@ def _check_config(cls: type[Metric], metric: Metric) -> None:
 def check_metric(cls: type[Metric], kwargs: Mapping[str, Any] | None = None, n: int = 24, dim: int = 6,
                  seed: int = 0, rtol: float = 1e-9) -> None:
     """Assert that ``config()`` reports every parameter, batch-split invariance, exact shard merging, state
-    round-trips and picklability of ``cls``."""
+    round-trips and picklability of ``cls``, and that ``work_note`` (what ``--dry-run`` prints) is a line or None."""
     kwargs = dict(kwargs or {})
     assert isinstance(cls.name, str) and cls.name, f"{cls.__name__} needs a non-empty `name`"
     assert cls.full_state_update is False, f"{cls.__name__}: full_state_update must be False"
     one = cls(**kwargs)
     _check_config(cls, one)
+    for tokens, width in ((16, 4096), (4096, 64)):
+        note = one.work_note(tokens, width)
+        assert note is None or (isinstance(note, str) and note.strip() and "\n" not in note), \
+            f"{cls.name}: work_note({tokens}, {width}) must return one line or None, got {note!r}"
     (whole,) = _random_batch(cls.consumes, n, dim, seed, views=int(getattr(one, "n_views", 2)))
     one.update(whole)
     expected = one.compute()
