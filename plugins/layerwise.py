@@ -24,7 +24,7 @@ from repgeom_eval.spec.names import CURVATURE_VARIANTS, ENTROPY_CENTERINGS, ENTR
 torch = lazy("torch")
 curvature = lazy("repgeom_eval.functional.curvature:curvature")
 dataset_entropy = lazy("repgeom_eval.functional.entropy:dataset_entropy")
-effective_rank_from_gram_eigenvalues = lazy("repgeom_eval.functional.entropy:effective_rank_from_gram_eigenvalues")
+effective_rank_from_gram_eigenvalues = lazy("repgeom_eval.functional.rank:effective_rank_from_gram_eigenvalues")
 entropy_result = lazy("repgeom_eval.functional.entropy:entropy_result")
 gram_entropy = lazy("repgeom_eval.functional.entropy:gram_entropy")
 linear_gram = lazy("repgeom_eval.functional.entropy:linear_gram")
@@ -172,6 +172,7 @@ class DatasetEntropy(_GramMetric):
             raise RepgeomError(f"{self.name}: batch_size must be a positive integer, got {batch_size!r}")
         self.variant, self.centering, self.batch_size = variant, centering, batch_size
         if centering != "none":
+            self.state_device = "cpu"  # the kept vectors grow with the data: host memory, also after a resume
             self.add_state("vectors", [], "cat", shape=("N", "D"))
             self.add_state("index", [], "cat", shape=("N",))
             # compute: the vectors gathered in text order (one copy, centred in place), their Gram, eigvalsh's copy
@@ -188,11 +189,38 @@ class DatasetEntropy(_GramMetric):
         assert batch.pooled is not None
         if self.centering == "none":
             super().update(batch)
-        else:
-            self.vectors.append(batch.pooled.double().cpu())
-            self.index.append(batch.index.to(torch.float64).cpu())
+        else:  # kept in host memory (they grow with the data), copied without waiting for the device
+            self.vectors.append(self._to_host(batch.pooled.double()))
+            self.index.append(self._to_host(batch.index.to(torch.float64)))
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in host memory. From a GPU the copy is queued into pinned memory and the host goes on (a plain
+        ``.cpu()`` would wait for the device every batch: docs/how-to/large-models.md#host-synchronisations);
+        :meth:`_settle` waits for it before the kept vectors are read."""
+        if t.device.type == "cpu":
+            return t
+        self._copying = True
+        return t.to("cpu", non_blocking=True)
+
+    def _settle(self) -> None:
+        """Wait for the copies :meth:`_to_host` queued: every read of the kept vectors comes after it."""
+        if getattr(self, "_copying", False):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._copying = False
+
+    def state_dict(self, copy: bool = True):
+        self._settle()
+        return super().state_dict(copy)
+
+    def merge(self, other):
+        self._settle()
+        if isinstance(other, DatasetEntropy):
+            other._settle()
+        return super().merge(other)
 
     def compute(self) -> dict[str, float]:
+        self._settle()
         if self.centering != "none":
             if not self.vectors:
                 return {k: _NAN for k in ENTROPY_KEYS}
@@ -225,7 +253,7 @@ class DatasetEntropy(_GramMetric):
     def diagnostics(self):
         if self.centering == "none":
             return super().diagnostics()
-        return {"n_vectors": sum(int(v.shape[0]) for v in self.vectors)}
+        return {"n_vectors": sum(int(v.shape[0]) for v in self.vectors)}  # shapes only: no copy needs to land
 
 
 class EffectiveRank(_GramMetric):

@@ -5,6 +5,7 @@ The only ones allowed read the tokenizer's mask, which lives on the host whateve
 
 import collections
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,19 @@ CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"
 HOST_SIDE = {("__bool__", "measurement/forward.py", "padding_side_of"),
              ("__int__", "measurement/forward.py", "host_tokens")}
 POOLED_SUITE = ["dispersion", "dataset_entropy", "effective_rank", "vendi"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _site(filename: str) -> str | None:
+    """The package-relative path of a file of this project, None for others: ``repgeom_eval/...`` and the
+    built-in plugins, which an editable install runs from the repository's ``plugins/`` folder (installed,
+    ``repgeom_eval/plugins/``)."""
+    for root, prefix in ((ROOT / "plugins", "plugins/"), (ROOT / "repgeom_eval", "")):
+        if filename.startswith(str(root).replace("\\", "/") + "/"):
+            return prefix + filename[len(str(root)) + 1:]
+    if "/repgeom_eval/" in filename:  # an installed wheel
+        return filename.split("/repgeom_eval/")[-1]
+    return None
 
 
 def _conversions(monkeypatch, loaded, texts, n_batches, metrics, **options):
@@ -30,8 +44,9 @@ def _conversions(monkeypatch, loaded, texts, n_batches, metrics, **options):
         def counted(self, *args, **kwargs):
             frame = sys._getframe(1)
             where = frame.f_code.co_filename.replace("\\", "/")
-            if "/repgeom_eval/" in where:
-                counts[(method, where.split("/repgeom_eval/")[-1], frame.f_code.co_name)] += 1
+            site = _site(where)
+            if site:
+                counts[(method, site, frame.f_code.co_name)] += 1
             return original(self, *args, **kwargs)
         return counted
 
@@ -58,6 +73,36 @@ def test_the_pooled_suite_converts_nothing_per_batch_on_the_device_path(monkeypa
     monkeypatch.setattr(Forward, "check_each_batch", False)  # what a GPU runs
     per_batch = _per_batch(monkeypatch, loaded, texts, POOLED_SUITE)
     assert set(per_batch) <= HOST_SIDE, per_batch
+
+
+def test_the_count_sees_the_built_in_plugins(monkeypatch, loaded, texts):
+    # the built-in plugins run from the repository's plugins/ folder here: their sites are counted too (the per-text
+    # token_dispersion still brings its values to the host once per batch and address, as documented)
+    monkeypatch.setattr(Forward, "check_each_batch", False)
+    per_batch = _per_batch(monkeypatch, loaded, texts, ["token_dispersion"])
+    assert per_batch.get(("cpu", "plugins/dispersion.py", "update_tokens")) == 3, per_batch
+    assert _site("/usr/lib/python3/dist-packages/torch/functional.py") is None
+
+
+def test_dataset_entropy_waits_for_its_queued_copies_before_any_read(monkeypatch):
+    """On a GPU, dataset_entropy's kept vectors come to host memory without waiting (pinned, non-blocking); every
+    read of them (compute, a checkpoint, a merge) first waits for those copies, once."""
+    from repgeom_eval.plugins.layerwise import DatasetEntropy
+    from repgeom_eval.spec.metric import LayerBatch
+
+    waits = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waits.append(1))
+    assert DatasetEntropy().state_device == "cpu" and DatasetEntropy(centering="none").state_device == "input"
+    for read in (lambda m: m.compute(), lambda m: m.state_dict(), lambda m: m.merge(DatasetEntropy())):
+        m = DatasetEntropy()
+        m.update(LayerBatch("final", torch.arange(3), pooled=torch.randn(3, 4, dtype=torch.float64)))
+        assert not waits  # vectors already on the host: nothing queued
+        m._copying = True  # as _to_host leaves it after a copy from a GPU
+        read(m)
+        read(m)
+        assert len(waits) == 1
+        waits.clear()
 
 
 def test_the_count_sees_the_checks_of_the_cpu_path(monkeypatch, loaded, texts):

@@ -24,8 +24,6 @@ from repgeom_eval.functional.curvature import curvature
 from repgeom_eval.functional.entropy import (
     center_and_unit,
     dataset_entropy,
-    effective_rank,
-    effective_rank_from_gram_eigenvalues,
     gram_entropy,
     gram_spectrum,
     matrix_entropy,
@@ -34,8 +32,8 @@ from repgeom_eval.functional.entropy import (
     renyi_entropy,
     repitl_alpha2_shortcut,
     spectrum_entropy,
-    vendi_score,
 )
+from repgeom_eval.functional.rank import effective_rank, effective_rank_from_gram_eigenvalues, vendi_score
 from repgeom_eval.functional.stats import kendall_tau_b, rankdata, spearman
 from repgeom_eval.plugins import condensation as condensation_plugin
 from repgeom_eval.plugins import layerwise

@@ -297,7 +297,8 @@ def test_results_on_disk_resume_and_summary(tiny_model_dir, specs, tmp_path):
 
 def test_geometry_scores_match_the_functional_core():
     from repgeom_eval.functional.dispersion import dispersion
-    from repgeom_eval.functional.entropy import dataset_entropy, effective_rank
+    from repgeom_eval.functional.entropy import dataset_entropy
+    from repgeom_eval.functional.rank import effective_rank
 
     x = np.random.default_rng(0).normal(size=(40, 12)) + 0.3
     got = geometry_scores(x)

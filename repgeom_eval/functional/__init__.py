@@ -17,13 +17,12 @@ from .dispersion import (
 from .entropy import (
     center_and_unit,
     dataset_entropy,
-    effective_rank,
     gram_spectrum,
     prompt_entropy,
     renyi_entropy,
     repitl_alpha2_shortcut,
-    vendi_score,
 )
+from .rank import effective_rank, vendi_score
 from .losses import (
     angular_spread,
     decorrelation,
