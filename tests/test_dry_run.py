@@ -122,12 +122,10 @@ def test_mteb_run_dry_run_states_the_sweep_memory_from_the_config_alone(tmp_path
 def test_dry_run_states_work_that_outgrows_the_forward_with_the_length(tmp_path, capsys):
     """prompt_entropy's per-text eigendecomposition (min(T, D)³) is named at the run's length and address count;
     at alpha 2 it reads two traces and says nothing; a plugin's work_note that raises costs its line only."""
-    import types
-
+    from test_plugin_runs import plugin_host
     from transformers import LlamaConfig
 
     from repgeom_eval import Consumes, Metric
-    from repgeom_eval.plugin_system.host import PluginHost
 
     LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path / "llama-8b")
@@ -152,13 +150,7 @@ def test_dry_run_states_work_that_outgrows_the_forward_with_the_length(tmp_path,
         def work_note(self, tokens, width):
             raise ZeroDivisionError("no note")
 
-    @rg.hookimpl
-    def repgeom_register_metrics(registry):
-        registry.add(BrokenNote)
-
-    module = types.ModuleType("broken_note_plugin")
-    module.repgeom_register_metrics = repgeom_register_metrics
-    host = PluginHost(extra_plugins=[("broken_note_plugin", module)])
+    host = plugin_host(BrokenNote, name="broken_note_plugin")
     est = estimate(model, RunConfig(layers="final", metrics=("broken_note", "prompt_entropy"), max_length=64), host=host)
     assert "broken_note at 64 tokens × 1 address: work_note raised ZeroDivisionError: no note" in est.notes
     assert any(n.startswith("prompt_entropy at 64 tokens × 1 address: ") and "64×64" in n for n in est.notes)
