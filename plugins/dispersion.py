@@ -89,8 +89,6 @@ class TokenDispersion(TokenMetric):
     skipped and counted. State: the sum of the per-text values and the count.
     """
 
-    state_device = "cpu"  # per-text values come back to the host
-
     name = "token_dispersion"
     consumes = Consumes.TOKENS
 
@@ -108,10 +106,9 @@ class TokenDispersion(TokenMetric):
         captured activations as they are, float64 sums one text at a time, shared with other token metrics)."""
         from repgeom_eval.functional.dispersion import token_dispersion_block
 
-        values, _ = token_dispersion_block(block)
-        values = values.cpu()
+        values, _ = token_dispersion_block(block)  # on the block's device: nothing waits for it
         ok = ~torch.isnan(values)
-        self.total = self.total + values[ok].sum()
+        self.total = self.total + torch.where(ok, values, torch.zeros_like(values)).sum()
         self.count = self.count + ok.sum()
         self.skipped = self.skipped + (~ok).sum()
         self.keep_per_text(index, values)

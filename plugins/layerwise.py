@@ -87,8 +87,6 @@ class PromptEntropy(TokenMetric):
     State: the four sums over prompts and the prompt count (plus per-prompt values with ``per_text=True``).
     """
 
-    state_device = "cpu"  # per-prompt entropies come back to the host
-
     name = "prompt_entropy"
     consumes = Consumes.TOKENS
 
@@ -111,11 +109,7 @@ class PromptEntropy(TokenMetric):
         from repgeom_eval.functional.entropy import prompt_entropies
 
         values = prompt_entropies(block, self.alpha, self.variant)  # columns in ENTROPY_KEYS order
-        ok = ~torch.isnan(values[:, 0])
-        self.sums = self.sums + values[ok].sum(0)
-        self.count = self.count + ok.sum()
-        self.skipped = self.skipped + (~ok).sum()
-        self.keep_per_text(index, values[:, :2])
+        self.fold_texts(index, values, values[:, :2])
 
     def work_note(self, tokens: int, width: int) -> str | None:
         if self.alpha == 2 and self.variant == "paper":
@@ -298,8 +292,6 @@ class Curvature(TokenMetric):
     State: the two sums and the prompt count (plus per-prompt values with ``per_text=True``).
     """
 
-    state_device = "cpu"  # per-prompt angle sums come back to the host
-
     name = "curvature"
     consumes = Consumes.TOKENS
 
@@ -320,11 +312,7 @@ class Curvature(TokenMetric):
         from repgeom_eval.functional.curvature import curvature_block
 
         values = curvature_block(block, self.variant)  # columns raw, logD
-        ok = ~torch.isnan(values[:, 0])
-        self.sums = self.sums + values[ok].sum(0)
-        self.count = self.count + ok.sum()
-        self.skipped = self.skipped + (~ok).sum()
-        self.keep_per_text(index, values[:, 0])
+        self.fold_texts(index, values, values[:, 0])
 
     def compute(self) -> dict[str, float]:
         if self.count == 0:

@@ -28,13 +28,25 @@ class TokenMetric(Metric):
         """With ``per_text``: keep ``values`` (one entry per text of the batch) under the texts' ``index``."""
         if self.per_text:
             self.values.append(values)
-            self.index.append(index.to(torch.float64))
+            self.index.append(index.to(device=values.device, dtype=torch.float64, non_blocking=True))
+
+    def fold_texts(self, index: Any, values: Any, kept: Any) -> None:
+        """Add one batch's per-text ``values`` [B, k] (a NaN in column 0: a text without a value, skipped and
+        counted) to the ``sums``, ``count`` and ``skipped`` states where they live, reading nothing back to the
+        host (on a GPU the host runs ahead: docs/how-to/large-models.md#host-synchronisations); with
+        ``per_text``, keep ``kept`` for each text."""
+        ok = ~torch.isnan(values[:, 0])
+        self.sums = self.sums + torch.where(ok.unsqueeze(1), values, torch.zeros_like(values)).sum(0)
+        self.count = self.count + ok.sum()
+        self.skipped = self.skipped + (~ok).sum()
+        self.keep_per_text(index, kept)
 
     def kept_per_text(self) -> tuple[Any, Any] | None:
-        """``(text index, values)`` of every text kept so far; None without ``per_text`` or before any text."""
+        """``(text index, values)`` of every text kept so far, in host memory; None without ``per_text`` or before
+        any text."""
         if not self.per_text or not self.values:
             return None
-        return torch.cat(self.index).long(), torch.cat(self.values)
+        return torch.cat(self.index).long().cpu(), torch.cat(self.values).cpu()
 
     def update(self, batch: LayerBatch) -> None:
         assert batch.hidden is not None and batch.mask is not None, f"{self.name} consumes TOKENS"

@@ -16,9 +16,12 @@ from repgeom_eval.modeling.loading import load_model
 from repgeom_eval.spec.errors import NonFiniteError
 
 CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-# (method, module, function): reads of the tokenizer's host mask (padding side, real-token count)
+# (method, module, function): reads of the tokenizer's host mask (padding side, real-token count, the per-text
+# layout the token metrics read; a block without the host's copy reads it in tokens._wait_for instead)
 HOST_SIDE = {("__bool__", "measurement/forward.py", "padding_side_of"),
-             ("__int__", "measurement/forward.py", "host_tokens")}
+             ("__int__", "measurement/forward.py", "host_tokens"),
+             ("tolist", "functional/tokens.py", "host")}
+TOKEN_SUITE = ["token_dispersion", "prompt_entropy", "curvature"]
 POOLED_SUITE = ["dispersion", "dataset_entropy", "effective_rank", "vendi"]
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,12 +78,22 @@ def test_the_pooled_suite_converts_nothing_per_batch_on_the_device_path(monkeypa
     assert set(per_batch) <= HOST_SIDE, per_batch
 
 
-def test_the_count_sees_the_built_in_plugins(monkeypatch, loaded, texts):
-    # the built-in plugins run from the repository's plugins/ folder here: their sites are counted too (the per-text
-    # token_dispersion still brings its values to the host once per batch and address, as documented)
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+def test_the_token_metrics_convert_nothing_per_batch_on_the_device_path(monkeypatch, loaded, texts, alpha):
+    # their states live beside the vectors and the per-text layout is read from the host's copy of the mask (at
+    # alpha 1 a GPU's eigvalsh still waits for its own result, which no tensor method shows)
     monkeypatch.setattr(Forward, "check_each_batch", False)
-    per_batch = _per_batch(monkeypatch, loaded, texts, ["token_dispersion"])
-    assert per_batch.get(("cpu", "plugins/dispersion.py", "update_tokens")) == 3, per_batch
+    per_batch = _per_batch(monkeypatch, loaded, texts, POOLED_SUITE + TOKEN_SUITE,
+                           metric_params={"prompt_entropy": {"alpha": alpha}})
+    assert set(per_batch) <= HOST_SIDE, per_batch
+
+
+def test_the_count_sees_the_built_in_plugins(monkeypatch, loaded, texts):
+    # the built-in plugins run from the repository's plugins/ folder here: their sites are counted too (condensation
+    # still brings its per-text values to the host once per batch and address)
+    monkeypatch.setattr(Forward, "check_each_batch", False)
+    per_batch = _per_batch(monkeypatch, loaded, texts, ["condensation"])
+    assert per_batch.get(("cpu", "plugins/condensation.py", "<genexpr>")) == 6, per_batch
     assert _site("/usr/lib/python3/dist-packages/torch/functional.py") is None
 
 

@@ -346,3 +346,22 @@ def test_third_party_metrics_keep_the_sequential_path(tiny_model_dir, texts, mon
     finally:
         torch.set_num_threads(threads)
     assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes"])
+def test_the_layout_is_read_from_the_hosts_copy_of_the_mask(kind, monkeypatch):
+    """Given the host's copy of its mask (the tokenizer's), a block reads each text's layout from it, waiting for
+    no device; without it, the layout is read from the block's own mask, once for all blocks sharing it."""
+    import repgeom_eval.functional.tokens as tokens
+
+    waits = []
+    real_wait = tokens._wait_for
+    monkeypatch.setattr(tokens, "_wait_for", lambda rows: waits.append(1) or real_wait(rows))
+    ref = block_of(prompts(), kind)
+    host = TokenBlock(ref.hidden, ref.mask, host_mask=ref.mask.clone())
+    assert (host.lengths, host.local_spans(), host.span) == (ref.lengths, ref.local_spans(), ref.span)
+    assert len(waits) == 1  # ref's own layout; none for the block with the host's copy
+    other = TokenBlock(ref.hidden * 2, ref.mask, like=ref)
+    assert other.lengths == ref.lengths and len(waits) == 1
+    got, expected = prompt_entropies(host, 1.0), prompt_entropies(ref, 1.0)
+    assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0))

@@ -82,7 +82,7 @@ def curvature(tokens: torch.Tensor, variant: str = "paper", normalize: bool | No
 
 def curvature_block(block, variant: str = "paper") -> torch.Tensor:
     """:func:`curvature` (default ``normalize``) of every text of a :class:`~repgeom_eval.functional.tokens.TokenBlock`
-    at once: float64 [B, 2] on the CPU, columns ``raw`` and ``logD``.
+    at once: float64 [B, 2] on the block's device (nothing is read back to the host), columns ``raw`` and ``logD``.
 
     The differences, their norms and the cosines of all texts are a few batched float64 operations over the padded
     block (the angles whose three tokens are not all real are masked out); a text whose real tokens are not
@@ -93,8 +93,9 @@ def curvature_block(block, variant: str = "paper") -> torch.Tensor:
     b, d = len(block), block.dim
     info = variant == "information_flow"
     log_d = math.log(d) if d > 1 else float("nan")
-    out = torch.full((b, 2), float("nan"), dtype=torch.float64)
-    n = torch.tensor(block.lengths, dtype=torch.float64)
+    dev = block.hidden.device
+    out = torch.full((b, 2), float("nan"), dtype=torch.float64, device=dev)
+    short = torch.tensor([k <= 2 for k in block.lengths]).to(dev, non_blocking=True)
     if block.hidden.shape[1] >= 3 and any(k >= 3 for k in block.lengths):
         lo, hi = block.span
         z = (block.centered_units() if info else block.x64)[:, lo:hi]
@@ -109,14 +110,11 @@ def curvature_block(block, variant: str = "paper") -> torch.Tensor:
         if info:
             cos = cos.abs()
         angles = torch.where(defined, torch.arccos(cos.clamp(-1.0, 1.0)), torch.zeros_like(cos))
-        total = angles.sum(1).cpu()
-        count = (real if info else defined).sum(1).cpu().to(torch.float64)
+        total = angles.sum(1)
+        count = (real if info else defined).sum(1).to(torch.float64)
         raw = torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("nan")))
         out[:, 0] = raw
-    if info:
-        out[n <= 2, 0] = 0.0
-    else:
-        out[n <= 2, 0] = float("nan")
+    out[:, 0] = torch.where(short, torch.full_like(out[:, 0], 0.0 if info else float("nan")), out[:, 0])
     for i, span in enumerate(block._spans):
         if span is None and block.lengths[i] >= 3:  # not consecutive positions: its own computation
             out[i, 0] = curvature(block.row(i), variant)["raw"]

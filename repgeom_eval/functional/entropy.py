@@ -243,7 +243,7 @@ def spectrum_entropies(eigenvalues: torch.Tensor, sizes: torch.Tensor, alpha: fl
     lam = eigenvalues.double()
     if lam.numel() == 0:
         return torch.full((lam.shape[0],), _NAN, dtype=torch.float64, device=lam.device)
-    rtol = sizes.to(device=lam.device, dtype=torch.float64) * torch.finfo(torch.float64).eps
+    rtol = sizes.to(device=lam.device, dtype=torch.float64, non_blocking=True) * torch.finfo(torch.float64).eps
     top = lam.max(1, keepdim=True).values
     keep = (lam > 0) & (lam > rtol.unsqueeze(1) * top)
     lam = torch.where(keep, lam, torch.zeros_like(lam))
@@ -268,7 +268,7 @@ def _ratios(raw: torch.Tensor, n: torch.Tensor, d: int) -> torch.Tensor:
     return torch.stack([raw, ratio(torch.minimum(log_n, log_d)), ratio(log_n), ratio(log_d)], 1)
 
 
-def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, variant: str,
+def _gram_entropies(grams: torch.Tensor, sizes: list[int], alpha: float, variant: str,
                     real: torch.Tensor | None = None, spans: list | None = None) -> torch.Tensor:
     """S_α of a batch of linear Grams [R, L, L], each zero outside its ``real`` rows and columns (``sizes`` of them),
     as :func:`gram_entropy` computes each one (the ``information_flow`` clamp and trace normalisation included).
@@ -285,15 +285,15 @@ def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, vari
         ok = trace > 0
         grams = grams / torch.where(ok, trace, torch.ones_like(trace)).reshape(-1, 1, 1)
     n_rows, width = grams.shape[0], grams.shape[-1]
-    if real is None or 1.25 * float((sizes.double() ** 3).sum()) >= n_rows * float(width) ** 3:
+    if real is None or 1.25 * sum(float(k) ** 3 for k in sizes) >= n_rows * float(width) ** 3:
         eig = serial_eigvalsh(grams)
     else:
         spans = spans or [None] * n_rows
         cut = [g[s[0]:s[1], s[0]:s[1]] if s is not None else g[r][:, r] for g, r, s in zip(grams, real, spans)]
-        eig = grams.new_zeros((n_rows, int(sizes.max())))
+        eig = grams.new_zeros((n_rows, max(sizes)))
         for i, lam in enumerate(serial_eigvalsh(cut)):
             eig[i, : lam.shape[0]] = lam  # zeros after it: dropped as non-positive
-    raw = spectrum_entropies(eig, sizes, alpha)
+    raw = spectrum_entropies(eig, torch.tensor(sizes), alpha)
     if variant == "information_flow":
         raw = torch.where(ok.to(raw.device), raw, torch.full_like(raw, _NAN))
     return raw
@@ -302,8 +302,9 @@ def _gram_entropies(grams: torch.Tensor, sizes: torch.Tensor, alpha: float, vari
 def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
                      max_elements: int = 1 << 22) -> torch.Tensor:
     """:func:`prompt_entropy` of every text of a :class:`~repgeom_eval.functional.tokens.TokenBlock` at once:
-    float64 [B, 4] on the CPU, columns ``raw``, ``normalized``, ``logN``, ``logD`` (NaN rows for texts with fewer
-    than 2 tokens).
+    float64 [B, 4] on the block's device, columns ``raw``, ``normalized``, ``logN``, ``logD`` (NaN rows for texts
+    with fewer than 2 tokens). Nothing is read back to the host (at α = 1 a GPU's ``eigvalsh`` still waits for its
+    own result).
 
     Texts with N ≤ D tokens (the usual case) take their N×N Grams Z Zᵀ from the block's Gram of centred tokens
     (:meth:`~repgeom_eval.functional.tokens.TokenBlock.centered_gram`, one batched product, shared with the
@@ -314,26 +315,27 @@ def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
     """
     _check_variant(variant)
     b, d = len(block), block.dim
-    out = torch.full((b, 4), _NAN, dtype=torch.float64)
-    n = torch.tensor(block.lengths)
+    dev = block.hidden.device
+    out = torch.full((b, 4), _NAN, dtype=torch.float64, device=dev)
+    lengths = torch.tensor(block.lengths).to(dev, non_blocking=True)
     lo, hi = block.span
     batched = b * (hi - lo) ** 2 <= max_elements
     small = [i for i, k in enumerate(block.lengths) if 2 <= k <= d] if batched else []
     alone = [i for i, k in enumerate(block.lengths) if k >= 2 and i not in set(small)]
     if small:
         g, _, _, real = block.centered_gram()
-        idx = torch.tensor(small, device=g.device)
+        idx = torch.tensor(small).to(dev, non_blocking=True)
         g, real = (g, real) if len(small) == b else (g.index_select(0, idx), real.index_select(0, idx))
         w = 1.0 / g.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().clamp(min=1e-12)  # 1/‖c_t‖, as unit() scales
         w = torch.where(real, w, torch.zeros_like(w))
         k = (g * w.unsqueeze(2)).mul_(w.unsqueeze(1))  # exactly 0 in the pad rows and columns (w = 0 there)
         spans = block.local_spans()
-        raw = _gram_entropies(k, n[small], alpha, variant, real, [spans[i] for i in small]).cpu()
-        out[small] = _ratios(raw, n[small], d)
+        raw = _gram_entropies(k, [block.lengths[i] for i in small], alpha, variant, real, [spans[i] for i in small])
+        out.index_copy_(0, idx, _ratios(raw, lengths.index_select(0, idx), d))
     for i in alone:
         gi = linear_gram(center_and_unit(block.row(i)))
-        raw = _gram_entropies(gi.unsqueeze(0), torch.tensor([gi.shape[0]]), alpha, variant).cpu()
-        out[i] = _ratios(raw, n[i:i + 1], d)[0]
+        raw = _gram_entropies(gi.unsqueeze(0), [gi.shape[0]], alpha, variant)
+        out[i] = _ratios(raw, lengths[i:i + 1], d)[0]
     return out
 
 

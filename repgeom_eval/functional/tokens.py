@@ -38,12 +38,21 @@ def row_chunks(n_rows: int, row_elements: int, limit: int = BLOCK_ELEMENTS) -> I
         yield slice(lo, min(n_rows, lo + step))
 
 
+def _wait_for(rows: torch.Tensor) -> list:
+    """``rows`` read from the block's device into Python: on a GPU the host waits for the device here (one transfer
+    a batch). Only a block built without the host's copy of its mask (``TokenBlock(host_mask=...)``) reads its
+    layout this way."""
+    return rows.tolist()
+
+
 class _Layout:
     """Where each text's real tokens are, read from the mask on the host once, when first asked (shared by the
     blocks of every address of a batch)."""
 
-    def __init__(self, mask: torch.Tensor, n: torch.Tensor):
-        self.mask, self.n = mask, n
+    def __init__(self, mask: torch.Tensor, n: torch.Tensor, host_copy: bool = False):
+        """``host_copy``: ``mask`` is the host's own copy of the block's mask (the tokenizer's): reading it waits
+        for nothing. Otherwise it is the block's mask, on the model's device."""
+        self.mask, self.n, self.host_copy = mask, n, host_copy
         self._host: tuple[list[int], list[tuple[int, int] | None], tuple[int, int]] | None = None
 
     def host(self) -> tuple[list[int], list[tuple[int, int] | None], tuple[int, int]]:
@@ -56,8 +65,8 @@ class _Layout:
             lo = torch.where(mask, pos, t).min(1).values if t else torch.zeros(b, dtype=torch.long)
             hi = torch.where(mask, pos, -1).max(1).values + 1 if t else torch.zeros(b, dtype=torch.long)
             contiguous = (hi - lo == n) | (n == 0)
-            lengths, lo_, hi_, ok_ = torch.stack([n, lo.to(n.device), hi.to(n.device),
-                                                  contiguous.to(n.dtype)]).tolist()  # one transfer
+            rows = torch.stack([n, lo.to(n.device), hi.to(n.device), contiguous.to(n.dtype)])
+            lengths, lo_, hi_, ok_ = rows.tolist() if self.host_copy else _wait_for(rows)
             spans = [(a, z) if ok else None for a, z, ok in zip(lo_, hi_, ok_)]
             real = [s for s, k in zip(spans, lengths) if k]
             span = (min(s[0] for s in real), max(s[1] for s in real)) if real and None not in real else (0, t)
@@ -71,15 +80,19 @@ class TokenBlock:
     Rows with no real token are empty: their sums and mean are zero.
     """
 
-    def __init__(self, hidden: torch.Tensor, mask: torch.Tensor, like: "TokenBlock | None" = None):
-        """``like``: a block over the same mask (another address of the same batch), whose layout is reused."""
+    def __init__(self, hidden: torch.Tensor, mask: torch.Tensor, like: "TokenBlock | None" = None,
+                 host_mask: torch.Tensor | None = None):
+        """``like``: a block over the same mask (another address of the same batch), whose layout is reused.
+        ``host_mask``: the same mask in host memory, if the caller has it: the layout is read from it."""
         if like is not None and like.mask.shape == mask.shape[:2]:
             self.hidden, self.mask, self.n, self._layout = hidden, like.mask, like.n, like._layout
         else:
             mask = mask.to(hidden.device).bool()
             self.hidden, self.mask = hidden, mask
             self.n = mask.sum(1)  # [B] long, on the device
-            self._layout = _Layout(mask, self.n)
+            on_host = host_mask is not None and host_mask.device.type == "cpu" and host_mask.shape == mask.shape
+            self._layout = (_Layout(host_mask.bool(), host_mask.bool().sum(1), host_copy=True) if on_host
+                            else _Layout(mask, self.n))
         self._x64: torch.Tensor | None = None
         self._norms: torch.Tensor | None = None
         self._cache: dict[object, object] = {}

@@ -306,17 +306,17 @@ class MeasureRun:
         addresses, workers = self.addresses, self._feed_workers
         if workers < 2 or len(addresses) < 3:
             for addr in addresses:
-                sink.batch(addr, batch.hidden[addr], batch.mask, items)
+                sink.batch(addr, batch.hidden[addr], batch.mask, items, batch.host_mask)
             return
         import torch
         from concurrent.futures import ThreadPoolExecutor
 
-        sink.batch(addresses[0], batch.hidden[addresses[0]], batch.mask, items)
+        sink.batch(addresses[0], batch.hidden[addresses[0]], batch.mask, items, batch.host_mask)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="repgeom-metrics")
         torch.set_num_threads(1)
         try:
-            for _ in self._pool.map(lambda a: sink.batch(a, batch.hidden[a], batch.mask, items), addresses[1:]):
+            for _ in self._pool.map(lambda a: sink.batch(a, batch.hidden[a], batch.mask, items, batch.host_mask), addresses[1:]):
                 pass
         finally:
             torch.set_num_threads(workers)
@@ -420,10 +420,10 @@ class _MeasureSink:
         self.run = run
         self.feeder = Feeder(run.specs, run.n_views, run.prep, run.config.state_device)
 
-    def batch(self, addr, h, mask, items) -> None:
+    def batch(self, addr, h, mask, items, host_mask=None) -> None:
         state = self.run.state
         # the energy diagnostic reads the same raw mean-pooled vectors as mean-pooling metrics: pooled once
-        self.feeder.feed(addr, h, mask, items, state.states[addr], energy=state.energy.get(addr))
+        self.feeder.feed(addr, h, mask, items, state.states[addr], energy=state.energy.get(addr), host_mask=host_mask)
 
     def shard_done(self, shard_no: int, sp: ShardPlan) -> None:
         if self.feeder.pending_views():
@@ -440,5 +440,5 @@ class _StatsSink:
     def __init__(self, collector: StatsCollector):
         self.collector = collector
 
-    def batch(self, addr, h, mask, items) -> None:
+    def batch(self, addr, h, mask, items, host_mask=None) -> None:
         self.collector.feed(addr, h, mask, items)

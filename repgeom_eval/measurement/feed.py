@@ -68,7 +68,8 @@ class Feeder:
         return sum(len(b) for b in self.buffers.values())
 
     def feed(self, addr: Address, h: torch.Tensor, mask: torch.Tensor, items: list[Item],
-             metrics: list[tuple[MetricSpec, Metric]], energy: Metric | None = None) -> None:
+             metrics: list[tuple[MetricSpec, Metric]], energy: Metric | None = None,
+             host_mask: torch.Tensor | None = None) -> None:
         """Pool one address's batch for each metric (each pooling computed once) and update the metric states;
         ``energy`` (the energy diagnostic), if given, gets the raw mean-pooled vectors of the original texts.
 
@@ -78,7 +79,9 @@ class Feeder:
         vectors of ``prompt_entropy``). ``last``/``first`` pooling pick the vectors before converting them. A token
         metric with an ``update_tokens(index, block)`` method reads the block; any other gets the documented padded
         float64 ``LayerBatch.hidden`` (pads zero), built once per block. Batches whose float64 copy would exceed
-        :data:`~repgeom_eval.functional.tokens.BLOCK_ELEMENTS` are fed in several blocks of rows.
+        :data:`~repgeom_eval.functional.tokens.BLOCK_ELEMENTS` are fed in several blocks of rows. ``host_mask``,
+        the same mask in host memory when the caller has it, is where the per-text layout is read from (no wait
+        for the device).
         """
         if self._batch is None or self._batch[0] is not items or self._batch[1] is not mask:
             self._batch = (items, mask, split_rows(items), {})  # the same for every address of this batch
@@ -87,13 +90,15 @@ class Feeder:
         name = str(addr)
         if len(orig):
             if len(orig) == h.shape[0]:  # no augmented views in this batch: every row is an original
-                ho, mo = h, mask
+                ho, mo, hm = h, mask, host_mask
             else:
                 o = orig.to(h.device)
                 ho, mo = h[o], mask[o]
+                hm = host_mask[orig] if host_mask is not None else None
             index = text_index[orig]
             for rows in row_chunks(ho.shape[0], ho.shape[1] * ho.shape[2]):  # one block unless the batch is huge
-                block = TokenBlock(ho[rows], mo[rows], like=layouts.get(rows.start))
+                block = TokenBlock(ho[rows], mo[rows], like=layouts.get(rows.start),
+                                   host_mask=hm[rows] if hm is not None else None)
                 layouts.setdefault(rows.start, block)
                 self._feed_block(name, block, index[rows], orig[rows], metrics, energy)
         if len(views):

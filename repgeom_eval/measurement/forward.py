@@ -190,6 +190,9 @@ class Batch:
     mask: torch.Tensor  # bool [B, T], on the model's device
     hidden: dict[Address, torch.Tensor]
     logits: torch.Tensor | None
+    #: the same mask in host memory, as the tokenizer made it: the per-text layout is read from it without waiting
+    #: for the device (docs/how-to/large-models.md#host-synchronisations)
+    host_mask: torch.Tensor | None = None
 
 
 class Forward:
@@ -312,7 +315,7 @@ class Forward:
         logits = outputs_logits
         if self.need_logits and logits is None:
             logits = _logits(self._capture.outputs)
-        return Batch(ids, bool_mask, hidden, logits)
+        return Batch(ids, bool_mask, hidden, logits, host_mask if host_mask.device.type == "cpu" else None)
 
     def _call(self, inputs: dict[str, Any]) -> dict[Address, torch.Tensor]:
         """One forward pass; a failure inside the model's own code is one line naming the model and the batch."""
