@@ -10,8 +10,9 @@
 3. **Peak GPU memory against the ``--dry-run`` estimate**: ``torch.cuda.max_memory_allocated`` of each run beside
    the estimate of the weights, one batch's captured hidden states and the states that live on the device.
 4. **No host synchronisation per batch**: ``torch.cuda.set_sync_debug_mode("warn")`` during ``measure --layers
-   all`` with the pooled suite (dispersion and the Gram metrics) over 2 and 6 batches; the synchronisations that
-   grow with the batches (tests/test_host_syncs.py counts the same on the CPU by call site).
+   all`` with the pooled suite (dispersion and the Gram metrics), then with the token metrics too (prompt_entropy at
+   alpha 2), over 2 and 6 batches; the synchronisations that grow with the batches (tests/test_host_syncs.py counts
+   the same on the CPU by call site).
 
 It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
 CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine),
@@ -40,6 +41,7 @@ TINY_TYPES = ("gpt2", "llama", "qwen2", "opt", "gpt_neox", "bert")
 METRICS = ["dispersion", "token_dispersion", "prompt_entropy", "dataset_entropy", "effective_rank", "curvature",
            "vendi"]
 BF16_TOLERANCE = 0.02  # docs/metrics.md#precision
+TOKEN_SUITE = ["token_dispersion", "prompt_entropy", "curvature"]
 
 
 def flat(results: dict) -> dict[str, float]:
@@ -98,22 +100,29 @@ def sync_check(device: str) -> dict:
         path = rg.save_tiny("llama", Path(tmp) / "llama", kind="causal")
         loaded = rg.load_model(str(path), device=device)
 
-        def syncs(n_batches: int) -> int:
+        def syncs(n_batches: int, metrics: list[str]) -> int:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    result = rg.measure(loaded, texts[: 4 * n_batches], layers="all", metrics=POOLED_SUITE,
-                                        batch_size=4, progress=False)
+                    result = rg.measure(loaded, texts[: 4 * n_batches], layers="all", metrics=metrics,
+                                        batch_size=4, progress=False,
+                                        metric_params={"prompt_entropy": {"alpha": 2.0}} if "prompt_entropy" in metrics
+                                        else {})
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
             messages = [str(w.message) for w in seen] + list(result.warnings)
             return sum("synchroniz" in m for m in messages)
 
-        few, many = syncs(2), syncs(6)
-    per_batch = (many - few) / 4
-    print(f"syncs: {few} over 2 batches, {many} over 6: {per_batch:g} per batch", flush=True)
-    return {"syncs_2_batches": few, "syncs_6_batches": many, "per_batch": per_batch, "ok": per_batch == 0}
+        out = {}
+        # the pooled suite, then with the token metrics (prompt_entropy at alpha 2: no eigvalsh, which waits)
+        for suite, metrics in (("pooled", POOLED_SUITE), ("pooled+tokens", POOLED_SUITE + TOKEN_SUITE)):
+            few, many = syncs(2, metrics), syncs(6, metrics)
+            per_batch = (many - few) / 4
+            print(f"syncs ({suite}): {few} over 2 batches, {many} over 6: {per_batch:g} per batch", flush=True)
+            out[suite] = {"syncs_2_batches": few, "syncs_6_batches": many, "per_batch": per_batch,
+                          "ok": per_batch == 0}
+    return out
 
 
 def memory_check(scale: dict, shape: str, device: str, dtype: str, tokens: int, batch: int) -> dict:

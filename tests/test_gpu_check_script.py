@@ -37,3 +37,19 @@ def test_gpu_check_refuses_without_cuda_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--device cpu" in proc.stderr
+
+
+def test_the_gpu_sync_stage_runs_its_suites(monkeypatch):
+    # the CUDA-only stage, run on the CPU with the sync debug mode stubbed: both suites measured, none syncing
+    import torch
+
+    import repgeom_eval as rg
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    load = rg.load_model
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda *a: None)
+    monkeypatch.setattr(rg, "load_model", lambda path, device=None, **kw: load(path, device="cpu", **kw))
+    out = gpu_check.sync_check("cuda")
+    assert set(out) == {"pooled", "pooled+tokens"} and all(row["ok"] for row in out.values())
