@@ -173,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     def save(stage: str) -> None:  # after every stage: a run cut short by the lease keeps what it finished
         doc["finished_stages"] = doc.get("finished_stages", []) + [stage]
         doc["wall_s"] = time.perf_counter() - t0
-        if args.out:
+        if args.out:  # atomically: a run killed mid-write leaves the previous stage's file
+            from repgeom_eval.output.files import write_json
+
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+            write_json(args.out, doc)
 
     doc["values"] = values_check(args.device, TINY_TYPES[:2] if args.quick else TINY_TYPES, 12 if args.quick else 24)
     save("values")
