@@ -97,14 +97,20 @@ def assert_same_values(results, result, names_seen=None):
     return compared
 
 
-def test_builtin_metrics_equal_measure_on_the_scored_contexts(lm, model_dir, data):
+def test_builtin_metrics_equal_measure_on_the_scored_contexts(lm, model_dir, data, monkeypatch):
     """ARC (multi-token continuations, 3-4 choices per query): dispersion (last token, per-text c_i),
     dataset_entropy with a parameter (mean over the context), token_dispersion (every context token), at every
-    hidden state (the ``all`` selector)."""
+    hidden state (the ``all`` selector), curvature. The token metrics read each batch's layout from the host's mask,
+    never from the device's (tokens._wait_for)."""
+    import repgeom_eval.functional.tokens as tokens
+
+    waits = []
+    monkeypatch.setattr(tokens, "_wait_for", lambda rows: waits.append(1) or rows.tolist())
     params = {"dataset_entropy": {"alpha": 2}}
-    metrics = ["dispersion", "dataset_entropy", "token_dispersion"]
+    metrics = ["dispersion", "dataset_entropy", "token_dispersion", "curvature"]
     results, samples, out = run(lm, "repgeom_hardness_arc_easy", data["arc_easy"], repgeom_metrics=metrics,
                                 repgeom_metric_params=params, repgeom_layers=["all"])
+    assert waits == []
     texts = scored_contexts(lm, samples)
     result = measured(model_dir, texts, layers="all", metrics=metrics, metric_params=params)
     assert_same_values(results, result)

@@ -290,14 +290,18 @@ class TaskBank:
         """One batch of texts at every address: ``hidden[addr]`` [B, T, D], ``mask`` [B, T] True at the text's
         tokens, ``views`` the view number of each row (None: the texts themselves)."""
         assert self.bank is not None
+        host_mask = mask if mask.device.type == "cpu" else None
+        on_device: dict[Any, torch.Tensor] = {}  # the mask copied once per device, without waiting
         for addr in self.addresses:
             h = hidden[addr]
-            self.bank.update(addr, h, mask.to(h.device), list(doc_ids), views)
+            if h.device not in on_device:
+                on_device[h.device] = mask.to(h.device, non_blocking=True)
+            self.bank.update(addr, h, on_device[h.device], list(doc_ids), views, host_mask=host_mask)
             if views is None and addr in self.energy:  # the raw mean-pooled vectors of the texts themselves
                 from repgeom_eval.measurement.pooling import pool64
                 from repgeom_eval.spec.metric import LayerBatch
 
-                vectors = pool64(h, mask.to(h.device).bool(), "mean")[0]
+                vectors = pool64(h, on_device[h.device].bool(), "mean")[0]
                 self.energy[addr].update(LayerBatch(str(addr), torch.tensor(list(doc_ids)), pooled=vectors))
 
     def expect(self, doc_id: int, n_windows: int) -> bool:

@@ -123,12 +123,14 @@ class MetricBank:
         return self.n_views > 0
 
     def update(self, addr: Address, hidden: torch.Tensor, mask: torch.Tensor, texts: Sequence[int],
-               views: Sequence[int] | None = None) -> None:
+               views: Sequence[int] | None = None, host_mask: torch.Tensor | None = None) -> None:
         """Feed one address's captured batch: ``hidden`` [B, T, D], ``mask`` [B, T] (True at the tokens the texts
-        are made of), ``texts`` the index of each row's text, ``views`` each row's view number (-1: the original)."""
+        are made of), ``texts`` the index of each row's text, ``views`` each row's view number (-1: the original);
+        ``host_mask``, the same mask in host memory if the caller has it (the token metrics read their layout from
+        it without waiting for the device)."""
         views = list(views) if views is not None else [-1] * len(texts)
         items = [Item(int(t), int(v)) for t, v in zip(texts, views)]
-        self.feeder.feed(addr, hidden, mask.bool(), items, self.states[addr])
+        self.feeder.feed(addr, hidden, mask.bool(), items, self.states[addr], host_mask=host_mask)
 
     # -- merging ---------------------------------------------------------------------------------------------------------
     def state(self) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
