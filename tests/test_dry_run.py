@@ -151,6 +151,7 @@ def test_dry_run_states_work_that_outgrows_the_forward_with_the_length(tmp_path,
             raise ZeroDivisionError("no note")
 
     host = plugin_host(BrokenNote, name="broken_note_plugin")
-    est = estimate(model, RunConfig(layers="final", metrics=("broken_note", "prompt_entropy"), max_length=64), host=host)
+    est = estimate(model, RunConfig(layers="final", metrics=("broken_note", "prompt_entropy"), max_length=64),
+                   host=host)
     assert "broken_note at 64 tokens × 1 address: work_note raised ZeroDivisionError: no note" in est.notes
     assert any(n.startswith("prompt_entropy at 64 tokens × 1 address: ") and "64×64" in n for n in est.notes)

@@ -90,9 +90,11 @@ class TokenBlock:
             mask = mask.to(hidden.device).bool()
             self.hidden, self.mask = hidden, mask
             self.n = mask.sum(1)  # [B] long, on the device
-            on_host = host_mask is not None and host_mask.device.type == "cpu" and host_mask.shape == mask.shape
-            self._layout = (_Layout(host_mask.bool(), host_mask.bool().sum(1), host_copy=True) if on_host
-                            else _Layout(mask, self.n))
+            if host_mask is not None and host_mask.device.type == "cpu" and host_mask.shape == mask.shape:
+                host_mask = host_mask.bool()
+                self._layout = _Layout(host_mask, host_mask.sum(1), host_copy=True)
+            else:
+                self._layout = _Layout(mask, self.n)
         self._x64: torch.Tensor | None = None
         self._norms: torch.Tensor | None = None
         self._cache: dict[object, object] = {}

@@ -316,7 +316,10 @@ class MeasureRun:
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="repgeom-metrics")
         torch.set_num_threads(1)
         try:
-            for _ in self._pool.map(lambda a: sink.batch(a, batch.hidden[a], batch.mask, items, batch.host_mask), addresses[1:]):
+            def one(a):
+                return sink.batch(a, batch.hidden[a], batch.mask, items, batch.host_mask)
+
+            for _ in self._pool.map(one, addresses[1:]):
                 pass
         finally:
             torch.set_num_threads(workers)
@@ -423,7 +426,8 @@ class _MeasureSink:
     def batch(self, addr, h, mask, items, host_mask=None) -> None:
         state = self.run.state
         # the energy diagnostic reads the same raw mean-pooled vectors as mean-pooling metrics: pooled once
-        self.feeder.feed(addr, h, mask, items, state.states[addr], energy=state.energy.get(addr), host_mask=host_mask)
+        self.feeder.feed(addr, h, mask, items, state.states[addr], energy=state.energy.get(addr),
+                         host_mask=host_mask)
 
     def shard_done(self, shard_no: int, sp: ShardPlan) -> None:
         if self.feeder.pending_views():
