@@ -98,6 +98,7 @@ def _run(cfg: MtebRunCommand) -> int:
     from repgeom_eval.spec.errors import RepgeomError
     from repgeom_eval.measurement.distributed import Distributed
     from repgeom_eval.modeling.loading import model_files
+    from repgeom_eval.measurement.memory import describe
     from repgeom_eval.mteb_layers import resolve_tasks, run_layers, write_summary
     from repgeom_eval.mteb_layers.metrics import check_metrics
     from repgeom_eval.output.files import check_creatable_dir, check_outputs
@@ -167,6 +168,7 @@ def _run(cfg: MtebRunCommand) -> int:
         console.print(f"{rule} measured against final: {evidence or 'never measured (no evidence declared)'}",
                       highlight=False, soft_wrap=True)
     console.print(f"results: {out}")
+    console.print(describe(result.memory) + (" (rank 0)" if dist.active else ""), highlight=False)
     if cfg.summary:
         written = write_summary(out)
         paths = written["paths"]

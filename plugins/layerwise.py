@@ -193,15 +193,19 @@ class DatasetEntropy(_GramMetric):
         :meth:`_settle` waits for it before the kept vectors are read."""
         if t.device.type == "cpu":
             return t
-        self._copying = True
+        # the devices copied from: a model split over GPUs (--device-map) sends each address's vectors from its own
+        self._copying = getattr(self, "_copying", set()) | {t.device}
         return t.to("cpu", non_blocking=True)
 
     def _settle(self) -> None:
-        """Wait for the copies :meth:`_to_host` queued: every read of the kept vectors comes after it."""
-        if getattr(self, "_copying", False):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self._copying = False
+        """Wait for the copies :meth:`_to_host` queued, on every device they came from: every read of the kept
+        vectors comes after it."""
+        devices = getattr(self, "_copying", set())
+        if devices and torch.cuda.is_available():
+            for device in sorted(devices, key=str):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        self._copying = set()
 
     def state_dict(self, copy: bool = True):
         self._settle()

@@ -155,3 +155,25 @@ def test_dry_run_states_work_that_outgrows_the_forward_with_the_length(tmp_path,
                    host=host)
     assert "broken_note at 64 tokens × 1 address: work_note raised ZeroDivisionError: no note" in est.notes
     assert any(n.startswith("prompt_entropy at 64 tokens × 1 address: ") and "64×64" in n for n in est.notes)
+
+
+def test_a_run_records_the_gpu_peak_of_every_gpu_it_used(monkeypatch):
+    # a --device-map model split over GPUs: its peak is the sum over the GPUs that allocated, and each is named
+    import torch
+
+    from repgeom_eval.measurement.engine import memory_used
+
+    class _State:
+        states: dict = {}
+
+    peaks = {0: 5 * 2**30, 1: 3 * 2**30, 2: 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda i: peaks[i])
+    out = memory_used(_State(), torch.device("cuda", 0))
+    assert out["cuda_max_memory_allocated_bytes"] == 8 * 2**30
+    assert out["cuda_max_memory_allocated_bytes_per_device"] == {"cuda:0": 5 * 2**30, "cuda:1": 3 * 2**30}
+    peaks[1] = 0  # one GPU: its peak alone, no per-device breakdown
+    out = memory_used(_State(), torch.device("cuda", 0))
+    assert out["cuda_max_memory_allocated_bytes"] == 5 * 2**30 and "cuda_max_memory_allocated_bytes_per_device" not in out
+    assert "cuda_max_memory_allocated_bytes" not in memory_used(_State(), torch.device("cpu"))

@@ -105,17 +105,22 @@ def test_dataset_entropy_waits_for_its_queued_copies_before_any_read(monkeypatch
 
     waits = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waits.append(1))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
     assert DatasetEntropy().state_device == "cpu" and DatasetEntropy(centering="none").state_device == "input"
     for read in (lambda m: m.compute(), lambda m: m.state_dict(), lambda m: m.merge(DatasetEntropy())):
         m = DatasetEntropy()
         m.update(LayerBatch("final", torch.arange(3), pooled=torch.randn(3, 4, dtype=torch.float64)))
         assert not waits  # vectors already on the host: nothing queued
-        m._copying = True  # as _to_host leaves it after a copy from a GPU
+        m._copying = {torch.device("cuda", 0)}  # as _to_host leaves it after a copy from a GPU
         read(m)
         read(m)
-        assert len(waits) == 1
+        assert waits == [torch.device("cuda", 0)]
         waits.clear()
+    # a model split over two GPUs: the copies from each are waited for on their own device
+    m = DatasetEntropy()
+    m._copying = {torch.device("cuda", 1), torch.device("cuda", 0)}
+    m.compute()
+    assert waits == [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
 def test_the_count_sees_the_checks_of_the_cpu_path(monkeypatch, loaded, texts):

@@ -125,6 +125,9 @@ def test_every_output_type_equals_measure_on_the_texts_lm_eval_ran(model_dir, ta
     record = out["configs"][task]["metadata"]["repgeom"]
     assert record["metric_addresses"] == ["resid_post:0", "final"] and record["population"].startswith("document")
     assert out["repgeom_warnings"] == {}  # nothing degenerate here; the key says the check ran
+    held = out["repgeom_memory"]  # what the registered metrics held, and the process's peak
+    assert held["peak_rss_bytes"] > 10 * 2**20 and "cuda_max_memory_allocated_bytes" not in held
+    assert 0 < held["state_bytes"] < held["peak_rss_bytes"]
 
 
 def numbers(results):

@@ -412,6 +412,7 @@ def test_cli_run_and_summary(tiny_model_dir, tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "3 layer(s) × 2 task(s)" in text and "PydocTopicClustering" in text
+    assert "peak memory: resident " in text and "GPU" not in text.split("peak memory:")[1].splitlines()[0]  # on CPU
     assert (out / "repgeom_summary.csv").is_file() and (out / "repgeom_summary.md").is_file()
     rc = main(["mteb", "summary", str(out), "-o", str(tmp_path), "--prefix", "again", "--no-plot"])
     assert rc == 0 and (tmp_path / "again.md").is_file()

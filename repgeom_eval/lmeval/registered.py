@@ -352,10 +352,11 @@ class TaskBank:
         if self.bank.feeder.pending_views():
             raise RuntimeError("augmented views of some texts never all arrived")  # a bug, never a user error
         ranks = lm_eval_ranks(world_size, "the metric states of every rank are needed")
-        states = ranks.all_gather(_cpu((self.bank.state(), {str(a): e.state_dict() for a, e in self.energy.items()})))
-        if len(states) == 1:
+        if not ranks.active:  # one rank: its states are the merged ones (no host copy of every Gram to gather)
             merged, energy = self.bank, self.energy
         else:
+            states = ranks.all_gather(_cpu((self.bank.state(), {str(a): e.state_dict()
+                                                                for a, e in self.energy.items()})))
             merged, energy = self._new_bank(), self._new_energy()
             for state, energy_state in states:
                 merged.merge_state(state)

@@ -51,7 +51,7 @@ def _wrap_evaluate(module: Any) -> None:
             return original(*args, **kwargs)
         with hidden_states_for(lm, tasks, adopted):
             out = original(*args, **kwargs)
-        return with_warnings(out, tasks, adopted)
+        return with_memory(with_warnings(out, tasks, adopted), lm, tasks, adopted)
 
     evaluate._repgeom_wrapped = True  # type: ignore[attr-defined]
     module.evaluate = evaluate
@@ -112,6 +112,22 @@ def with_warnings(out: Any, tasks: list, adopted: list) -> Any:
             logger.warning("repgeom (task %s): %s", name, line)
     if isinstance(out, dict):
         out["repgeom_warnings"] = said
+    return out
+
+
+def with_memory(out: Any, lm: Any, tasks: list, adopted: list) -> Any:
+    """What the registered metrics held and the run's peaks, into the results as ``repgeom_memory``
+    (``state_bytes``, ``peak_rss_bytes``, on a GPU ``cuda_max_memory_allocated_bytes``), as ``repgeom measure``
+    records them in its timings: the figures to hold against ``repgeom measure --dry-run`` (docs/lmeval.md)."""
+    from repgeom_eval.measurement.memory import peak_memory
+    from repgeom_eval.modeling.probe import input_device
+
+    banks = [t.bank.bank for t in tasks if t.bank is not None] + [a.bank.bank for a in adopted]
+    held = sum(m.state_bytes() for bank in banks if bank is not None for ms in bank.states.values() for _, m in ms)
+    model = getattr(getattr(lm, "lm", lm), "model", None)
+    if isinstance(out, dict):
+        out["repgeom_memory"] = {"state_bytes": int(held),
+                                 **peak_memory(input_device(model) if model is not None else "cpu")}
     return out
 
 

@@ -402,18 +402,12 @@ class MeasureRun:
 
 
 def memory_used(state: RunState, device: Any) -> dict[str, int]:
-    """What the run held: the bytes of its metric states (as ``--dry-run`` estimates them), the process's peak
-    resident memory, and on a GPU the peak allocated by torch."""
-    import resource
-
-    import torch
+    """What the run held: the bytes of its metric states (as ``--dry-run`` estimates them), and its peaks
+    (:func:`~repgeom_eval.measurement.memory.peak_memory`)."""
+    from repgeom_eval.measurement.memory import peak_memory
 
     held = sum(m.state_bytes() for ms in state.states.values() for _, m in ms)  # in place: no copy of the states
-    out = {"state_bytes": int(held),
-           "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
-    if getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
-        out["cuda_max_memory_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    return out
+    return {"state_bytes": int(held), **peak_memory(device)}
 
 
 class _MeasureSink:

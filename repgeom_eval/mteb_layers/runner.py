@@ -29,6 +29,7 @@ from repgeom_eval.output.progress import progress_bar as tqdm  # bars or log lin
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.layer_request import LayerRequest
 from repgeom_eval.modeling.loading import LoadedModel
+from repgeom_eval.measurement.memory import peak_memory
 
 from repgeom_eval.spec.options.model import ModelOptions
 
@@ -56,6 +57,7 @@ class SweepResult:
     output_folder: str | None = None
     picks: dict[str, dict[str, Any]] = field(default_factory=dict)  # --layer auto: task → its pick record
     layer_request: list[str] = field(default_factory=list)  # the request as given (REQUEST_KEY, every output's name)
+    memory: dict[str, Any] = field(default_factory=dict)  # this process's peaks (measurement/memory.py)
 
 
 def resolve_tasks(tasks: Sequence[Any] | None = None, *, tasks_file: str | Path | None = None,
@@ -341,6 +343,7 @@ def run_layers(
     out.forward_passes = sweep.forward_passes
     out.view_sequences = sweep_metrics.view_sequences if sweep_metrics is not None else 0
     out.seconds = time.perf_counter() - t_start
+    out.memory = peak_memory(embedder.loaded.device)
     return out
 
 
