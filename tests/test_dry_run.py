@@ -177,3 +177,37 @@ def test_a_run_records_the_gpu_peak_of_every_gpu_it_used(monkeypatch):
     out = memory_used(_State(), torch.device("cuda", 0))
     assert out["cuda_max_memory_allocated_bytes"] == 5 * 2**30 and "cuda_max_memory_allocated_bytes_per_device" not in out
     assert "cuda_max_memory_allocated_bytes" not in memory_used(_State(), torch.device("cpu"))
+
+
+def test_dry_run_reads_the_decoder_of_a_config_with_two_text_configs(tmp_path, capsys):
+    # transformers cannot say which of musicgen's text configs (encoder, decoder) is "the" text config: the dry run
+    # reads the decoder's (before, the ambiguity escaped as a traceback)
+    from transformers import MusicgenConfig
+
+    config = MusicgenConfig()
+    config.save_pretrained(tmp_path / "mg")
+    assert main(["measure", "-m", str(tmp_path / "mg"), "-d", "unread.txt", "--layers", "all", "--metrics",
+                 "dispersion", "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["width"] == config.decoder.hidden_size
+    assert len(doc["addresses"]) == config.decoder.num_hidden_layers + 1
+
+
+def test_a_gpu_run_is_planned_on_a_machine_without_one(tmp_path, capsys, monkeypatch):
+    # a login node without a GPU plans the GPU job: the states are said to live on cuda and the weights take auto's
+    # GPU dtype (bfloat16); the run itself still refuses a missing GPU
+    import torch
+    from transformers import LlamaConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=1000).save_pretrained(tmp_path / "m")
+    argv = ["measure", "-m", str(tmp_path / "m"), "-d", str(tmp_path / "t.txt"), "--metrics", "dispersion",
+            "--device", "cuda"]
+    assert main(argv + ["--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["device"] == "cuda" and doc["dtype"] == "bfloat16"
+    assert {m["device"] for m in doc["metrics"].values()} == {"cuda"}
+    (tmp_path / "t.txt").write_text("a text\nanother\n")
+    assert main(argv) == 2
+    assert "CUDA is not available" in capsys.readouterr().err

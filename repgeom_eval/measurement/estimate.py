@@ -164,7 +164,9 @@ def _statistics_read(metric: Any) -> list:
 
 
 def _text_config(config: Any) -> Any:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    from repgeom_eval.modeling.layout import text_config
+
+    return text_config(config)
 
 
 def _first(config: Any, *names: str) -> int | None:
@@ -191,7 +193,9 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
 
     host = host or get_host()
     opts = (options or ModelOptions()).replace(dtype=run.dtype, device=run.device)
-    device = resolve_device(opts.device_map and "cpu" or opts.device)
+    # a device map puts the blocks, and the states beside them, on the GPUs when there are any
+    mapped = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(mapped if opts.device_map else opts.device, planned=True)
     dtype = resolve_dtype(opts.dtype, device)
     target, extra, source = locate_model(str(model))
     try:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from repgeom_eval.spec.errors import RepgeomError, first_line
+from repgeom_eval.modeling.layout import text_config
 from repgeom_eval.modeling.loading import locate_model
 
 # Output-embedding tensor names of checkpoints whose keys predate the model class (tried last, shape-checked).
@@ -173,7 +174,7 @@ def _with_prefix_variants(names: Iterable[str], prefix: str) -> list[str]:
 
 
 def _config_ties(config: Any) -> bool:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
 
 

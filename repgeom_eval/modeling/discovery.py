@@ -33,7 +33,7 @@ from repgeom_eval.modeling.architectures import SITES, ArchitectureSpec
 from repgeom_eval.modeling.blocks import analyze_block
 from repgeom_eval.modeling.hooks import HookPoint
 from repgeom_eval.modeling.inputs_check import check_inputs, pad_id_of
-from repgeom_eval.modeling.layout import Layout, Site, describe
+from repgeom_eval.modeling.layout import Layout, Site, describe, text_config
 from repgeom_eval.modeling.precision import probe_precision
 from repgeom_eval.modeling.probe import (Call, Recorder, accepted_inputs, build_inputs, call_of, close,
                                          few_logits, hidden_states_of, input_device, point_of, probe_ids, tensor_at)
@@ -130,8 +130,8 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
         notes.append("the model returns no last_hidden_state: `final` is its last hidden state")
     logits = isinstance(getattr(out, "logits", None), torch.Tensor)
 
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text_config is not config or getattr(config, "vision_config", None) is not None:
+    text = text_config(config)
+    if text is not config or getattr(config, "vision_config", None) is not None:
         notes.append(f"{model_type} is a multimodal model: its text model is measured, on text alone")
     found = _find_blocks(model, rec, hidden, lhs)
     if found is None:

@@ -91,3 +91,17 @@ def describe(layout: Layout) -> Mapping[str, Any]:
         "refused": layout.missing_sites(), "unverified": layout.unverified_sites(), "notes": list(layout.notes),
         "last_block_sites": [s for s, site in layout.sites[-1].items() if site.ok] if layout.sites else [],
     }
+
+
+def text_config(config: Any) -> Any:
+    """The part of ``config`` that describes the text model: the config itself, a multimodal model's text config, or
+    for a model with several text configs (an audio model's text encoder and decoder) its decoder's, the part whose
+    hidden states a causal model's run reads. A config transformers cannot answer for stands for itself."""
+    if not hasattr(config, "get_text_config"):
+        return config
+    for ask in ({}, {"decoder": True}):
+        try:
+            return config.get_text_config(**ask)
+        except (ValueError, TypeError):
+            continue
+    return config

@@ -17,7 +17,7 @@ import torch
 from repgeom_eval.spec.errors import RepgeomError, first_line
 from repgeom_eval.modeling.gguf_cache import check_gguf_packages, convert_gguf, gguf_cache_dir, quiet_transformers
 from repgeom_eval.modeling.adapters import adapter_base, apply_adapter
-from repgeom_eval.modeling.layout import Layout
+from repgeom_eval.modeling.layout import Layout, text_config
 from repgeom_eval.modeling.weights_check import check_loading_report, check_safetensors
 from repgeom_eval.spec.options.model import ModelOptions
 
@@ -96,7 +96,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise RepgeomError(f"unknown dtype {dtype!r} (valid: auto, {', '.join(DTYPES)})") from None
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(device: str | torch.device | None, planned: bool = False) -> torch.device:
+    """``device`` as a torch device, checked. ``planned``: for a plan made elsewhere (``--dry-run`` on a machine
+    without the GPU the run will have), a CUDA device need not be present here."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from repgeom_eval.spec.options.model import device_problem
@@ -107,7 +109,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise RepgeomError(f"bad device {device!r}: {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not torch.cuda.is_available() and not planned:
         raise RepgeomError(f"device {device!r} requested but CUDA is not available; use --device cpu")
     return dev
 
@@ -378,19 +380,19 @@ def wrap_model(model: Any, tokenizer: Any = None, name: str | None = None, sourc
     spec = host.architectures.get(model_type) if model_type in host.architectures else None
     layout = discover(model, spec, model_type if spec is not None else None)
     param = next(model.parameters(), None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     info = ModelInfo(
         name=name or getattr(config, "_name_or_path", "") or type(model).__name__,
         model_type=model_type,
         architecture=type(model).__name__,
         n_layers=layout.n_layers,
-        hidden_size=int(getattr(text_config, "hidden_size", 0) or getattr(text_config, "n_embd", 0)
-                        or getattr(text_config, "d_model", 0) or 0),
+        hidden_size=int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0)
+                        or getattr(text, "d_model", 0) or 0),
         dtype=str(param.dtype if param is not None else torch.get_default_dtype()).replace("torch.", ""),
         n_parameters=sum(p.numel() for p in model.parameters()),
-        vocab_size=getattr(text_config, "vocab_size", None),
-        max_positions=_positive(getattr(text_config, "max_position_embeddings", None)
-                                or getattr(text_config, "n_positions", None)),  # XLNet says -1: no limit
+        vocab_size=getattr(text, "vocab_size", None),
+        max_positions=_positive(getattr(text, "max_position_embeddings", None)
+                                or getattr(text, "n_positions", None)),  # XLNet says -1: no limit
         source=source,
         n_hidden_states=len(layout.hidden_states),
         layers=dict(describe(layout)),
