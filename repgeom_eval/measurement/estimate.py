@@ -278,7 +278,8 @@ def check_budget(est: MemoryEstimate, budget: int, n_texts: int | None, per_text
     per_address = need // max(est.n_addresses, 1)
     texts = f" for {n_texts:,} texts" if n_texts is not None else " (fixed part; the per-text part grows with the data)"
     drop = [f"metrics ({', '.join(f'{m} {human(b)}' for b, m in biggest)})" if biggest else "",
-            f"layers (each of the {est.n_addresses} addresses holds about {human(per_address)}; e.g. --layers final)"]
+            f"layers (each of the {est.n_addresses} addresses holds about {human(per_address)}; e.g. --layers final)"
+            if est.n_addresses > 1 else ""]
     per_text = sum(b for m, b in by_metric.items() if m == "(per-text scores)")
     if per_text:
         drop.append(f"per-text states ({per_text_flag}, {human(per_text)})")
