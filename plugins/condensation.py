@@ -45,8 +45,6 @@ class Condensation(TokenMetric):
     condensation grows with depth) and ``mean_last_n`` = mean of the last n layers' values, n = 1..L.
     """
 
-    state_device = "cpu"
-
     name = "condensation"
     consumes = Consumes.TOKENS
 
@@ -68,10 +66,12 @@ class Condensation(TokenMetric):
         sums one text at a time, no [B, T, d] float64 copy)."""
         from repgeom_eval.functional.condensation import condensation_block, cosine_histogram_block
 
-        incl, excl = (v.cpu() for v in condensation_block(block, self.eps))
-        ok_i, ok_e = ~torch.isnan(incl), ~torch.isnan(excl)
-        self.sums = self.sums + torch.stack([incl[ok_i].sum(), excl[ok_e].sum()])
-        self.counts = self.counts + torch.stack([ok_i.sum(), ok_e.sum()]).to(torch.float64)
+        incl, excl = condensation_block(block, self.eps)
+        # summed where they live, NaN (too few tokens) masked without boolean indexing, which waits on a GPU
+        values = torch.stack([incl, excl], 1)
+        ok = ~torch.isnan(values)
+        self.sums = self.sums + torch.where(ok, values, torch.zeros_like(values)).sum(0)
+        self.counts = self.counts + ok.sum(0).to(torch.float64)
         if self.bins:
             self.hist = self.hist + cosine_histogram_block(block, self.bins, self.eps)
         self.keep_per_text(index, incl)

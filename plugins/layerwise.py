@@ -17,6 +17,7 @@ from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
 
+from .host_copies import HostCopies
 from .token_metric import TokenMetric
 from repgeom_eval.spec.names import CURVATURE_VARIANTS, ENTROPY_CENTERINGS, ENTROPY_VARIANTS
 
@@ -135,7 +136,7 @@ class PromptEntropy(TokenMetric):
         return {"n_texts": int(self.count), "n_skipped": int(self.skipped)}
 
 
-class DatasetEntropy(_GramMetric):
+class DatasetEntropy(HostCopies, _GramMetric):
     """Dataset entropy (paper B; docs/metrics.md#dataset_entropy): S_α of the Gram of one pooled vector per prompt.
 
     Default pooling ``mean`` (attention-masked). ``centering``:
@@ -186,36 +187,6 @@ class DatasetEntropy(_GramMetric):
         else:  # kept in host memory (they grow with the data), copied without waiting for the device
             self.vectors.append(self._to_host(batch.pooled.double()))
             self.index.append(self._to_host(batch.index.to(torch.float64)))
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in host memory. From a GPU the copy is queued into pinned memory and the host goes on (a plain
-        ``.cpu()`` would wait for the device every batch: docs/how-to/large-models.md#host-synchronisations);
-        :meth:`_settle` waits for it before the kept vectors are read."""
-        if t.device.type == "cpu":
-            return t
-        # the devices copied from: a model split over GPUs (--device-map) sends each address's vectors from its own
-        self._copying = getattr(self, "_copying", set()) | {t.device}
-        return t.to("cpu", non_blocking=True)
-
-    def _settle(self) -> None:
-        """Wait for the copies :meth:`_to_host` queued, on every device they came from: every read of the kept
-        vectors comes after it."""
-        devices = getattr(self, "_copying", set())
-        if devices and torch.cuda.is_available():
-            for device in sorted(devices, key=str):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-        self._copying = set()
-
-    def state_dict(self, copy: bool = True):
-        self._settle()
-        return super().state_dict(copy)
-
-    def merge(self, other):
-        self._settle()
-        if isinstance(other, DatasetEntropy):
-            other._settle()
-        return super().merge(other)
 
     def compute(self) -> dict[str, float]:
         self._settle()

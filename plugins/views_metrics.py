@@ -27,6 +27,8 @@ from repgeom_eval.spec.errors import RepgeomError, check_param, is_count, is_rea
 from repgeom_eval.plugin_system.lazy import lazy
 from repgeom_eval.spec.names import INFONCE_VARIANTS, LIDAR_VARIANTS
 
+from .host_copies import HostCopies
+
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
 dime = lazy("repgeom_eval.functional.contrastive:dime")
@@ -42,13 +44,13 @@ def _unit_views(metric: Metric, batch: LayerBatch) -> torch.Tensor:
     if views.dim() != 3 or views.shape[1] != metric.n_views:
         raise ValueError(f"{metric.name}: expected views of shape [B, {metric.n_views}, D] "
                          f"(n_views={metric.n_views}), got {tuple(views.shape)}")
-    return unit(views.double().cpu())
+    return unit(views.double())  # where the views are: the model's device
 
 
-class _TwoViewMetric(Metric):
+class _TwoViewMetric(HostCopies, Metric):
     """Shared state of the two-view metrics: the unit views of every text (``"cat"``) and the text indices."""
 
-    state_device = "cpu"  # the unit views are kept in host memory
+    state_device = "cpu"  # the unit views grow with the data: host memory, copied without waiting (host_copies.py)
 
     consumes = Consumes.VIEWS
     default_pooling = "mean"
@@ -60,11 +62,12 @@ class _TwoViewMetric(Metric):
 
     def update(self, batch: LayerBatch) -> None:
         u = _unit_views(self, batch)
-        self.view_a.append(u[:, 0])
-        self.view_b.append(u[:, 1])
-        self.index.append(batch.index.detach().cpu().to(torch.float64).reshape(-1))
+        self.view_a.append(self._to_host(u[:, 0]))
+        self.view_b.append(self._to_host(u[:, 1]))
+        self.index.append(self._to_host(batch.index.detach().to(torch.float64).reshape(-1)))
 
     def _ordered(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self._settle()
         if not self.view_a:
             return None
         a, b = torch.cat(self.view_a), torch.cat(self.view_b)
@@ -149,8 +152,6 @@ class LiDAR(Metric):
     Σ_i (μ_i−μ)(μ_i−μ)ᵀ = Σ_i μ_i μ_iᵀ − n μμᵀ and Σ_ij (x_ij−μ_i)(x_ij−μ_i)ᵀ = Σ_ij x_ij x_ijᵀ − q Σ_i μ_i μ_iᵀ, so
     S_b and S_w (hence Σ = S_w^{−½} S_b S_w^{−½}) follow from the four sums. Compute is O(D³).
     """
-
-    state_device = "cpu"  # the unit views are kept in host memory
 
     name = "lidar"
     consumes = Consumes.VIEWS

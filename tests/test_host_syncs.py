@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from repgeom_eval.measurement.engine import measure
-from repgeom_eval.measurement.forward import Forward
+from repgeom_eval.measurement.forward import DeferredChecks, Forward
 from repgeom_eval.modeling.loading import load_model
 from repgeom_eval.spec.errors import NonFiniteError
 
@@ -90,11 +90,24 @@ def test_the_token_metrics_convert_nothing_per_batch_on_the_device_path(monkeypa
 
 def test_the_count_sees_the_built_in_plugins(monkeypatch, loaded, texts):
     # the built-in plugins run from the repository's plugins/ folder here: their sites are counted too (condensation
-    # still brings its per-text values to the host once per batch and address)
+    # reads its sums once, in compute)
     monkeypatch.setattr(Forward, "check_each_batch", False)
-    per_batch = _per_batch(monkeypatch, loaded, texts, ["condensation"])
-    assert per_batch.get(("cpu", "plugins/condensation.py", "<genexpr>")) == 6, per_batch
+    counts = _conversions(monkeypatch, loaded, texts, 2, ["condensation"])
+    assert counts[("__float__", "plugins/condensation.py", "compute")] == 3, counts  # its histogram's count, 3 addresses
     assert _site("/usr/lib/python3/dist-packages/torch/functional.py") is None
+
+
+@pytest.mark.parametrize("metrics", [["condensation"], ["lidar"], ["infonce", "dime"]])
+def test_the_other_built_in_metrics_convert_nothing_per_batch(monkeypatch, loaded, texts, metrics):
+    # condensation's sums and histogram stay on the device (no bincount, which waits on a GPU); lidar's O(D²) sums
+    # too; infonce and dime queue their kept views into host memory without waiting. What remains is the check of
+    # the hidden states, read every DeferredChecks.EVERY batches (lidar's 16 views make many forward batches)
+    monkeypatch.setattr(Forward, "check_each_batch", False)
+    per_batch = _per_batch(monkeypatch, loaded, texts, metrics)
+    periodic = {site: n for site, n in per_batch.items() if site[2] == "read_flags"}
+    assert set(per_batch) - set(periodic) <= HOST_SIDE, per_batch
+    forward_batches = per_batch[("__int__", "measurement/forward.py", "host_tokens")]
+    assert all(n <= forward_batches / DeferredChecks.EVERY for n in periodic.values()), per_batch
 
 
 def test_dataset_entropy_waits_for_its_queued_copies_before_any_read(monkeypatch):
@@ -121,6 +134,17 @@ def test_dataset_entropy_waits_for_its_queued_copies_before_any_read(monkeypatch
     m._copying = {torch.device("cuda", 1), torch.device("cuda", 0)}
     m.compute()
     assert waits == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    # the two-view metrics keep their views the same way (plugins/host_copies.py)
+    from repgeom_eval.plugins.views_metrics import DiME, InfoNCE
+
+    for cls in (InfoNCE, DiME):
+        waits.clear()
+        m = cls()
+        m.update(LayerBatch("final", torch.arange(3), views=torch.randn(3, 2, 4, dtype=torch.float64)))
+        m._copying = {torch.device("cuda", 0)}
+        m.compute()
+        m.state_dict()
+        assert waits == [torch.device("cuda", 0)] and cls.state_device == "cpu"
 
 
 def test_the_count_sees_the_checks_of_the_cpu_path(monkeypatch, loaded, texts):

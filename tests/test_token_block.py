@@ -365,3 +365,14 @@ def test_the_layout_is_read_from_the_hosts_copy_of_the_mask(kind, monkeypatch):
     assert other.lengths == ref.lengths and len(waits) == 1
     got, expected = prompt_entropies(host, 1.0), prompt_entropies(ref, 1.0)
     assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0))
+
+
+def test_the_waitless_bin_count_equals_bincount():
+    # what a GPU runs (adding into a fixed-size vector: no wait for the largest index) counts as bincount does
+    from repgeom_eval.functional.condensation import count_bins
+
+    index = torch.randint(0, 37, (5, 1000), generator=torch.Generator().manual_seed(0))
+    for weight in (1.0, 2.0):
+        expected = torch.bincount(index.flatten(), minlength=40).to(torch.float64) * weight
+        assert torch.equal(count_bins(index, 40, weight, waitless=True), expected)
+        assert torch.equal(count_bins(index, 40, weight, waitless=False), expected)

@@ -171,7 +171,8 @@ class Feeder:
             buffer = self.buffers.setdefault((addr, method), ViewBuffer(self.n_views))
             vecs = torch.cat([pool64(b.hidden, b.mask, method, b)[0] for b in blocks])
             vecs = self.prep(str(addr), f"views:{method}", vecs)
-            for row, vec in zip(views.tolist(), vecs.cpu() if self.to_host else vecs):
+            rows = [r for r, it in enumerate(items) if it.view >= 0]  # views' rows, from the host's own list
+            for row, vec in zip(rows, vecs.cpu() if self.to_host else vecs):
                 buffer.add(items[row].text, items[row].view, vec)
             done = buffer.pop_complete()
             if done is None:

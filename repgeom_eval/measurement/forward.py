@@ -297,7 +297,8 @@ class Forward:
         bool_mask = host_mask.to(self.loaded.device, non_blocking=True)
         names = list(row_ids) if row_ids is not None else list(range(len(ids)))
         hidden = {}
-        for addr, h in captured.items():
+        for addr in list(captured):
+            h = captured.pop(addr)  # a half-precision original is freed once upcast, not held beside every copy
             computed_in = h.dtype
             if h.dtype in (torch.float16, torch.bfloat16):
                 h = h.float()
