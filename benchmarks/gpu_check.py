@@ -11,7 +11,7 @@
    the estimate of the weights, one batch's captured hidden states and the states that live on the device.
 4. **No host synchronisation per batch**: ``torch.cuda.set_sync_debug_mode("warn")`` during ``measure --layers
    all`` with the pooled suite (dispersion and the Gram metrics), then with the token metrics too (prompt_entropy at
-   alpha 2), over 2 and 6 batches; the synchronisations that grow with the batches (tests/test_host_syncs.py counts
+   alpha 2), then condensation (and lidar, infonce, dime where nlpaug is installed), over 2 and 6 batches; the synchronisations that grow with the batches (tests/test_host_syncs.py counts
    the same on the CPU by call site).
 
 It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
@@ -115,8 +115,11 @@ def sync_check(device: str) -> dict:
             return sum("synchroniz" in m for m in messages)
 
         out = {}
-        # the pooled suite, then with the token metrics (prompt_entropy at alpha 2: no eigvalsh, which waits)
-        for suite, metrics in (("pooled", POOLED_SUITE), ("pooled+tokens", POOLED_SUITE + TOKEN_SUITE)):
+        # the pooled suite, then with the token metrics (prompt_entropy at alpha 2: no eigvalsh, which waits), then
+        # the other built-ins (the multi-view ones where nlpaug, which makes their views, is installed)
+        others = ["condensation"] + (["lidar", "infonce", "dime"] if importlib.util.find_spec("nlpaug") else [])
+        for suite, metrics in (("pooled", POOLED_SUITE), ("pooled+tokens", POOLED_SUITE + TOKEN_SUITE),
+                               ("others", others)):
             few, many = syncs(2, metrics), syncs(6, metrics)
             per_batch = (many - few) / 4
             print(f"syncs ({suite}): {few} over 2 batches, {many} over 6: {per_batch:g} per batch", flush=True)
