@@ -11,8 +11,8 @@
    the estimate of the weights, one batch's captured hidden states and the states that live on the device.
 4. **No host synchronisation per batch**: ``torch.cuda.set_sync_debug_mode("warn")`` during ``measure --layers
    all`` with the pooled suite (dispersion and the Gram metrics), then with the token metrics too (prompt_entropy at
-   alpha 2), then condensation (and lidar, infonce, dime where nlpaug is installed), over 2 and 6 batches; the synchronisations that grow with the batches (tests/test_host_syncs.py counts
-   the same on the CPU by call site).
+   alpha 2), then condensation (and lidar, infonce, dime where nlpaug is installed), over 2 and 6 batches; the
+   synchronisations that grow with the batches (tests/test_host_syncs.py counts the same on the CPU by call site).
 
 It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
 CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine),

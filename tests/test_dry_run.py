@@ -175,7 +175,8 @@ def test_a_run_records_the_gpu_peak_of_every_gpu_it_used(monkeypatch):
     assert out["cuda_max_memory_allocated_bytes_per_device"] == {"cuda:0": 5 * 2**30, "cuda:1": 3 * 2**30}
     peaks[1] = 0  # one GPU: its peak alone, no per-device breakdown
     out = memory_used(_State(), torch.device("cuda", 0))
-    assert out["cuda_max_memory_allocated_bytes"] == 5 * 2**30 and "cuda_max_memory_allocated_bytes_per_device" not in out
+    assert out["cuda_max_memory_allocated_bytes"] == 5 * 2**30
+    assert "cuda_max_memory_allocated_bytes_per_device" not in out
     assert "cuda_max_memory_allocated_bytes" not in memory_used(_State(), torch.device("cpu"))
 
 

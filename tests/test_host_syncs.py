@@ -93,7 +93,7 @@ def test_the_count_sees_the_built_in_plugins(monkeypatch, loaded, texts):
     # reads its sums once, in compute)
     monkeypatch.setattr(Forward, "check_each_batch", False)
     counts = _conversions(monkeypatch, loaded, texts, 2, ["condensation"])
-    assert counts[("__float__", "plugins/condensation.py", "compute")] == 3, counts  # its histogram's count, 3 addresses
+    assert counts[("__float__", "plugins/condensation.py", "compute")] == 3, counts  # its histogram, 3 addresses
     assert _site("/usr/lib/python3/dist-packages/torch/functional.py") is None
 
 

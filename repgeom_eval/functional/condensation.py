@@ -143,7 +143,8 @@ def bin_index(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
 def cosine_histogram_block(block: TokenBlock, bins: int = DEFAULT_BINS, eps: float = CONDENSATION_EPS,
                            max_elements: int = 1 << 22) -> torch.Tensor:
     """Σ over the texts of a :class:`~repgeom_eval.functional.tokens.TokenBlock` of :func:`cosine_histogram` / S²
-    (float64 [bins], on the block's device; nothing is read back to the host): the summed per-text bin fractions of the condensation histogram.
+    (float64 [bins], on the block's device; nothing is read back to the host): the summed per-text bin fractions
+    of the condensation histogram.
 
     The texts' Gram matrices X Xᵀ come from the block's Gram of centred tokens (one batched product shared with
     ``prompt_entropy``, :meth:`~repgeom_eval.functional.tokens.TokenBlock.centered_gram`), scaled by
