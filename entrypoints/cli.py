@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -186,9 +188,11 @@ def _main(argv: Sequence[str] | None) -> int:
             options_class.from_args(args)  # reads the same object (from_args builds it once per namespace)
         return int(args._run(args) or 0)
     except RepgeomError as exc:
-        if debug:
-            raise
-        print(f"repgeom: error: {exc}", file=sys.stderr)
+        message = str(exc)
+        if debug:  # the traceback, then the same one line and exit status as without --debug
+            traceback.print_exc()
+            message = re.sub(r" \((repgeom )?--debug shows the traceback\)", "", message)
+        print(f"repgeom: error: {message}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         extra = extra_for(exc.name or "")

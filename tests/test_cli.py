@@ -185,3 +185,11 @@ def test_one_tensor_is_reported_under_one_name(tiny_model_dir, texts):
         r = measure(tiny_model_dir("bert"), texts[:4], layers="final,resid_post:-1,embed,resid_pre:0",
                     progress=False)
     assert list(r.results) == ["embed", "final"]
+
+
+def test_debug_adds_the_traceback_and_keeps_the_line_and_the_status(capsys):
+    # --debug: the traceback first, then the same one-line error (without the hint to use --debug) and status 2
+    assert main(["--debug", "measure", "-m", "no/such/model", "-d", "no-such-data.txt"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.rstrip().splitlines()[-1] == "repgeom: error: data file 'no-such-data.txt' does not exist"

@@ -156,6 +156,16 @@ def test_dry_run_states_work_that_outgrows_the_forward_with_the_length(tmp_path,
     assert "broken_note at 64 tokens × 1 address: work_note raised ZeroDivisionError: no note" in est.notes
     assert any(n.startswith("prompt_entropy at 64 tokens × 1 address: ") and "64×64" in n for n in est.notes)
 
+    class TwoLineNote(BrokenNote):
+        name = "two_line_note"
+
+        def work_note(self, tokens, width):
+            return "first line\n  second line"
+
+    est = estimate(model, RunConfig(layers="final", metrics=("two_line_note",), max_length=64),
+                   host=plugin_host(TwoLineNote, name="two_line_plugin"))
+    assert "two_line_note at 64 tokens × 1 address: first line second line" in est.notes  # folded into one
+
 
 def test_a_run_records_the_gpu_peak_of_every_gpu_it_used(monkeypatch):
     # a --device-map model split over GPUs: its peak is the sum over the GPUs that allocated, and each is named
@@ -212,3 +222,20 @@ def test_a_gpu_run_is_planned_on_a_machine_without_one(tmp_path, capsys, monkeyp
     (tmp_path / "t.txt").write_text("a text\nanother\n")
     assert main(argv) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_with_token_pooling_the_estimate_counts_every_token(tiny_model_dir):
+    # --pooling tokens makes every real token a row of a per-text state: the estimate counts the context length's
+    # worth a text (an upper bound), not one row (before: 60× under)
+    model = tiny_model_dir("llama")
+    run = RunConfig(layers="all", metrics=("dataset_entropy",), pooling="tokens", max_length=48, progress=False)
+    est = estimate(model, run)
+    assert any("--pooling tokens" in note for note in est.notes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = rg.measure(model, texts(12), config=run)
+    held = result.timings["state_bytes"]
+    assert 0.25 * est.for_texts(12) <= held <= est.for_texts(12), (held, est.for_texts(12))
+    # one row a text, as the estimate counted before, is far below what the run holds
+    plain = estimate(model, RunConfig(layers="all", metrics=("dataset_entropy",), max_length=48, progress=False))
+    assert held > 5 * plain.for_texts(12), (held, plain.for_texts(12))

@@ -332,3 +332,12 @@ def test_check_metric_catches_a_work_note_that_is_not_one_line():
 
     with pytest.raises(AssertionError, match=r"chatty_note: work_note\(4096, 64\) must return one line or None"):
         check_metric(Chatty)
+
+    class Broken(Coordinate):
+        name = "broken_note"
+
+        def work_note(self, tokens, width):
+            raise ValueError("note broke")
+
+    with pytest.raises(AssertionError, match=r"broken_note: work_note\(16, 4096\) raised ValueError: note broke"):
+        check_metric(Broken)

@@ -335,3 +335,41 @@ def test_a_plugin_that_overrides_state_dict_without_copy_is_still_checkpointed()
         saved = state_of(m, copy=False)
         assert torch.equal(saved["s"], torch.full((3,), 2.0, dtype=torch.float64)), cls.__name__
         assert saved["s"].data_ptr() != m.stat("sums").s.data_ptr()  # their own call: a copy
+
+
+class OwnMeanNorm(Metric):
+    """A metric with a state of its own and no statistic (module level: check_metric pickles it)."""
+
+    name = "own_mean_norm"
+    consumes = Consumes.POOLED
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("total", torch.zeros((), dtype=torch.float64), "sum", shape=())
+
+    def update(self, batch):
+        super().update(batch)
+        self.total = self.total + batch.pooled.double().norm(dim=-1).sum()
+
+    def compute(self):
+        return float(self.total)
+
+
+class NoUpdate(Metric):
+    name = "no_update"
+    consumes = Consumes.POOLED
+
+    def compute(self):
+        return 0.0
+
+
+def test_super_update_is_safe_whatever_the_statistics():
+    # docs/plugins.md: a metric with states of its own calls super().update(batch) first. With no statistic to
+    # feed (none declared, or none for these parameters) that call does nothing; a metric with neither statistics
+    # nor an update of its own is still told what it lacks.
+    m = OwnMeanNorm()
+    m.update(LayerBatch("final", torch.arange(2), pooled=torch.ones(2, 4)))
+    assert m.compute() == 4.0
+    rg.check_metric(OwnMeanNorm)
+    with pytest.raises(NotImplementedError, match="NoUpdate must implement update"):
+        NoUpdate().update(LayerBatch("final", torch.arange(2), pooled=torch.ones(2, 4)))

@@ -372,7 +372,7 @@ class MeasureRun:
             raise RepgeomError(f"only {n_usable} text(s) have any tokens; at least 2 are needed")
         if state.n_truncated and dist.is_main:
             warnings.warn(f"{state.n_truncated} of {counts['n_texts']} texts are longer than {self.context} tokens "
-                          "and were truncated (set --max-length to change the limit)", stacklevel=3)
+                          "and were truncated (set --max-length to change the limit)", stacklevel=5)
         rep = (report(state, self.specs, cfg.per_text, cfg.massive_share_warning, self.loaded.info.name)
                if dist.is_main else None)
         t_metrics = self.timer["metrics"] + time.perf_counter() - t0

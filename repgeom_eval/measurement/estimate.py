@@ -228,8 +228,21 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
         on_host = getattr(run, "state_device", "model") == "cpu" and spec.consumes != Consumes.TOKENS
         return "cpu" if on_host else device.type
 
+    tokens = max_length or _first(text, "max_position_embeddings", "n_positions") or 512
+    tokens = min(tokens, run.max_length or tokens)
+
+    def memory(spec: Any, metric: Any) -> StateEstimate:
+        state = metric_memory(metric, width, home(spec))
+        if spec.pooling == "tokens":  # every real token is a row: a text adds up to `tokens` of them
+            state.per_1000_texts_bytes *= tokens
+            state.transient_per_1000_texts_bytes *= tokens
+        return state
+
+    if any(spec.pooling == "tokens" for spec, _ in pairs):
+        notes.append(f"--pooling tokens: every real token is a row, so what grows per text is counted for {tokens} "
+                     "tokens a text (the context length; shorter texts hold less)")
     for addr in addresses:
-        states = [metric_memory(m, width, home(spec)) for spec, m in pairs]
+        states = [memory(spec, m) for spec, m in pairs]
         if energy_cls is not None:
             energy = metric_memory(energy_cls(top_k=ENERGY_TOP), width,
                                    "cpu" if getattr(run, "state_device", "model") == "cpu" else device.type)
@@ -245,14 +258,13 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
         weights = sum(p.numel() for p in shell.parameters()) * torch.tensor([], dtype=dtype).element_size()
     except Exception as exc:  # noqa: BLE001 - an architecture that cannot be built on the meta device
         notes.append(f"weights not estimated ({type(exc).__name__})")
-    tokens = max_length or _first(text, "max_position_embeddings", "n_positions") or 512
-    tokens = min(tokens, run.max_length or tokens)
     for spec, metric in pairs:  # work that outgrows the forward pass with the context length
         try:
             work = metric.work_note(tokens, width) if hasattr(metric, "work_note") else None
         except Exception as exc:  # noqa: BLE001 - a plugin's broken note costs its line, not the dry run
             work = f"work_note raised {type(exc).__name__}: {exc}"
         if work:
+            work = " ".join(str(work).split())  # one line, as the plugin API asks (docs/plugins.md)
             where = f"{len(addresses)} address" + ("es" if len(addresses) != 1 else "")
             notes.append(f"{spec.name} at {tokens} tokens × {where}: {work}")
     batch = batch_size or run.batch_size

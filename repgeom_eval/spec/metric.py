@@ -402,7 +402,9 @@ class Metric(Stateful):
         of its own overrides it and calls ``super().update(batch)``)."""
         owned = self.owned_statistics()
         if not self._slots():
-            raise NotImplementedError(f"{type(self).__name__} must implement update()")
+            if type(self).update is Metric.update:  # neither statistics nor an update of its own
+                raise NotImplementedError(f"{type(self).__name__} must implement update()")
+            return  # an override's super().update(batch) with no statistic to feed (as docs/plugins.md advises)
         for st in owned.values():
             st.update(batch)
 

@@ -143,7 +143,11 @@ def check_metric(cls: type[Metric], kwargs: Mapping[str, Any] | None = None, n: 
     one = cls(**kwargs)
     _check_config(cls, one)
     for tokens, width in ((16, 4096), (4096, 64)):
-        note = one.work_note(tokens, width)
+        try:
+            note = one.work_note(tokens, width)
+        except Exception as exc:  # noqa: BLE001 - any error of the plugin's, named
+            raise AssertionError(f"{cls.name}: work_note({tokens}, {width}) raised {type(exc).__name__}: {exc}") \
+                from exc
         assert note is None or (isinstance(note, str) and note.strip() and "\n" not in note), \
             f"{cls.name}: work_note({tokens}, {width}) must return one line or None, got {note!r}"
     (whole,) = _random_batch(cls.consumes, n, dim, seed, views=int(getattr(one, "n_views", 2)))
