@@ -161,6 +161,9 @@ def _main(argv: Sequence[str] | None) -> int:
     from repgeom_eval.plugin_system.host import DISABLE_ENV, disabled_from_env
 
     previous = os.environ.get(DISABLE_ENV)
+    previous_debug = os.environ.get("REPGEOM_DEBUG")
+    if debug:  # the run's code reads it too: a failing plugin metric then stops the run with its traceback
+        os.environ["REPGEOM_DEBUG"] = "1"
     try:
         disabled = disabled_by_flags(args_list)
         if disabled:  # through the variable, so that the processes this command starts see it too
@@ -209,6 +212,10 @@ def _main(argv: Sequence[str] | None) -> int:
             os.environ.pop(DISABLE_ENV, None)
         else:
             os.environ[DISABLE_ENV] = previous
+        if previous_debug is None:
+            os.environ.pop("REPGEOM_DEBUG", None)
+        else:
+            os.environ["REPGEOM_DEBUG"] = previous_debug
 
 
 if __name__ == "__main__":  # pragma: no cover

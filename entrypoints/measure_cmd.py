@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.spec.options.measure import MeasureCommand, RunConfig
@@ -78,13 +79,27 @@ def run(args: argparse.Namespace) -> int:
         documents.append(doc)
     if cfg.json and len(runs) > 1:  # one JSON document: the list of the models' results, in -m order
         print(json.dumps(documents, indent=2))
-        return 0
-    if len(runs) > 1 and cfg.output and not cfg.json:
+    elif len(runs) > 1 and cfg.output and not cfg.json:
         from rich.console import Console
         from rich.markup import escape
 
         Console().print("compare them: repgeom compare " + " ".join(escape(r.output) for r in runs), soft_wrap=True)
-    return 0
+    return _failed_metrics(runs, documents)
+
+
+#: the exit status of a run that finished without some plugin metrics (docs/plugins.md#when-something-goes-wrong)
+EXIT_METRICS_FAILED = 3
+
+
+def _failed_metrics(runs: list[MeasureCommand], documents: list[dict]) -> int:
+    """Said last, on standard error: the plugin metrics a run dropped after they raised (their one-line errors were
+    warnings when it happened); exit status 3 then, the other metrics' results being written."""
+    failed = [(one, name) for one, doc in zip(runs, documents) for name in doc.get("failed_metrics", {})]
+    for one, name in failed:
+        where = f"; the other metrics' results are in {one.output}" if one.output else ""
+        print(f"repgeom: error: metric {name!r} raised and is left out of the results of {one.model}{where} "
+              "(failed_metrics there says why)", file=sys.stderr)
+    return EXIT_METRICS_FAILED if failed else 0
 
 
 def dry_run(cfg: MeasureCommand) -> None:

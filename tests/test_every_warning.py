@@ -17,6 +17,7 @@ import json
 import logging
 import shutil
 import sys
+import types
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -103,6 +104,9 @@ SITES: dict[str, tuple[str, str, str | tuple[str, ...]]] = {
                                                                  "measure", "test_measure_empty_texts"),
     "repgeom_eval/measurement/engine.py::MeasureRun._finish#2": ("K of N texts are longer than C tokens", "measure",
                                                                  "test_measure_truncated"),
+    "repgeom_eval/measurement/metric_specs.py::_Guard.__exit__": ("metric M of plugin P raised in S at A: E; the "
+                                                                  "run goes on without it", "measure",
+                                                                  "test_measure_goes_on_without_a_failing_plugin"),
     "repgeom_eval/measurement/forward.py::context_length": ("--max-length L exceeds the model context",
                                                             "measure, analyses, mteb", "test_max_length_capped"),
     "repgeom_eval/measurement/forward.py::Forward.__exit__": ("model M: every token vector ... is zero",
@@ -388,6 +392,35 @@ def test_measure_truncated(env):
     ran, doc = _measure(env, "truncated", "--max-length", "4")
     assert ran.says("texts are longer than 4 tokens and were truncated") in doc["warnings"]
     assert doc["results"]["final"]["dispersion"] > 0
+
+
+@clean
+def test_measure_goes_on_without_a_failing_plugin(env, monkeypatch):
+    # a third-party metric raising in update: one warning naming it, the others' results, and the run's record of it
+    from repgeom_eval.plugin_system.host import PluginHost
+
+    class Fails(rg.Metric):
+        name = "fails_in_update"
+
+        def update(self, batch):
+            raise ValueError("bad batch")
+
+        def compute(self):
+            return 0.0
+
+    @rg.hookimpl
+    def repgeom_register_metrics(registry):
+        registry.add(Fails)
+
+    module = types.ModuleType("failing_plugin")
+    module.repgeom_register_metrics = repgeom_register_metrics
+    monkeypatch.delenv("REPGEOM_DEBUG", raising=False)
+    ran = call(rg.measure, env.model, env.texts[:6], metrics=["fails_in_update", "dispersion"], progress=False,
+               host=PluginHost(extra_plugins=[("failing_plugin", module)]))
+    said = ran.says("metric 'fails_in_update' of plugin 'failing_plugin'")
+    assert "raised in update at final: ValueError: bad batch; the run goes on without it" in said
+    assert set(ran.rc.failed_metrics) == {"fails_in_update"} and set(ran.rc.results["final"]) == {"dispersion"}
+    assert said in ran.rc.warnings  # kept in the results file too
 
 
 @clean

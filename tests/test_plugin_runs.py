@@ -166,6 +166,90 @@ def test_an_exception_inside_a_plugin_is_one_line_naming_it(tiny_model_dir, text
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
+class BoomAtFinal(Metric):
+    """Per text, the first coordinate (kept per text), until it reaches the address ``final``: there it raises."""
+
+    name = "boom_at_final"
+    consumes = Consumes.POOLED
+
+    def __init__(self, per_text: bool = False):
+        super().__init__()
+        self.per_text = per_text
+        self.add_state("total", torch.zeros((), dtype=torch.float64), "sum", shape=())
+
+    def update(self, batch):
+        if batch.address == "final":
+            raise ZeroDivisionError("division by zero")
+        self.total = self.total + batch.pooled[:, 0].double().sum()
+
+    def compute(self):
+        return float(self.total)
+
+
+class LendingBoom(Metric):
+    """Owns the pooled Gram that effective_rank reads at the same pooling, and raises after feeding it."""
+
+    name = "lending_boom"
+    consumes = Consumes.POOLED
+
+    def statistics(self):
+        from repgeom_eval.spec.statistics import PooledGram
+
+        return {"gram": PooledGram()}
+
+    def update(self, batch):
+        super().update(batch)
+        raise ZeroDivisionError("division by zero")
+
+    def compute(self):
+        return 0.0
+
+
+def test_a_plugin_metric_that_raises_is_left_out_and_the_others_run_on(tiny_model_dir, texts, monkeypatch):
+    # docs/plugins.md#when-something-goes-wrong: the run drops the metric (said once, as a warning), leaves it out of
+    # every address's results, and reports the others exactly as a run without it
+    monkeypatch.delenv("REPGEOM_DEBUG", raising=False)
+    host = plugin_host(BoomAtFinal, name="boomer", version="0.2.0")
+    model = tiny_model_dir("gpt2")
+    with pytest.warns(UserWarning, match="metric 'boom_at_final' of plugin 'boomer' .* raised in update at final: "
+                                         "ZeroDivisionError: division by zero; the run goes on without it"):
+        got = measure(model, texts[:8], layers="all", metrics=["boom_at_final", "dispersion", "effective_rank"],
+                      per_text=True, host=host, progress=False, batch_size=4)
+    alone = measure(model, texts[:8], layers="all", metrics=["dispersion", "effective_rank"], per_text=True,
+                    progress=False, batch_size=4)
+    assert set(got.failed_metrics) == {"boom_at_final"}
+    assert got.to_dict()["failed_metrics"]["boom_at_final"].endswith("ZeroDivisionError: division by zero")
+    assert got.results == alone.results and got.per_text == alone.per_text  # not at embed either
+    assert all("boom_at_final" not in d for d in got.diagnostics.values())
+    # alone, the failing metric still ends the run (nothing else to report); REPGEOM_DEBUG stops at it too
+    with pytest.raises(PluginError, match="raised in update at final"):
+        measure(model, texts[:8], layers="all", metrics=["boom_at_final"], host=host, progress=False)
+    monkeypatch.setenv("REPGEOM_DEBUG", "1")
+    with pytest.raises(PluginError, match="raised in update at final"):
+        measure(model, texts[:8], layers="all", metrics=["boom_at_final", "dispersion"], host=host, progress=False)
+
+
+def test_a_plugin_metric_another_reads_a_statistic_from_still_ends_the_run(tiny_model_dir, texts, monkeypatch):
+    # effective_rank reads lending_boom's Gram: going on without the owner would leave it half-fed
+    monkeypatch.delenv("REPGEOM_DEBUG", raising=False)
+    host = plugin_host(LendingBoom, name="lender")
+    with pytest.raises(PluginError, match="metric 'lending_boom' .* raised in update"):
+        measure(tiny_model_dir("gpt2"), texts[:8], metrics=["lending_boom", "effective_rank"], pooling="mean",
+                host=host, progress=False)
+
+
+def test_a_dropped_metric_stays_dropped_after_a_resume(tiny_model_dir, texts, tmp_path, monkeypatch):
+    monkeypatch.delenv("REPGEOM_DEBUG", raising=False)
+    host = plugin_host(BoomAtFinal, name="boomer")
+    options = dict(layers="all", metrics=["boom_at_final", "dispersion"], host=host, progress=False, batch_size=2,
+                   shard_size=4, run_dir=str(tmp_path / "run"))
+    with pytest.warns(UserWarning, match="the run goes on without it"):
+        first = measure(tiny_model_dir("gpt2"), texts[:8], **options)
+    again = measure(tiny_model_dir("gpt2"), texts[:8], resume=True, **options)  # every shard already done
+    assert again.failed_metrics == first.failed_metrics and set(again.failed_metrics) == {"boom_at_final"}
+    assert again.results == first.results and all(set(r) == {"dispersion"} for r in again.results.values())
+
+
 def test_parameter_error_is_one_line_before_the_model_loads():
     host = plugin_host(Picky)
     with pytest.raises(ParameterError) as info:  # the model path does not exist: the parameter is checked first
@@ -243,6 +327,26 @@ def _env(site):
     env.pop("REPGEOM_STRICT_PLUGINS", None)
     env.pop("REPGEOM_DISABLE_PLUGINS", None)
     return env
+
+
+def test_cli_finishes_without_a_failing_plugin_metric_with_status_3(fake_dist, tiny_model_dir, texts, tmp_path):
+    # boom raises on its first batch; coord (the same plugin) and dispersion run on: their results are written, the
+    # failure is a warning when it happens and a last line, and the exit status is 3
+    site = fake_dist("0.3")
+    data, out = tmp_path / "t.txt", tmp_path / "out.json"
+    data.write_text("\n".join(texts[:4]) + "\n")
+    env = _env(site)
+    env.pop("REPGEOM_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-m", "repgeom_eval", "measure", "--model", tiny_model_dir("gpt2"), "--data",
+                           str(data), "--metrics", "boom", "coord", "dispersion", "-o", str(out), "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("repgeom: warning: metric 'boom' of plugin 'boomer' (from boom-plugin 0.3) raised in "
+                               "update at final: ZeroDivisionError: division by zero; the run goes on without it")
+    assert lines[-1].startswith("repgeom: error: metric 'boom' raised and is left out of the results")
+    doc = json.loads(out.read_text())
+    assert set(doc["failed_metrics"]) == {"boom"} and set(doc["results"]["final"]) == {"coord", "dispersion"}
 
 
 def test_cli_prints_a_plugin_exception_as_one_line(fake_dist, tiny_model_dir, texts, tmp_path):

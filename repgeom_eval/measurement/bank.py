@@ -44,6 +44,7 @@ def per_text_table(address: str, metrics: Sequence[tuple[MetricSpec, Metric]]) -
     """
     scores: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
     for spec, metric in metrics:
+        results = None  # stays None when an isolated metric raises (the guard then drops it)
         with spec.guard("per_text_results", address):
             results = metric.per_text_results()
         for score, (idx, values) in (results or {}).items():

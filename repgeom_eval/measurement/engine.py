@@ -30,7 +30,7 @@ from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.feed import Feeder, StatsCollector
 from repgeom_eval.measurement.forward import Forward, context_length
-from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics
+from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics, isolate_third_party
 from repgeom_eval.measurement.oom import out_of_memory
 from repgeom_eval.measurement.plan import ShardPlan, plan_shard
 from repgeom_eval.measurement.preprocess import Preprocessor
@@ -94,6 +94,7 @@ def measure(
         with kept_warnings(kept):
             config = _with_model_pooling(config, model)
             specs = instantiate_metrics(config.metrics, host, config.metric_params, config.per_text, config.pooling)
+            isolate_third_party(specs)  # a plugin metric that raises is dropped, the others go on
             prep = Preprocessor()
             if config.preprocess_stats and config.preprocess != "none":
                 prep = Preprocessor.load(config.preprocess_stats, config.preprocess)
@@ -397,8 +398,9 @@ class MeasureRun:
         if rep is None:
             return MeasureResult(self.loaded.info.to_dict(), data_summary, config, {}, {}, timings, [], {},
                                  is_main=False)
+        failed = {spec.name: spec.failure for spec in self.specs if spec.failure is not None}
         return MeasureResult(self.loaded.info.to_dict(), data_summary, config, rep.results, rep.diagnostics,
-                             timings, rep.per_text, rep.summary, is_main=True)
+                             timings, rep.per_text, rep.summary, is_main=True, failed_metrics=failed)
 
 
 def memory_used(state: RunState, device: Any) -> dict[str, int]:

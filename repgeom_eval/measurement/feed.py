@@ -88,6 +88,7 @@ class Feeder:
         orig, views, text_index = self._batch[2]
         layouts: dict[int, TokenBlock] = self._batch[3]
         name = str(addr)
+        metrics = [(spec, m) for spec, m in metrics if spec.failure is None]  # a dropped metric is fed no more
         if len(orig):
             if len(orig) == h.shape[0]:  # no augmented views in this batch: every row is an original
                 ho, mo, hm = h, mask, host_mask

@@ -1,17 +1,20 @@
 """The metrics a run asked for: looked up in the plugin host, parameters checked, pooling chosen.
 
 Every call into a metric's own code goes through :meth:`MetricSpec.guard`, so that an exception raised inside a
-third-party plugin's ``__init__``/``update``/``compute`` ends the run with one line naming the metric, the plugin
-and its distribution (docs/plugins.md#when-something-goes-wrong); a built-in metric's exception is a bug in
-repgeom-eval and keeps its traceback.
+third-party plugin's ``__init__``/``update``/``compute`` is one line naming the metric, the plugin and its
+distribution (docs/plugins.md#when-something-goes-wrong). A metric the run marked ``isolate`` (``repgeom measure``:
+a third-party metric no other metric reads a statistic from) is then dropped and the run goes on without it; any
+other such exception ends the run. A built-in metric's exception is a bug in repgeom-eval and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import os
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from repgeom_eval.spec.errors import ParameterError, PluginError, RepgeomError
@@ -41,8 +44,19 @@ class _Guard:
             return False  # already one line, or a bug in repgeom-eval (keeps its traceback)
         where = f" at {self.address}" if self.address is not None else ""
         detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-        raise PluginError(f"metric {spec.name!r} of {spec.origin} raised in {self.stage}{where}: {detail} "
-                          "(repgeom --debug shows the traceback)") from exc
+        message = f"metric {spec.name!r} of {spec.origin} raised in {self.stage}{where}: {detail}"
+        others_run = any(p is not spec and p.failure is None for p in spec.peers)
+        if spec.isolate and others_run and self.stage in ISOLATED_STAGES and not os.environ.get("REPGEOM_DEBUG"):
+            if spec.failure is None:  # said once; the run stops feeding it and leaves its results out
+                spec.failure = message
+                warnings.warn(f"{message}; the run goes on without it, and its results are left out "
+                              "(REPGEOM_DEBUG=1 stops at the failure with its traceback)", stacklevel=3)
+            return True
+        raise PluginError(f"{message} (repgeom --debug shows the traceback)") from exc
+
+
+#: the stages of a run whose failure an isolated metric survives (set-up, resume and merge errors still stop it)
+ISOLATED_STAGES = frozenset({"update", "compute", "diagnostics", "per_text_results", "across_layers"})
 
 
 @dataclass
@@ -57,6 +71,11 @@ class MetricSpec:
     plugin: str | None = None
     distribution: str | None = None
     version: str | None = None
+    #: the run goes on without this metric when its code raises (see the module docstring), as long as another of
+    #: its ``peers`` (the run's metrics) is still running; ``failure`` says why it was dropped
+    isolate: bool = False
+    failure: str | None = None
+    peers: list["MetricSpec"] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def origin(self) -> str:
@@ -216,3 +235,13 @@ def _describe(hint: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
             type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def isolate_third_party(specs: Sequence[MetricSpec]) -> None:
+    """Mark the third-party metrics a run may drop when their code raises (docs/plugins.md#when-something-goes-wrong):
+    those no other metric reads a statistic from, since a lender's failure would leave a borrower's statistic
+    half-fed."""
+    lenders = set(share_statistics([(spec, spec.new()) for spec in specs]).values())
+    for spec in specs:
+        spec.isolate = spec.distribution != BUILTIN_DISTRIBUTION and spec.name not in lenders
+        spec.peers = list(specs)

@@ -38,12 +38,16 @@ class MeasureResult:
     summary: dict[str, Any] = field(default_factory=dict)  # metric → result of Metric.across_layers
     is_main: bool = True  # False on ranks > 0 of a distributed run: their results are merged into rank 0's
     warnings: list[str] = field(default_factory=list)  # what the run warned about, kept in the results file
+    #: plugin metrics dropped after raising (metric → the one-line error); their results are left out
+    failed_metrics: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"model": self.model, "data": self.data, "config": self.config, "results": self.results,
                "summary": self.summary, "diagnostics": self.diagnostics, "timings": self.timings}
         if self.warnings:
             out["warnings"] = list(self.warnings)
+        if self.failed_metrics:
+            out["failed_metrics"] = dict(self.failed_metrics)
         return out
 
     def write(self, path: str | Path, per_text_path: str | Path | None = None) -> None:
@@ -71,15 +75,20 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
         key = str(addr)
         out.results[key] = {}
         for spec, metric in metric_list:
+            if spec.failure is not None:  # dropped (an isolated metric that raised): no results
+                continue
             with spec.guard("compute", key):
                 out.results[key][spec.name] = metric.compute()
+            diag = None
             with spec.guard("diagnostics", key):
                 diag = metric.diagnostics()
-            if diag:
+            if diag and spec.failure is None:
                 out.diagnostics.setdefault(key, {})[spec.name] = diag
         if per_text:  # scores keyed by metric (per_text_key), a text's several values averaged
-            for i, row in per_text_table(key, metric_list).items():
+            alive = [(spec, m) for spec, m in metric_list if spec.failure is None]
+            for i, row in per_text_table(key, alive).items():
                 per_text_cols.setdefault(i, {})[key] = row
+    _leave_out_failed(specs, out, per_text_cols)
     # a metric's diagnostics "warning" (a parameter it could not honour as given ...) is shown, once per text
     said: dict[tuple[str, str], list[str]] = {}
     for key, per_metric in out.diagnostics.items():
@@ -96,11 +105,15 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
     if degenerate:  # zero vectors or NaN results: correct numbers that carry no geometry, said once
         warnings.warn(degenerate, stacklevel=4)
     for spec in specs:
+        if spec.failure is not None:
+            continue
+        across = None
         with spec.guard("across_layers"):
             across = spec.cls.across_layers({k: out.results[k][spec.name] for k in out.results},
                                             list(range(len(out.results))))
-        if across is not None:
+        if across is not None and spec.failure is None:
             out.summary[spec.name] = across
+    _leave_out_failed(specs, out, per_text_cols)
     if per_text:
         for i in sorted(run.text_info):
             rid, n_tok = run.text_info[i]
@@ -109,6 +122,22 @@ def report(run: RunState, specs: list[MetricSpec], per_text: bool, massive_share
                                  "truncated": None if n_tok is None else n_tok > run.context,
                                  "scores": per_text_cols.get(i, {})})
     return out
+
+
+def _leave_out_failed(specs: list[MetricSpec], out: Report, per_text_cols: dict[int, dict[str, Any]]) -> None:
+    """Take a metric that failed at some address out of every address's results, diagnostics and per-text scores:
+    its numbers are reported whole or not at all."""
+    failed = {spec.name for spec in specs if spec.failure is not None}
+    if not failed:
+        return
+    for table in (out.results, out.diagnostics):
+        for per_metric in table.values():
+            for name in failed:
+                per_metric.pop(name, None)
+    for by_address in per_text_cols.values():
+        for row in by_address.values():
+            for k in [k for k in row if k in failed or k.split(".", 1)[0] in failed]:
+                del row[k]
 
 
 def fed(energy: Any) -> bool:

@@ -101,6 +101,8 @@ class RunState:
             "empty_ids": list(self.empty_ids),
             "text_info": {i: list(v) for i, v in self.text_info.items()},
             "prep": self.prep_transforms,
+            # metrics dropped after raising (an isolated plugin metric): still dropped after a resume
+            "failures": {spec.name: spec.failure for spec in self.specs if spec.failure is not None},
         }
 
     def load(self, saved: dict[str, Any], shard_size: int, n_texts: int | None,
@@ -143,6 +145,12 @@ class RunState:
         self.text_info = {int(i): (rid, n) for i, (rid, n) in saved["text_info"].items()}
         self.next_shard = self.resumed_from = next_shard
         self.prep_transforms = saved.get("prep")
+        self._take_failures(saved.get("failures") or {})
+
+    def _take_failures(self, failures: dict[str, str]) -> None:
+        for spec in self.specs:
+            if spec.failure is None and isinstance(failures.get(spec.name), str):
+                spec.failure = failures[spec.name]
 
     # -- processes -----------------------------------------------------------------------------------------------
     def merge_ranks(self, dist: Distributed) -> None:
@@ -151,15 +159,20 @@ class RunState:
             self.processed_by_rank = [self.n_processed]
             return
         mine = on_host(self.state())  # a state on a GPU would arrive on the sender's device index
-        parts = dist.gather({"metrics": mine["metrics"], "energy": mine["energy"], "processed": self.n_processed})
+        parts = dist.gather({"metrics": mine["metrics"], "energy": mine["energy"], "processed": self.n_processed,
+                             "failures": mine["failures"]})
         if parts is None:
             return
         self.processed_by_rank = [part["processed"] for part in parts]
+        for part in parts[1:]:  # a metric dropped on any rank is dropped from the merged results
+            self._take_failures(part["failures"])
         for m in [m for ms in self.states.values() for _, m in ms] + list(self.energy.values()):
             m.to("cpu")  # merged in host memory, once per run
         for part in parts[1:]:
             for addr, ms in self.states.items():
                 for (spec, m), (_, other) in zip(ms, fresh_metrics(self.specs, addr)):
+                    if spec.failure is not None:
+                        continue
                     with spec.guard("merge", addr):
                         other.load_state_dict(part["metrics"][str(addr)][spec.name])
                         m.merge(other)
