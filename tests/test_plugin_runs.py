@@ -229,6 +229,31 @@ def test_a_plugin_metric_that_raises_is_left_out_and_the_others_run_on(tiny_mode
         measure(model, texts[:8], layers="all", metrics=["boom_at_final", "dispersion"], host=host, progress=False)
 
 
+class ComputeBoomAtFinal(BoomAtFinal):
+    """Updates everywhere; its compute raises at the last address only (after the others have their values)."""
+
+    name = "compute_boom"
+
+    def update(self, batch):
+        self.address = batch.address
+        self.total = self.total + batch.pooled[:, 0].double().sum()
+
+    def compute(self):
+        if getattr(self, "address", None) == "final":
+            raise ValueError("no value here")
+        return float(self.total)
+
+
+def test_a_metric_failing_in_compute_at_one_address_is_left_out_at_all(tiny_model_dir, texts, monkeypatch):
+    monkeypatch.delenv("REPGEOM_DEBUG", raising=False)
+    host = plugin_host(ComputeBoomAtFinal, name="late")
+    with pytest.warns(UserWarning, match="metric 'compute_boom' .* raised in compute at final: ValueError"):
+        got = measure(tiny_model_dir("gpt2"), texts[:6], layers="all", metrics=["compute_boom", "dispersion"],
+                      host=host, progress=False)
+    assert set(got.failed_metrics) == {"compute_boom"}
+    assert all(set(r) == {"dispersion"} for r in got.results.values()) and "compute_boom" not in got.summary
+
+
 def test_a_plugin_metric_another_reads_a_statistic_from_still_ends_the_run(tiny_model_dir, texts, monkeypatch):
     # effective_rank reads lending_boom's Gram: going on without the owner would leave it half-fed
     monkeypatch.delenv("REPGEOM_DEBUG", raising=False)
