@@ -239,3 +239,16 @@ def test_with_token_pooling_the_estimate_counts_every_token(tiny_model_dir):
     # one row a text, as the estimate counted before, is far below what the run holds
     plain = estimate(model, RunConfig(layers="all", metrics=("dataset_entropy",), max_length=48, progress=False))
     assert held > 5 * plain.for_texts(12), (held, plain.for_texts(12))
+
+
+def test_the_dry_run_says_when_poolings_alone_keep_grams_apart(tmp_path):
+    # vendi (last) and effective_rank (mean) keep one Gram each by default; the note says one pooling keeps one
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=100).save_pretrained(tmp_path / "m")
+    apart = estimate(str(tmp_path / "m"), RunConfig(layers="all", metrics=("effective_rank", "vendi")))
+    (note,) = [n for n in apart.notes if "each keep a pooled_gram" in n]
+    assert note.startswith("vendi (last pooling) and effective_rank (mean pooling) each keep a pooled_gram")
+    one = estimate(str(tmp_path / "m"), RunConfig(layers="all", metrics=("effective_rank", "vendi"), pooling="mean"))
+    assert not [n for n in one.notes if "each keep" in n] and one.state_bytes < apart.state_bytes

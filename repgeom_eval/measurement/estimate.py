@@ -163,6 +163,33 @@ def _statistics_read(metric: Any) -> list:
     return list(slots().values()) if callable(slots) else []
 
 
+def _apart_by_pooling(pairs: list) -> list[str]:
+    """A note for each statistic that several metrics keep apart only because they pool differently (vendi reads
+    the last token's vector, effective_rank the mean, by default): one pooling for them would keep one."""
+    from repgeom_eval.spec.metric import Consumes
+
+    by_key: dict[Any, dict[str, list[str]]] = {}
+    labels: dict[Any, str] = {}
+    for spec, metric in pairs:
+        if spec.consumes != Consumes.POOLED or not hasattr(metric, "owned_statistics"):
+            continue
+        for st in metric.owned_statistics().values():
+            try:
+                hash(st.key())
+            except TypeError:
+                continue
+            by_key.setdefault(st.key(), {}).setdefault(str(spec.pooling), []).append(spec.name)
+            labels[st.key()] = st.name or type(st).__name__
+    notes = []
+    for key, poolings in by_key.items():
+        if len(poolings) > 1:
+            parts = [f"{' and '.join(names)} ({p} pooling)" for p, names in sorted(poolings.items())]
+            who = ", ".join(parts[:-1]) + " and " + parts[-1]
+            notes.append(f"{who} each keep a {labels[key]} of their own vectors: one --pooling for them (or "
+                         "--metric-param METRIC.pooling=...) would keep one (docs/plugins.md#shared-statistics)")
+    return notes
+
+
 def _text_config(config: Any) -> Any:
     from repgeom_eval.modeling.layout import text_config
 
@@ -222,6 +249,7 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
     if shared:
         notes.append("shared statistics (kept once, counted under the first metric): "
                      + ", ".join(f"{k} ← {v}" for k, v in sorted(shared.items())))
+    notes += _apart_by_pooling(pairs)
     from repgeom_eval.spec.metric import Consumes
 
     def home(spec: Any) -> str:  # --state-device cpu: the pooled metrics' states in host memory (RunConfig)
