@@ -259,3 +259,57 @@ print("not reached")
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "stopped by the launcher" in lines[0], proc.stderr
+
+
+RANK_BOOM = '''
+import os
+import repgeom_eval
+import torch
+
+
+class RankBoom(repgeom_eval.Metric):
+    name = "rank_boom"
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("total", torch.zeros((), dtype=torch.float64), "sum", shape=())
+
+    def update(self, batch):
+        if os.environ.get("RANK") == "1":
+            raise ValueError("fails on rank 1")
+        self.total = self.total + batch.pooled[:, 0].double().sum()
+
+    def compute(self):
+        return float(self.total)
+
+
+@repgeom_eval.hookimpl
+def repgeom_register_metrics(registry):
+    registry.add(RankBoom)
+'''
+
+
+def test_a_plugin_metric_failing_on_one_rank_is_left_out_of_the_merged_results(tmp_path, tiny_model_dir, texts):
+    # docs/plugins.md#when-something-goes-wrong: rank 1 drops the metric, rank 0 learns it when the states merge and
+    # leaves it out; the other metric's results are written and rank 0 exits with status 3
+    site = tmp_path / "site"
+    (site / "rankboom-0.1.dist-info").mkdir(parents=True)
+    (site / "rankboom.py").write_text(RANK_BOOM)
+    (site / "rankboom-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: rankboom\nVersion: 0.1\n")
+    (site / "rankboom-0.1.dist-info" / "entry_points.txt").write_text("[repgeom_eval]\nrankboom = rankboom\n")
+    data, out = tmp_path / "texts.txt", tmp_path / "out.json"
+    data.write_text("\n".join(texts[:16]) + "\n")
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop("REPGEOM_DEBUG", None)
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    run = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29563", "-m", "repgeom_eval", "measure",
+                          "--model", tiny_model_dir("llama"), "--data", str(data), "--metrics", "rank_boom",
+                          "dispersion", "--layers", "all", "--batch-size", "4", "--output", str(out),
+                          "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    said = run.stdout + run.stderr
+    assert run.returncode != 0 and "exitcode  : 3" in said, said[-3000:]  # torchrun reports rank 0's status
+    doc = json.loads(out.read_text())
+    assert set(doc["failed_metrics"]) == {"rank_boom"} and "fails on rank 1" in doc["failed_metrics"]["rank_boom"]
+    assert all(set(r) == {"dispersion"} for r in doc["results"].values())
+    assert doc["config"]["distributed"]["world_size"] == 2 and min(doc["config"]["distributed"]["sequences_by_rank"])
