@@ -302,7 +302,7 @@ def test_a_plugin_metric_failing_on_one_rank_is_left_out_of_the_merged_results(t
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("REPGEOM_DEBUG", None)
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    run = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29563", "-m", "repgeom_eval", "measure",
+    run = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29567", "-m", "repgeom_eval", "measure",
                           "--model", tiny_model_dir("llama"), "--data", str(data), "--metrics", "rank_boom",
                           "dispersion", "--layers", "all", "--batch-size", "4", "--output", str(out),
                           "--no-progress"],
