@@ -144,7 +144,7 @@ def _run(cfg: MtebRunCommand) -> int:
                                                            progress=mode != "never"),
                             model_options=ModelOptions.of(cfg))
     parts = dist.gather((result.rows, result.forward_passes))
-    dist.close()
+    dist.close(clean=True)  # every rank, right after the gather
     if parts is None:
         return 0
     if dist.active:

@@ -132,10 +132,19 @@ class Distributed:
 
             self._collective(dist.barrier)
 
-    def close(self) -> None:
+    def close(self, clean: bool = False) -> None:
+        """Destroy the process group this run created. ``clean``: every rank closes at this same point of a run that
+        ended without an error, so first wait for them all, so that none tears its group down while another is still
+        receiving from it (rank 1 of a gloo run, done after its part of the final gather, could otherwise abort in
+        teardown)."""
         if self.created_group:
             import torch.distributed as dist
 
+            if clean and self.active:
+                try:
+                    self.barrier()
+                except RankStopped:
+                    pass  # another rank is gone: nothing left to wait for
             dist.destroy_process_group()
             self.created_group = False
 

@@ -16,6 +16,7 @@ merge (processes) → report. Each step lives in its own module of this package:
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -106,7 +107,7 @@ def measure(
         return result
     finally:
         if dist is not None:
-            dist.close()
+            dist.close(clean=sys.exc_info()[0] is None)
 
 
 def _with_model_pooling(config: RunConfig, model: Any) -> RunConfig:
