@@ -11,6 +11,7 @@ only their pooled vectors, never hidden states.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -141,10 +142,8 @@ class Distributed:
             import torch.distributed as dist
 
             if clean and self.active:
-                try:
+                with contextlib.suppress(RankStopped):  # another rank is gone: nothing left to wait for
                     self.barrier()
-                except RankStopped:
-                    pass  # another rank is gone: nothing left to wait for
             dist.destroy_process_group()
             self.created_group = False
 
