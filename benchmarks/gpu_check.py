@@ -13,6 +13,8 @@
    all`` with the pooled suite (dispersion and the Gram metrics), then with the token metrics too (prompt_entropy at
    alpha 2), then condensation (and lidar, infonce, dime where nlpaug is installed), over 2 and 6 batches; the
    synchronisations that grow with the batches (tests/test_host_syncs.py counts the same on the CPU by call site).
+5. **What alpha 1 costs**: ``torch.linalg.eigvalsh`` per matrix on the device (float64, float32) and on one CPU
+   thread, at the Gram sizes prompt_entropy diagonalises.
 
 It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
 CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine),
@@ -34,7 +36,9 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# last: an installed repgeom-eval (a wheel, where the built-in plugins live under repgeom_eval.plugins) must win
+# over the checkout's own repgeom_eval folder, which lacks them
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 NEEDED = ("torch", "transformers", "pluggy", "yaml", "rich", "tqdm", "safetensors")
 TINY_TYPES = ("gpt2", "llama", "qwen2", "opt", "gpt_neox", "bert")
@@ -128,6 +132,41 @@ def sync_check(device: str) -> dict:
     return out
 
 
+def eigvalsh_timing(device: str, quick: bool) -> dict:
+    """Milliseconds per matrix of ``torch.linalg.eigvalsh`` on ``device`` (one batched call over random PSD Grams),
+    float64 and float32, beside one CPU thread's float64: what prompt_entropy's per-text spectrum at alpha 1 costs
+    (8 texts x 33 hidden states = 264 Grams of the text's length per batch at the 8B shape)."""
+    import torch
+
+    def per_matrix(n: int, batch: int, dtype, where: str) -> float:
+        x = torch.randn(batch, n, n // 2 + 1, dtype=dtype, device=where)
+        grams = x @ x.transpose(1, 2)
+        torch.linalg.eigvalsh(grams[:1])  # warm: the solver's workspace and kernels
+        if where.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.linalg.eigvalsh(grams)
+        if where.startswith("cuda"):
+            torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t) / batch
+
+    sizes = [(32, 8), (64, 8)] if quick else [(32, 64), (128, 16), (512, 16), (1024, 8), (4096, 2)]
+    rows = []
+    for n, batch in sizes:
+        row = {"n": n, "batch": batch, "device_float64_ms": per_matrix(n, batch, torch.float64, device),
+               "device_float32_ms": per_matrix(n, batch, torch.float32, device)}
+        if n <= 1024:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                row["cpu_1_thread_float64_ms"] = per_matrix(n, min(batch, 4), torch.float64, "cpu")
+            finally:
+                torch.set_num_threads(threads)
+        print("eigvalsh " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
+        rows.append(row)
+    return {"per_matrix": rows}
+
+
 def memory_check(scale: dict, shape: str, device: str, dtype: str, tokens: int, batch: int) -> dict:
     """Peak GPU memory of each run against the estimate of what lives on the device."""
     from transformers import LlamaConfig
@@ -183,12 +222,14 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.out, doc)
 
     doc["values"] = values_check(args.device, TINY_TYPES[:2] if args.quick else TINY_TYPES, 12 if args.quick else 24)
+    doc["ok"] = all(r["ok"] for r in doc["values"].values())
     save("values")
     shape, blocks = ("quick", 2) if args.quick else ("8b", 32)
     tokens, texts, batch = (32, 6, 3) if args.quick else (512, 32, 8)
     contexts = [32, 64] if args.quick else [128, 1024, 4096]
     dtype = "float32" if args.quick else "bfloat16"
-    scale_args = argparse.Namespace(blocks=blocks, texts=texts, tokens=tokens, batch=batch, repeats=1,
+    scale_args = argparse.Namespace(blocks=blocks, texts=texts, tokens=tokens, batch=batch,
+                                    repeats=1 if args.quick else 2,
                                     contexts=contexts, context_texts=2 if args.quick else 4, context_batch=2,
                                     load=False, load_only=False, shapes=[shape])
     from repgeom_eval.testing import make_tokenizer
@@ -204,14 +245,19 @@ def main(argv: list[str] | None = None) -> int:
         doc["syncs"] = sync_check(args.device)
     except Exception as exc:  # noqa: BLE001 - a report, not a crash, on a machine lent for minutes
         doc["syncs"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    doc["ok"] = all(r["ok"] for r in doc["values"].values())
     save("syncs")
+    try:
+        doc["eigvalsh"] = eigvalsh_timing(args.device, args.quick)
+    except Exception as exc:  # noqa: BLE001 - as above
+        doc["eigvalsh"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    save("eigvalsh")
+    suites = scale["suites"]
     print(json.dumps({"values_ok": doc["ok"], "wall_s": round(doc["wall_s"], 1),
-                      "layerwise_metrics_over_forward": scale["suites"]["layerwise"]["metrics_over_forward"],
-                      "dispersion_metrics_over_forward": scale["suites"]["dispersion"]["metrics_over_forward"],
-                      "per_context_layerwise_over_forward": {
-                          r["tokens"]: [round(r["metrics_over_forward"], 4),
-                                        round(r["prompt_entropy_alpha2"]["metrics_over_forward"], 4)]
+                      "added_over_forward_only": {k: round(v["added_over_forward_only"], 4) for k, v in suites.items()},
+                      "metrics_over_forward": {k: round(v["metrics_over_forward"], 4) for k, v in suites.items()},
+                      "per_context_added_over_forward_only_alpha1_alpha2": {
+                          r["tokens"]: [round(r["added_over_forward_only"], 4),
+                                        round(r["prompt_entropy_alpha2"]["added_over_forward_only"], 4)]
                           for r in scale.get("contexts", [])}}))
     return 0 if doc["ok"] else 1
 

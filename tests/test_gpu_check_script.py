@@ -25,7 +25,9 @@ def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
     assert set(suites) == {"dispersion", "layerwise"} and suites["layerwise"]["metrics_over_forward"] > 0
     assert [row["tokens"] for row in doc["scale"]["contexts"]] == [32, 64]
     assert all(row["prompt_entropy_alpha2"]["metrics_over_forward"] > 0 for row in doc["scale"]["contexts"])
-    assert doc["finished_stages"] == ["values", "scale and memory", "syncs"]
+    assert doc["finished_stages"] == ["values", "scale and memory", "syncs", "eigvalsh"]
+    assert [row["n"] for row in doc["eigvalsh"]["per_matrix"]] == [32, 64]
+    assert all(row["device_float64_ms"] > 0 for row in doc["eigvalsh"]["per_matrix"])
     assert doc["memory"]["layerwise"]["estimate_bytes"] > 0
 
 
