@@ -20,7 +20,7 @@ It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everythi
 CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine),
 written after every stage, so a run cut short keeps what it finished (``finished_stages``).
 
-    python benchmarks/gpu_check.py --out $OUT/gpu_check.json              # on the GPU machine
+    sh benchmarks/gpu_check.sh --out $OUT/gpu_check.json                  # on the GPU machine (installs, then runs)
     .venv/bin/python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu_check.json
 """
 

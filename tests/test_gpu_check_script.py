@@ -5,6 +5,7 @@ broken script. It drives benchmarks/bench_scale.py's measurement code too."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# what benchmarks/gpu_check.sh installs from (pyproject.toml's packages, package-dir and readme)
+PACKAGE_FILES = ("repgeom_eval", "plugins", "entrypoints", "task_configs", "benchmarks", "pyproject.toml", "setup.py",
+                 "README.md", "_repgeom_lm_eval_hook.py")
+
+
 def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
+    """As the GPU machine runs it (benchmarks/gpu_check.sh): the checkout installed without dependencies into a
+    scratch folder, and no editable install in sight (``python -S`` skips the .pth file that maps this checkout's
+    plugins/ into repgeom_eval.plugins), so a script that imported the checkout's bare repgeom_eval folder, which
+    registers no built-in plugin, fails here as it would there. In a copy: the install builds in the tree."""
+    import shutil
+    import sysconfig
+
+    tree = tmp_path / "checkout"
+    tree.mkdir()
+    for name in PACKAGE_FILES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, tree / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
+        else:
+            shutil.copy2(src, tree / name)
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    env = {**os.environ, "PYTHON": f"{sys.executable} -S", "REPGEOM_CHECK_SITE": str(tmp_path / "site"),
+           "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    proc = subprocess.run(["sh", "benchmarks/gpu_check.sh", "--device", "cpu", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=tree, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["ok"] and set(doc["values"]) == {"gpt2", "llama"}
