@@ -123,6 +123,8 @@ def run_measure(model, tokenizer, texts, metrics, batch, tokens, device, metric_
     # so on a GPU it has waited for all the queued work; the split between the two is the host's, not the device's
     return {"forward_s": t["forward_s"], "metrics_s": t["metrics_s"], "total_s": t["total_s"],
             "loop_s": t["forward_s"] + t["metrics_s"],
+            # on one GPU, the device's own split of the same loop (CUDA events; measurement/device_timer.py)
+            "forward_device_s": t.get("forward_device_s"), "metrics_device_s": t.get("metrics_device_s"),
             "state_bytes": t["state_bytes"], "peak_rss_bytes": t["peak_rss_bytes"],
             "cuda_max_memory_allocated_bytes": t.get("cuda_max_memory_allocated_bytes"),
             "n_addresses": len(result.results)}
@@ -165,6 +167,9 @@ def per_shape(shape: str, args, tokenizer, device, dtype) -> dict:
         runs = [run_measure(model, tokenizer, texts, metrics, args.batch, args.tokens, device)
                 for _ in range(args.repeats)]
         m = {k: statistics.median([r[k] for r in runs]) for k in ("forward_s", "metrics_s", "total_s", "loop_s")}
+        if runs[0]["forward_device_s"] is not None:
+            m |= {k: statistics.median([r[k] for r in runs]) for k in ("forward_device_s", "metrics_device_s")}
+            m["metrics_over_forward_device"] = m["metrics_device_s"] / m["forward_device_s"]
         n_addr = runs[0]["n_addresses"]
         per_address = m["metrics_s"] / n_addr
         per_block = bar / args.blocks  # embedding and the small head are included: an upper bound per block
@@ -199,6 +204,13 @@ def per_shape(shape: str, args, tokenizer, device, dtype) -> dict:
     return out
 
 
+def device_ratio(run: dict) -> dict:
+    """On one GPU, the metric updates' device time over the forward's (empty elsewhere)."""
+    if run.get("forward_device_s") is None:
+        return {}
+    return {"metrics_over_forward_device": run["metrics_device_s"] / run["forward_device_s"]}
+
+
 def contexts(model, tokenizer, args, device) -> list[dict]:
     rows = []
     for tokens in args.contexts:
@@ -212,11 +224,12 @@ def contexts(model, tokenizer, args, device) -> list[dict]:
                      "metrics_over_forward": run["metrics_s"] / run["forward_s"],
                      "measure_over_forward_only": run["total_s"] / bar,
                      "added_over_forward_only": (run["loop_s"] - bar) / bar,
+                     **device_ratio(run),
                      "prompt_entropy_alpha2": {
                          "metrics_s": alpha2["metrics_s"], "forward_s": alpha2["forward_s"],
                          "metrics_over_forward": alpha2["metrics_s"] / alpha2["forward_s"],
                          "measure_over_forward_only": alpha2["total_s"] / bar,
-                         "added_over_forward_only": (alpha2["loop_s"] - bar) / bar}})
+                         "added_over_forward_only": (alpha2["loop_s"] - bar) / bar, **device_ratio(alpha2)}})
         print(f"context {tokens}: layer-wise metrics/forward {rows[-1]['metrics_over_forward']:.3f} "
               f"({rows[-1]['prompt_entropy_alpha2']['metrics_over_forward']:.3f} with prompt_entropy at alpha 2), "
               f"measure/forward-only {rows[-1]['measure_over_forward_only']:.2f}; added time over the forward-only "

@@ -255,9 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"values_ok": doc["ok"], "wall_s": round(doc["wall_s"], 1),
                       "added_over_forward_only": {k: round(v["added_over_forward_only"], 4) for k, v in suites.items()},
                       "metrics_over_forward": {k: round(v["metrics_over_forward"], 4) for k, v in suites.items()},
+                      "metrics_over_forward_device": {k: v.get("metrics_over_forward_device")
+                                                      for k, v in suites.items()},
                       "per_context_added_over_forward_only_alpha1_alpha2": {
                           r["tokens"]: [round(r["added_over_forward_only"], 4),
                                         round(r["prompt_entropy_alpha2"]["added_over_forward_only"], 4)]
+                          for r in scale.get("contexts", [])},
+                      "per_context_metrics_over_forward_device_alpha1_alpha2": {
+                          r["tokens"]: [r.get("metrics_over_forward_device"),
+                                        r["prompt_entropy_alpha2"].get("metrics_over_forward_device")]
                           for r in scale.get("contexts", [])}}))
     return 0 if doc["ok"] else 1
 

@@ -27,6 +27,7 @@ from repgeom_eval.output.progress import progress_bar
 
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_identity
+from repgeom_eval.measurement.device_timer import DeviceTimer
 from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.distributed import Distributed
 from repgeom_eval.measurement.feed import Feeder, StatsCollector
@@ -168,6 +169,7 @@ class MeasureRun:
             self.augmenter = Augmenter(seed=config.seed)
         self.timer = {"load_model": t_load, "forward": 0.0, "metrics": 0.0, "augment_tokenize": 0.0,
                       "preprocess_stats": 0.0}
+        self.device_timer = DeviceTimer.for_model(loaded)  # one GPU: its own split of the loop (queued, unwaited)
         self.processed = 0  # sequences this process ran through the model in the current pass
         self._pool = None  # threads of the metric work (see _feed_addresses), made on first use
         self._feed_workers = self._metric_threads(host)
@@ -206,8 +208,7 @@ class MeasureRun:
             return None
         # The content of every input, never its path: a moved file resumes, an edited one is refused.
         key = cfg.checkpoint_key({
-            "model": self.model_identity,
-            "data": self.source.fingerprint,
+            "model": self.model_identity, "data": self.source.fingerprint,
             "preprocess_stats": "sha256:" + file_fingerprint(Path(cfg.preprocess_stats)) if cfg.preprocess_stats
             else None,
             "addresses": [str(a) for a in self.addresses], "metrics": self.state.metric_configs(),
@@ -285,14 +286,17 @@ class MeasureRun:
     def _forward_batch(self, fwd: Forward, sp: ShardPlan, rows: list[int], sink: Any) -> None:
         t0 = time.perf_counter()
         items = [sp.items[i] for i in rows]
+        self.device_timer.mark(None)
         with out_of_memory("forward pass", self, len(rows)):
             batch = fwd.texts([sp.strings[i] for i in rows], self.context, self.config.padding_side,
                               row_ids=[sp.ids[it.text] for it in items])
         self.timer["forward"] += time.perf_counter() - t0
+        self.device_timer.mark("forward")
         t0 = time.perf_counter()
         with out_of_memory("metric update", self, len(rows)):
             self._feed_addresses(batch, items, sink)
         self.timer["metrics"] += time.perf_counter() - t0
+        self.device_timer.mark("metrics")
 
     def _feed_addresses(self, batch: Any, items: list, sink: Any) -> None:
         """Every address's metric work of one batch.
@@ -357,8 +361,8 @@ class MeasureRun:
         self.prep = Preprocessor.from_stats(self.config.preprocess, merged, "same data")
         self.prep.identity = self._stats_identity()
         self.state.prep_transforms = self.prep.transforms
-        self.timer["forward"] = self.timer["metrics"] = 0.0
-        self.processed = 0
+        self.timer["forward"] = self.timer["metrics"] = self.processed = 0
+        self.device_timer.reset()
         self.timer["preprocess_stats"] = time.perf_counter() - t0
 
     # -- merge and report ------------------------------------------------------------------------------------------------
@@ -395,6 +399,7 @@ class MeasureRun:
                    "preprocess_stats_s": t["preprocess_stats"], "forward_s": t["forward"], "metrics_s": t_metrics,
                    "total_s": time.perf_counter() - t_start,
                    "sequences_per_s": state.n_sequences / max(t["forward"] + t["metrics"], 1e-9),
+                   **{f"{k}_device_s": v for k, v in self.device_timer.seconds().items()},
                    **memory_used(state, self.loaded.device)}
         if rep is None:
             return MeasureResult(self.loaded.info.to_dict(), data_summary, config, {}, {}, timings, [], {},
