@@ -133,37 +133,71 @@ def sync_check(device: str) -> dict:
 
 
 def eigvalsh_timing(device: str, quick: bool) -> dict:
-    """Milliseconds per matrix of ``torch.linalg.eigvalsh`` on ``device`` (one batched call over random PSD Grams),
-    float64 and float32, beside one CPU thread's float64: what prompt_entropy's per-text spectrum at alpha 1 costs
-    (8 texts x 33 hidden states = 264 Grams of the text's length per batch at the 8B shape)."""
+    """Milliseconds per matrix of a symmetric eigenvalue solve at the Gram sizes prompt_entropy diagonalises at
+    alpha 1 (8 texts x 33 hidden states = 264 Grams of the text's length per batch at the 8B shape), by route:
+    ``torch.linalg.eigvalsh`` on ``device`` (float64, float32: cuSOLVER, one matrix at a time above n = 32), CuPy's
+    batched ``eigvalsh`` on the same memory where CuPy is installed (with its largest difference from torch's, over
+    the largest eigenvalue), and the host's LAPACK on one thread and on every core (one matrix per thread)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
-    def per_matrix(n: int, batch: int, dtype, where: str) -> float:
-        x = torch.randn(batch, n, n // 2 + 1, dtype=dtype, device=where)
-        grams = x @ x.transpose(1, 2)
-        torch.linalg.eigvalsh(grams[:1])  # warm: the solver's workspace and kernels
-        if where.startswith("cuda"):
+    def wait() -> None:
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
-        t = time.perf_counter()
-        torch.linalg.eigvalsh(grams)
-        if where.startswith("cuda"):
-            torch.cuda.synchronize()
-        return 1e3 * (time.perf_counter() - t) / batch
 
+    def grams_of(n: int, batch: int, dtype, where: str):
+        x = torch.randn(batch, n, n // 2 + 1, dtype=dtype, device=where)
+        return x @ x.transpose(1, 2)
+
+    def timed(fn, grams) -> float:
+        fn(grams[:1])  # warm: the solver's workspace and kernels
+        wait()
+        t = time.perf_counter()
+        fn(grams)
+        wait()
+        return 1e3 * (time.perf_counter() - t) / len(grams)
+
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    cores = os.cpu_count() or 1
+    # one LAPACK thread in each worker (OpenMP's thread count is per thread: unset, each solve would start a team
+    # of its own and the teams would compete; on 2 cores that took 512x512 from 5.5 to 11.8 ms a matrix)
+    pool = ThreadPoolExecutor(cores, initializer=torch.set_num_threads, initargs=(1,))
     sizes = [(32, 8), (64, 8)] if quick else [(32, 64), (128, 16), (512, 16), (1024, 8), (4096, 2)]
     rows = []
+    threads = torch.get_num_threads()
     for n, batch in sizes:
-        row = {"n": n, "batch": batch, "device_float64_ms": per_matrix(n, batch, torch.float64, device),
-               "device_float32_ms": per_matrix(n, batch, torch.float32, device)}
-        if n <= 1024:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+        grams = grams_of(n, batch, torch.float64, device)
+        row = {"n": n, "batch": batch, "device_float64_ms": timed(torch.linalg.eigvalsh, grams),
+               "device_float32_ms": timed(torch.linalg.eigvalsh, grams_of(n, batch, torch.float32, device))}
+        if cupy is not None and device.startswith("cuda") and n <= 1024:  # Jacobi sweeps at 4096: seconds each
             try:
-                row["cpu_1_thread_float64_ms"] = per_matrix(n, min(batch, 4), torch.float64, "cpu")
+                def by_cupy(g):
+                    return torch.from_dlpack(cupy.linalg.eigvalsh(cupy.from_dlpack(g)))
+
+                row["cupy_batched_float64_ms"] = timed(by_cupy, grams)
+                ours = torch.linalg.eigvalsh(grams)
+                row["cupy_max_diff_over_largest"] = float(((ours - by_cupy(grams)).abs().amax(1)
+                                                           / ours.abs().amax(1)).max())
+            except Exception as exc:  # noqa: BLE001 - one route's failure is a finding, not the stage's end
+                row["cupy_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        if n <= 1024:
+            host = grams_of(n, max(batch, min(cores, 32)), torch.float64, "cpu")
+            torch.set_num_threads(1)  # one LAPACK thread a matrix: the host route would run them so
+            try:
+                row["cpu_1_thread_float64_ms"] = timed(torch.linalg.eigvalsh, host[:4])
+                row["cpu_all_cores_float64_ms"] = timed(lambda g: list(pool.map(torch.linalg.eigvalsh, g)), host)
+                row["cpu_cores"] = cores
             finally:
                 torch.set_num_threads(threads)
-        print("eigvalsh " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
+        print("eigvalsh " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              flush=True)
         rows.append(row)
+    pool.shutdown()
     return {"per_matrix": rows}
 
 
