@@ -70,10 +70,10 @@ class NoDeviceTimer:
     """The timer of a run without one GPU: records nothing, reports nothing."""
 
     def mark(self, stage: str | None) -> None:
-        pass
+        """Nothing to record: no single GPU stream to put an event on."""
 
     def reset(self) -> None:
-        pass
+        """Nothing recorded, nothing to forget."""
 
     def seconds(self) -> dict[str, float]:
         return {}
