@@ -107,7 +107,8 @@ def forward_only(model, tokenizer, texts: list[str], batch: int, tokens: int, de
     return time.perf_counter() - t0
 
 
-def run_measure(model, tokenizer, texts, metrics, batch, tokens, device, metric_params=None) -> dict:
+def run_measure(model, tokenizer, texts, metrics, batch, tokens, device, metric_params=None, keep=None) -> dict:
+    """The run's timings and memory; ``keep``, a list, receives the MeasureResult too."""
     import torch
 
     import repgeom_eval as rg
@@ -119,6 +120,8 @@ def run_measure(model, tokenizer, texts, metrics, batch, tokens, device, metric_
         result = rg.measure(model, texts, tokenizer=tokenizer, layers="all", metrics=metrics, batch_size=batch,
                             max_length=tokens, progress=False, pooling="mean", metric_params=metric_params or {})
     t = result.timings
+    if keep is not None:
+        keep.append(result)
     # forward_s + metrics_s: the hot loop from the first batch to the computed results, which read every state back,
     # so on a GPU it has waited for all the queued work; the split between the two is the host's, not the device's
     return {"forward_s": t["forward_s"], "metrics_s": t["metrics_s"], "total_s": t["total_s"],
@@ -146,7 +149,9 @@ def dry_run_bytes(shape: str, metrics: list[str], vocab: int, depth: int) -> dic
             "one_gram_bytes": 8 * est.width ** 2, "notes": est.notes}
 
 
-def per_shape(shape: str, args, tokenizer, device, dtype) -> dict:
+def per_shape(shape: str, args, tokenizer, device, dtype, extra=None) -> dict:
+    """One shape's rows; ``extra(model, tokenizer, texts, bar, rows)``, when given, runs more measurements on the built
+    model (the GPU check's routes and context lengths, saved as they finish) and may add to ``rows``."""
     import torch
 
     vocab = len(tokenizer) + 16
@@ -198,6 +203,8 @@ def per_shape(shape: str, args, tokenizer, device, dtype) -> dict:
         out["contexts"] = contexts(model, tokenizer, args, device)
     if args.load and shape == args.shapes[0]:
         out["load"] = load_times(model, tokenizer, args)
+    if extra is not None:
+        extra(model, tokenizer, texts, bar, out)
     del model
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()

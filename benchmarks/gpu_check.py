@@ -13,8 +13,12 @@
    all`` with the pooled suite (dispersion and the Gram metrics), then with the token metrics too (prompt_entropy at
    alpha 2), then condensation (and lidar, infonce, dime where nlpaug is installed), over 2 and 6 batches; the
    synchronisations that grow with the batches (tests/test_host_syncs.py counts the same on the CPU by call site).
-5. **What alpha 1 costs**: ``torch.linalg.eigvalsh`` per matrix on the device (float64, float32) and on one CPU
-   thread, at the Gram sizes prompt_entropy diagonalises.
+5. **What alpha 1 costs, by route**: a symmetric eigenvalue solve per matrix at the Gram sizes prompt_entropy
+   diagonalises, by ``torch.linalg.eigvalsh`` on the device (float64, float32), CuPy's batched solver (where
+   installed) and the host's cores (run first: it also predicts each context length's time, and a length that
+   would pass ``--budget-s`` runs on fewer texts or is skipped, written down); and the 8B layer-wise suite with
+   each route swapped in for ``serial_eigvalsh`` (none of them is in the package: this measures whether one is
+   worth building), with prompt_entropy's values against the torch route's.
 
 It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
 CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine),
@@ -201,6 +205,94 @@ def eigvalsh_timing(device: str, quick: bool) -> dict:
     return {"per_matrix": rows}
 
 
+def spectrum_routes(device: str):
+    """The ways prompt_entropy's per-text spectra (alpha 1) could be computed off cuSOLVER's one-matrix-at-a-time
+    loop, as drop-ins for ``repgeom_eval.functional.entropy.serial_eigvalsh``: CuPy's batched solver on the same
+    device memory (where CuPy is installed), and the host's LAPACK with one matrix per core. Neither is in the
+    package: this check measures whether one is worth building (the suite's time, and its values against torch's)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from repgeom_eval.functional import entropy
+
+    torch_route = entropy.serial_eigvalsh
+    pool = ThreadPoolExecutor(os.cpu_count() or 1, initializer=torch.set_num_threads, initargs=(1,))
+
+    def each(fn):
+        def route(matrices):
+            single = isinstance(matrices, torch.Tensor)
+            out = [fn(m) for m in ([matrices] if single else list(matrices))]
+            return out[0] if single else out
+        return route
+
+    def on_host(m):
+        host = m.to("cpu")
+        values = torch.stack(list(pool.map(torch.linalg.eigvalsh, host))) if host.dim() == 3 else (
+            torch.linalg.eigvalsh(host))
+        return values.to(m.device, non_blocking=True)
+
+    routes = {"host_cores": each(on_host)}
+    try:
+        import cupy
+
+        if device.startswith("cuda"):
+            routes["cupy_batched"] = each(lambda m: torch.from_dlpack(cupy.linalg.eigvalsh(cupy.from_dlpack(
+                m.contiguous()))) if m.is_cuda else torch_route(m))
+    except ImportError:
+        pass
+    return torch_route, routes, pool
+
+
+def routes_check(model, tokenizer, texts, bar, device: str, batch: int, tokens: int) -> dict:
+    """The layer-wise suite on the built model with each spectrum route (:func:`spectrum_routes`): timings, and
+    prompt_entropy's values against the torch route's."""
+    import bench_scale
+    from repgeom_eval.functional import entropy
+
+    torch_route, routes, pool = spectrum_routes(device)
+    out = {}
+
+    def suite():
+        kept: list = []
+        timing = bench_scale.run_measure(model, tokenizer, texts, bench_scale.LAYERWISE, batch, tokens, device,
+                                         keep=kept)
+        return kept[0], {**timing, "added_over_forward_only": (timing["loop_s"] - bar) / bar,
+                         **bench_scale.device_ratio(timing)}
+
+    base, out["torch"] = suite()
+    try:
+        for name, route in routes.items():
+            entropy.serial_eigvalsh = route
+            try:
+                result, out[name] = suite()
+            except Exception as exc:  # noqa: BLE001 - one route's failure is a finding
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                continue
+            finally:
+                entropy.serial_eigvalsh = torch_route
+            diffs = [abs(a - b) for addr in base.results for a, b in (
+                (base.results[addr]["prompt_entropy"][k], result.results[addr]["prompt_entropy"][k])
+                for k in ("raw", "normalized")) if a == a and b == b]
+            out[name]["prompt_entropy_max_abs_diff"] = max(diffs)
+            print(f"route {name}: layer-wise added time over the forward-only loop "
+                  f"{out[name]['added_over_forward_only']:.3f} (torch's "
+                  f"{out['torch']['added_over_forward_only']:.3f}), prompt_entropy within {max(diffs):.1e} of torch's",
+                  flush=True)
+    finally:
+        pool.shutdown()
+    return out
+
+
+def predicted_alpha1_s(eig: dict, tokens: int, width: int, texts: int, addresses: int) -> float | None:
+    """Seconds the per-text spectra of one context length should take, from the eigvalsh stage's device float64 time
+    per matrix at the nearest measured size at or above min(T, D) (None when unknown)."""
+    n = min(tokens, width)
+    rows = sorted((r for r in eig.get("per_matrix", []) if r["n"] >= n), key=lambda r: r["n"])
+    return rows[0]["device_float64_ms"] * texts * addresses / 1e3 if rows else None
+
+
 def memory_check(scale: dict, shape: str, device: str, dtype: str, tokens: int, batch: int) -> dict:
     """Peak GPU memory of each run against the estimate of what lives on the device."""
     from transformers import LlamaConfig
@@ -231,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the script (e.g. with --device cpu)")
     p.add_argument("--out", default=None)
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="soft limit on the script's seconds: a context length whose alpha-1 spectra would pass it "
+                        "runs on fewer texts, or is skipped with the prediction written down (default 420)")
     args = p.parse_args(argv)
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if missing:
@@ -258,47 +353,71 @@ def main(argv: list[str] | None = None) -> int:
     doc["values"] = values_check(args.device, TINY_TYPES[:2] if args.quick else TINY_TYPES, 12 if args.quick else 24)
     doc["ok"] = all(r["ok"] for r in doc["values"].values())
     save("values")
+    try:  # first: it is short, and it tells how long the longest context's spectra will take
+        doc["eigvalsh"] = eigvalsh_timing(args.device, args.quick)
+    except Exception as exc:  # noqa: BLE001 - a report, not a crash, on a machine lent for minutes
+        doc["eigvalsh"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    save("eigvalsh")
     shape, blocks = ("quick", 2) if args.quick else ("8b", 32)
     tokens, texts, batch = (32, 6, 3) if args.quick else (512, 32, 8)
     contexts = [32, 64] if args.quick else [128, 1024, 4096]
     dtype = "float32" if args.quick else "bfloat16"
     scale_args = argparse.Namespace(blocks=blocks, texts=texts, tokens=tokens, batch=batch,
-                                    repeats=1 if args.quick else 2,
-                                    contexts=contexts, context_texts=2 if args.quick else 4, context_batch=2,
-                                    load=False, load_only=False, shapes=[shape])
+                                    repeats=1 if args.quick else 2, contexts=[], load=False, load_only=False,
+                                    shapes=[shape])
     from repgeom_eval.testing import make_tokenizer
 
     tokenizer = make_tokenizer()
     tokenizer.model_max_length = 1 << 20
     tokenizer.pad_token = tokenizer.eos_token
-    scale = bench_scale.per_shape(shape, scale_args, tokenizer, torch.device(args.device), getattr(torch, dtype))
-    doc["scale"] = scale
-    doc["memory"] = memory_check(scale, shape, args.device, dtype, tokens, batch)
-    save("scale and memory")
+    device = torch.device(args.device)
+
+    def on_model(model, tokenizer, texts, bar, scale):  # the built model's further rows, each saved as it finishes
+        doc["scale"] = scale
+        doc["memory"] = memory_check(scale, shape, args.device, dtype, tokens, batch)
+        save("scale and memory")
+        doc["routes"] = routes_check(model, tokenizer, texts, bar, args.device, batch, tokens)
+        save("routes")
+        scale["contexts"] = []
+        for length in contexts:
+            n_texts = 2 if args.quick else 4
+            width = bench_scale.SHAPES[shape]["hidden_size"]
+            for n_texts in (n_texts, 2):  # fewer texts where the spectra would outrun the soft budget
+                plan = predicted_alpha1_s(doc["eigvalsh"], length, width, n_texts, blocks + 1)
+                if plan is None or time.perf_counter() - t0 + 2 * plan < args.budget_s:
+                    break
+            else:
+                scale["contexts"].append({"tokens": length, "skipped": f"alpha 1's spectra predicted at {plan:.0f} s "
+                                          f"for {n_texts} texts, past the {args.budget_s:.0f} s budget"})
+                save(f"context {length}")
+                continue
+            one = argparse.Namespace(contexts=[length], context_texts=n_texts, context_batch=2)
+            scale["contexts"] += bench_scale.contexts(model, tokenizer, one, device)
+            save(f"context {length}")
+
+    scale = bench_scale.per_shape(shape, scale_args, tokenizer, device, getattr(torch, dtype), extra=on_model)
     try:
         doc["syncs"] = sync_check(args.device)
-    except Exception as exc:  # noqa: BLE001 - a report, not a crash, on a machine lent for minutes
+    except Exception as exc:  # noqa: BLE001 - as above
         doc["syncs"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     save("syncs")
-    try:
-        doc["eigvalsh"] = eigvalsh_timing(args.device, args.quick)
-    except Exception as exc:  # noqa: BLE001 - as above
-        doc["eigvalsh"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    save("eigvalsh")
     suites = scale["suites"]
     print(json.dumps({"values_ok": doc["ok"], "wall_s": round(doc["wall_s"], 1),
                       "added_over_forward_only": {k: round(v["added_over_forward_only"], 4) for k, v in suites.items()},
                       "metrics_over_forward": {k: round(v["metrics_over_forward"], 4) for k, v in suites.items()},
                       "metrics_over_forward_device": {k: v.get("metrics_over_forward_device")
                                                       for k, v in suites.items()},
+                      "layerwise_by_spectrum_route_added_device": {
+                          k: [v.get("added_over_forward_only"), v.get("metrics_over_forward_device")]
+                          for k, v in doc["routes"].items()},
                       "per_context_added_over_forward_only_alpha1_alpha2": {
                           r["tokens"]: [round(r["added_over_forward_only"], 4),
                                         round(r["prompt_entropy_alpha2"]["added_over_forward_only"], 4)]
-                          for r in scale.get("contexts", [])},
+                          for r in scale.get("contexts", []) if "skipped" not in r},
                       "per_context_metrics_over_forward_device_alpha1_alpha2": {
                           r["tokens"]: [r.get("metrics_over_forward_device"),
                                         r["prompt_entropy_alpha2"].get("metrics_over_forward_device")]
-                          for r in scale.get("contexts", [])}}))
+                          for r in scale.get("contexts", []) if "skipped" not in r}}))
     return 0 if doc["ok"] else 1
 
 

@@ -48,10 +48,28 @@ def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
     assert set(suites) == {"dispersion", "layerwise"} and suites["layerwise"]["metrics_over_forward"] > 0
     assert [row["tokens"] for row in doc["scale"]["contexts"]] == [32, 64]
     assert all(row["prompt_entropy_alpha2"]["metrics_over_forward"] > 0 for row in doc["scale"]["contexts"])
-    assert doc["finished_stages"] == ["values", "scale and memory", "syncs", "eigvalsh"]
+    assert doc["finished_stages"] == ["values", "eigvalsh", "scale and memory", "routes", "context 32", "context 64",
+                                      "syncs"]
     assert [row["n"] for row in doc["eigvalsh"]["per_matrix"]] == [32, 64]
-    assert all(row["device_float64_ms"] > 0 for row in doc["eigvalsh"]["per_matrix"])
+    assert all(row["device_float64_ms"] > 0 and row["cpu_all_cores_float64_ms"] > 0
+               for row in doc["eigvalsh"]["per_matrix"])
     assert doc["memory"]["layerwise"]["estimate_bytes"] > 0
+    # the host route is the same LAPACK as the torch route on the CPU: the same values
+    assert set(doc["routes"]) == {"torch", "host_cores"}
+    assert doc["routes"]["host_cores"]["prompt_entropy_max_abs_diff"] <= 1e-12
+
+
+def test_gpu_check_skips_a_context_its_budget_cannot_hold(tmp_path):
+    """A context length whose alpha-1 spectra the eigvalsh stage predicts past ``--budget-s`` is written down as
+    skipped, with the prediction, instead of running the lease out."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--budget-s", "0", "--out", str(out)], capture_output=True, text=True, timeout=900,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["scale"]["contexts"]
+    assert [row["tokens"] for row in rows] == [32, 64]
+    assert all("predicted" in row["skipped"] and "budget" in row["skipped"] for row in rows)
 
 
 def test_gpu_check_refuses_without_cuda_in_one_line(tmp_path):
