@@ -17,8 +17,9 @@
    diagonalises, by ``torch.linalg.eigvalsh`` on the device (float64, float32), CuPy's batched solver (where
    installed) and the host's cores (run first: it also predicts each context length's time, and a length that
    would pass ``--budget-s`` runs on fewer texts or is skipped, written down); and the 8B layer-wise suite with
-   each route swapped in for ``serial_eigvalsh`` (none of them is in the package: this measures whether one is
-   worth building), with prompt_entropy's values against the torch route's.
+   each route: prompt_entropy's ``spectra: host`` (the package's, overlapped with the GPU) and drop-ins for
+   ``serial_eigvalsh`` (CuPy's batched solver, the host's cores waited for at once), with prompt_entropy's values
+   against the torch route's.
 
 It must finish in under 8 minutes on one H100/H200; ``--quick`` shrinks everything so that it runs in a minute on a
 CPU (``--device cpu --quick``: how the suite checks the script). Results: ``--out FILE`` (JSON, naming the machine),
@@ -206,10 +207,11 @@ def eigvalsh_timing(device: str, quick: bool) -> dict:
 
 
 def spectrum_routes(device: str):
-    """The ways prompt_entropy's per-text spectra (alpha 1) could be computed off cuSOLVER's one-matrix-at-a-time
-    loop, as drop-ins for ``repgeom_eval.functional.entropy.serial_eigvalsh``: CuPy's batched solver on the same
-    device memory (where CuPy is installed), and the host's LAPACK with one matrix per core. Neither is in the
-    package: this check measures whether one is worth building (the suite's time, and its values against torch's)."""
+    """Drop-ins for ``repgeom_eval.functional.entropy.serial_eigvalsh`` that take prompt_entropy's per-text spectra
+    (alpha 1) off cuSOLVER's one-matrix-at-a-time loop: CuPy's batched solver on the same device memory (where CuPy
+    is installed), and the host's LAPACK with one matrix per core, waited for at once. Not in the package (its own
+    host route, ``spectra: host``, overlaps the host's solves with the GPU's next batches; routes_check runs it
+    too): this check measures which is worth having (the suite's time, and its values against torch's)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -254,19 +256,21 @@ def routes_check(model, tokenizer, texts, bar, device: str, batch: int, tokens: 
     torch_route, routes, pool = spectrum_routes(device)
     out = {}
 
-    def suite():
+    def suite(params=None):
         kept: list = []
         timing = bench_scale.run_measure(model, tokenizer, texts, bench_scale.LAYERWISE, batch, tokens, device,
-                                         keep=kept)
+                                         metric_params=params, keep=kept)
         return kept[0], {**timing, "added_over_forward_only": (timing["loop_s"] - bar) / bar,
                          **bench_scale.device_ratio(timing)}
 
     base, out["torch"] = suite()
+    # the package's own host route (prompt_entropy's spectra: host), overlapped with the GPU, then the drop-ins
+    routes = {"spectra_host": None, **routes}
     try:
         for name, route in routes.items():
-            entropy.serial_eigvalsh = route
+            entropy.serial_eigvalsh = route or torch_route
             try:
-                result, out[name] = suite()
+                result, out[name] = suite({"prompt_entropy": {"spectra": "host"}} if route is None else None)
             except Exception as exc:  # noqa: BLE001 - one route's failure is a finding
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 continue

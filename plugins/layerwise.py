@@ -13,13 +13,15 @@ here only keep mergeable state.
 
 from __future__ import annotations
 
+from collections import deque
+
 from repgeom_eval import Consumes, LayerBatch, Metric, hookimpl
 from repgeom_eval.spec.errors import RepgeomError
 from repgeom_eval.plugin_system.lazy import lazy
 
 from .host_copies import HostCopies
 from .token_metric import TokenMetric
-from repgeom_eval.spec.names import CURVATURE_VARIANTS, ENTROPY_CENTERINGS, ENTROPY_VARIANTS
+from repgeom_eval.spec.names import CURVATURE_VARIANTS, ENTROPY_CENTERINGS, ENTROPY_VARIANTS, PROMPT_ENTROPY_SPECTRA
 
 # Heavy names are imported on first use, so listing the plugins needs no torch (repgeom_eval.plugin_system.lazy).
 torch = lazy("torch")
@@ -82,21 +84,29 @@ class PromptEntropy(TokenMetric):
     ``logN`` = S_α / log N and ``logD`` = S_α / log D.
 
     Parameters: ``alpha`` (default 1, von Neumann); ``variant`` = ``"paper"`` (default, no clamp) or
-    ``"information_flow"`` (B's code: elementwise clamp(K, 0) on the branch it picks, then trace normalisation).
+    ``"information_flow"`` (B's code: elementwise clamp(K, 0) on the branch it picks, then trace normalisation);
+    ``spectra`` = ``"device"`` (default: solved where the hidden states are) or ``"host"`` (the Grams are copied
+    to the host and solved on its cores while the GPU goes on: plugins/host_spectra.py).
     Prompts with fewer than 2 tokens have no value (NaN); they are skipped and counted (``n_skipped``).
 
-    State: the four sums over prompts and the prompt count (plus per-prompt values with ``per_text=True``).
+    State: the four sums over prompts and the prompt count (plus per-prompt values with ``per_text=True``); with
+    ``spectra="host"``, the batches whose spectra are still being solved, folded in order before any state is read.
     """
 
     name = "prompt_entropy"
     consumes = Consumes.TOKENS
 
-    def __init__(self, alpha: float = 1.0, variant: str = "paper", per_text: bool = False):
+    def __init__(self, alpha: float = 1.0, variant: str = "paper", per_text: bool = False, spectra: str = "device"):
         super().__init__()
         self.alpha = _check_alpha(self.name, alpha)
         _check_choice(self.name, "variant", variant, ENTROPY_VARIANTS)
+        _check_choice(self.name, "spectra", spectra, PROMPT_ENTROPY_SPECTRA)
         self.variant = variant
         self.per_text = per_text
+        self.spectra = spectra
+        # α = 2 of the paper variant reads two traces: no spectrum to move (collision_entropy)
+        self._on_host = spectra == "host" and not (self.alpha == 2 and variant == "paper")
+        self._solving: deque = deque()  # (text index, future) of batches on the host's cores, oldest first
         self.add_state("sums", torch.zeros(len(ENTROPY_KEYS), dtype=torch.float64), "sum", shape=(len(ENTROPY_KEYS),))
         self.add_state("count", torch.zeros((), dtype=torch.float64), "sum", shape=())
         self.add_state("skipped", torch.zeros((), dtype=torch.float64), "sum", shape=())
@@ -109,23 +119,60 @@ class PromptEntropy(TokenMetric):
         prompt_entropies`)."""
         from repgeom_eval.functional.entropy import prompt_entropies
 
+        if self._on_host:
+            from .host_spectra import submit
+
+            self._solving.append((index, submit(block, self.alpha, self.variant)))  # bounded in host_spectra
+            return
         values = prompt_entropies(block, self.alpha, self.variant)  # columns in ENTROPY_KEYS order
         self.fold_texts(index, values, values[:, :2])
+
+    def _fold_one(self) -> None:
+        index, future = self._solving.popleft()
+        values = future.result().to(self.sums.device, non_blocking=True)
+        self.fold_texts(index, values, values[:, :2])
+
+    def _settle(self) -> None:
+        """Fold every batch still being solved on the host, in the order they came."""
+        while self._solving:
+            self._fold_one()
+
+    def state_dict(self, copy: bool = True):
+        self._settle()
+        return super().state_dict(copy)
+
+    def merge(self, other):
+        self._settle()
+        if isinstance(other, PromptEntropy):
+            other._settle()
+        return super().merge(other)
+
+    def reset(self) -> None:
+        self._settle()  # nothing left running to fold into the fresh states later
+        super().reset()
 
     def work_note(self, tokens: int, width: int) -> str | None:
         if self.alpha == 2 and self.variant == "paper":
             return None  # S_2 from two traces of the Gram the block already holds (collision_entropy)
         m = min(tokens, width)
-        return (f"one float64 eigendecomposition of up to {m}×{m} per text and address: its time grows as "
+        where = ""
+        if self._on_host:
+            from .host_spectra import workers
+
+            where = (f", solved on the host's {workers()} cores (up to {2 * workers()} batches of Grams, "
+                     f"{m}×{m} float64 per text, in host memory at once)")
+        return (f"one float64 eigendecomposition of up to {m}×{m} per text and address{where}: its time grows as "
                 f"min(T, D)³ with the context length T (the forward's about as T); alpha: 2 (paper variant) "
                 f"needs none, a shorter --max-length shrinks it")
 
     def compute(self) -> dict[str, float]:
+        self._settle()
         if self.count == 0:
             return {k: _NAN for k in ENTROPY_KEYS}
         return {k: float(v) for k, v in zip(ENTROPY_KEYS, self.sums / self.count)}
 
     def per_text_results(self):
+        self._settle()
         kept = self.kept_per_text()
         if kept is None:
             return None
@@ -133,6 +180,7 @@ class PromptEntropy(TokenMetric):
         return {"prompt_entropy": (idx, v[:, 0]), "prompt_entropy_normalized": (idx, v[:, 1])}
 
     def diagnostics(self):
+        self._settle()
         return {"n_texts": int(self.count), "n_skipped": int(self.skipped)}
 
 

@@ -55,8 +55,8 @@ def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
                for row in doc["eigvalsh"]["per_matrix"])
     assert doc["memory"]["layerwise"]["estimate_bytes"] > 0
     # the host route is the same LAPACK as the torch route on the CPU: the same values
-    assert set(doc["routes"]) == {"torch", "host_cores"}
-    assert doc["routes"]["host_cores"]["prompt_entropy_max_abs_diff"] <= 1e-12
+    assert set(doc["routes"]) == {"torch", "spectra_host", "host_cores"}
+    assert all(doc["routes"][route]["prompt_entropy_max_abs_diff"] <= 1e-12 for route in ("spectra_host", "host_cores"))
 
 
 def test_gpu_check_skips_a_context_its_budget_cannot_hold(tmp_path):

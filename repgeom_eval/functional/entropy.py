@@ -312,16 +312,55 @@ def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
     floor is that of each text's own N, see :func:`spectrum_entropies`) and diagonalised by one batched
     ``eigvalsh``. Texts with N > D, and every text when the padded Grams would exceed ``max_elements`` entries, are
     computed one at a time as :func:`prompt_entropy` does (a D×D Gram Zᵀ Z for N > D, paper B's branch rule).
+    The two halves are :func:`prompt_grams` (the Grams, where the block is) and :func:`PromptGrams.entropies`
+    (their spectra, wherever the Grams are: ``prompt_entropy``'s ``spectra: host`` moves them to the host first).
     """
     _check_variant(variant)
+    return prompt_grams(block, max_elements).entropies(alpha, variant)
+
+
+class PromptGrams:
+    """The Grams of one block's texts, ready for their spectra (:func:`prompt_grams`): ``k`` [S, L, L] zero-padded
+    unit-row Grams of the ``small`` texts (their ``real`` rows, ``spans`` and ``sizes``), one Gram per text of
+    ``alone``, and every text's token count (``lengths``) and the width ``d``."""
+
+    def __init__(self, n_texts: int, d: int, lengths: torch.Tensor, small: list[int], k, real, spans, sizes,
+                 alone: list[int], alone_grams: list[torch.Tensor]):
+        self.n_texts, self.d, self.lengths = n_texts, d, lengths
+        self.small, self.k, self.real, self.spans, self.sizes = small, k, real, spans, sizes
+        self.alone, self.alone_grams = alone, alone_grams
+
+    def to(self, device, non_blocking: bool = False) -> "PromptGrams":
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return PromptGrams(self.n_texts, self.d, move(self.lengths), self.small, move(self.k), move(self.real),
+                           self.spans, self.sizes, self.alone, [move(g) for g in self.alone_grams])
+
+    def entropies(self, alpha: float, variant: str) -> torch.Tensor:
+        """float64 [B, 4] (``raw``, ``normalized``, ``logN``, ``logD``; NaN rows for texts without a value) on the
+        Grams' device."""
+        out = torch.full((self.n_texts, 4), _NAN, dtype=torch.float64, device=self.lengths.device)
+        if self.small:
+            idx = torch.tensor(self.small).to(out.device, non_blocking=True)
+            raw = _gram_entropies(self.k, self.sizes, alpha, variant, self.real, self.spans)
+            out.index_copy_(0, idx, _ratios(raw, self.lengths.index_select(0, idx), self.d))
+        for i, gi in zip(self.alone, self.alone_grams):
+            raw = _gram_entropies(gi.unsqueeze(0), [gi.shape[0]], alpha, variant)
+            out[i] = _ratios(raw, self.lengths[i:i + 1], self.d)[0]
+        return out
+
+
+def prompt_grams(block, max_elements: int = 1 << 22) -> PromptGrams:
+    """The first half of :func:`prompt_entropies`: every text's Gram, computed where the block is."""
     b, d = len(block), block.dim
     dev = block.hidden.device
-    out = torch.full((b, 4), _NAN, dtype=torch.float64, device=dev)
     lengths = torch.tensor(block.lengths).to(dev, non_blocking=True)
     lo, hi = block.span
     batched = b * (hi - lo) ** 2 <= max_elements
     small = [i for i, k in enumerate(block.lengths) if 2 <= k <= d] if batched else []
     alone = [i for i, k in enumerate(block.lengths) if k >= 2 and i not in set(small)]
+    k = real = spans = None
     if small:
         g, _, _, real = block.centered_gram()
         idx = torch.tensor(small).to(dev, non_blocking=True)
@@ -329,14 +368,10 @@ def prompt_entropies(block, alpha: float = 1.0, variant: str = "paper",
         w = 1.0 / g.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().clamp(min=1e-12)  # 1/‖c_t‖, as unit() scales
         w = torch.where(real, w, torch.zeros_like(w))
         k = (g * w.unsqueeze(2)).mul_(w.unsqueeze(1))  # exactly 0 in the pad rows and columns (w = 0 there)
-        spans = block.local_spans()
-        raw = _gram_entropies(k, [block.lengths[i] for i in small], alpha, variant, real, [spans[i] for i in small])
-        out.index_copy_(0, idx, _ratios(raw, lengths.index_select(0, idx), d))
-    for i in alone:
-        gi = linear_gram(center_and_unit(block.row(i)))
-        raw = _gram_entropies(gi.unsqueeze(0), [gi.shape[0]], alpha, variant)
-        out[i] = _ratios(raw, lengths[i:i + 1], d)[0]
-    return out
+        local = block.local_spans()
+        spans = [local[i] for i in small]
+    alone_grams = [linear_gram(center_and_unit(block.row(i))) for i in alone]
+    return PromptGrams(b, d, lengths, small, k, real, spans, [block.lengths[i] for i in small], alone, alone_grams)
 
 
 def prepare_pooled(pooled: torch.Tensor, centering: str = "global", batch_size: int = 2) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""prompt_entropy's ``spectra: host`` (plugins/host_spectra.py): the per-text spectra solved on the host's cores while
+the model goes on. The same float64 solver on the same Grams, so on the CPU the values equal the default route's
+within 1e-12 (LAPACK's blocked kernels may round a solve on another thread a few ulps apart); the states are folded
+in order before anything reads them (a result, a checkpoint, a merge)."""
+
+import pytest
+import torch
+
+from repgeom_eval import LayerBatch
+from repgeom_eval.measurement.engine import measure
+from repgeom_eval.spec.errors import RepgeomError
+
+from repgeom_eval.plugins import host_spectra
+from repgeom_eval.plugins.layerwise import PromptEntropy
+
+LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)  # more tokens than the tiny width
+
+
+def _batches(seed: int, n: int, width: int = 24):
+    """``n`` LayerBatches of 3 texts with 1 to 40 real tokens (a 1-token text has no value), right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b in range(n):
+        lengths = [1 + int(torch.randint(0, 40, (1,), generator=g)) for _ in range(3)]
+        mask = torch.zeros(3, max(lengths), dtype=torch.bool)
+        for i, k in enumerate(lengths):
+            mask[i, :k] = True
+        hidden = torch.randn(3, max(lengths), width, generator=g, dtype=torch.float64) * mask.unsqueeze(2)
+        out.append(LayerBatch("x", torch.arange(3 * b, 3 * b + 3), hidden=hidden, mask=mask))
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox", "bert"])
+@pytest.mark.parametrize("params", [{}, {"alpha": 0.5}, {"alpha": 3.0, "variant": "information_flow"}])
+def test_host_route_equals_the_device_route(tiny_model_dir, texts, model_type, params):
+    data = texts[:9] + ["a", LONG]
+
+    def run(spectra, batch_size, padding_side):
+        return measure(tiny_model_dir(model_type), data, layers="all", metrics=["prompt_entropy"], per_text=True,
+                       batch_size=batch_size, padding_side=padding_side, max_length=100, progress=False,
+                       metric_params={"prompt_entropy": {**params, "spectra": spectra}})
+
+    for batch_size, side in ((4, "right"), (1, "left")):  # the same batches for both routes: the same Grams
+        device, host = run("device", batch_size, side), run("host", batch_size, side)
+        for addr, metrics in device.results.items():
+            for key, value in metrics["prompt_entropy"].items():
+                assert host.results[addr]["prompt_entropy"][key] == pytest.approx(value, abs=1e-12), (addr, key)
+        assert host.diagnostics == device.diagnostics
+        worst = 0.0
+        for a, b in zip(device.per_text, host.per_text):
+            assert a["index"] == b["index"]
+            for addr, scores in a["scores"].items():
+                for key, value in scores.items():
+                    other = b["scores"][addr][key]
+                    assert (value != value) == (other != other)  # the same texts without a value
+                    worst = max(worst, abs(value - other) if value == value else 0.0)
+        assert worst <= 1e-12  # one LAPACK on the CPU; its blocked kernels may round a thread's solve apart
+
+
+def test_states_are_folded_before_they_are_read():
+    batches = _batches(0, 6)
+    whole = PromptEntropy(per_text=True)
+    for b in batches:
+        whole.update(b)
+    reference = PromptEntropy(per_text=True, spectra="host")
+    for b in batches:
+        reference.update(b)
+    assert reference.compute() == pytest.approx(whole.compute(), abs=1e-12)
+
+    # a checkpoint part-way, loaded into a new metric that goes on
+    first = PromptEntropy(per_text=True, spectra="host")
+    for b in batches[:3]:
+        first.update(b)
+    saved = first.state_dict()
+    resumed = PromptEntropy(per_text=True, spectra="host")
+    resumed.load_state_dict(saved)
+    for b in batches[3:]:
+        resumed.update(b)
+    assert resumed.compute() == pytest.approx(whole.compute(), abs=1e-12)
+    assert resumed.diagnostics() == whole.diagnostics()
+
+    # two shards, merged before either has folded its batches
+    left, right = PromptEntropy(per_text=True, spectra="host"), PromptEntropy(per_text=True, spectra="host")
+    for b in batches[:4]:
+        left.update(b)
+    for b in batches[4:]:
+        right.update(b)
+    merged = left.merge(right)
+    assert merged.compute() == pytest.approx(whole.compute(), abs=1e-12)
+    idx, values = merged.per_text_results()["prompt_entropy"]
+    ref_idx, ref_values = whole.per_text_results()["prompt_entropy"]
+    assert torch.equal(idx, ref_idx) and torch.allclose(values, ref_values, atol=1e-12, equal_nan=True)
+
+    # a reset leaves nothing running that could land in the fresh states
+    reference.update(batches[0])
+    reference.reset()
+    assert reference.diagnostics() == {"n_texts": 0, "n_skipped": 0}
+
+
+def test_grams_waiting_on_the_host_are_bounded(monkeypatch):
+    """Two batches of Grams per worker in host memory at once, over every address's metric together: past that,
+    the next batch waits for a solve to finish."""
+    import threading
+
+    monkeypatch.setattr(host_spectra, "_POOL", None)
+    monkeypatch.setattr(host_spectra, "_SLOTS", None)
+    monkeypatch.setattr(host_spectra, "workers", lambda: 1)
+    release = threading.Event()
+    solve = host_spectra._solve
+    monkeypatch.setattr(host_spectra, "_solve", lambda *a: (release.wait(10), solve(*a))[1])  # a slow host
+    metrics = [PromptEntropy(spectra="host") for _ in range(2)]  # two addresses
+    batches = _batches(1, 2)
+    for metric in metrics:
+        metric.update(batches[0])
+    assert host_spectra.in_flight() == 2
+    third = threading.Thread(target=metrics[0].update, args=(batches[1],))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive() and host_spectra.in_flight() == 2  # the third batch waits for a slot
+    release.set()
+    third.join(10)
+    assert not third.is_alive()
+    assert metrics[0].diagnostics()["n_texts"] + metrics[0].diagnostics()["n_skipped"] == 6
+    assert host_spectra.in_flight() == 0
+    host_spectra.pool().shutdown()
+
+
+def test_alpha_2_needs_no_spectra_and_a_bad_route_is_named():
+    assert not PromptEntropy(alpha=2.0, spectra="host")._on_host  # two traces (collision_entropy)
+    assert PromptEntropy(alpha=2.0, variant="information_flow", spectra="host")._on_host
+    with pytest.raises(RepgeomError, match=r"prompt_entropy: spectra must be one of 'device', 'host', got 'gpu'"):
+        PromptEntropy(spectra="gpu")
+
+
+def test_a_batch_that_fails_before_its_solve_gives_its_slot_back(monkeypatch):
+    from repgeom_eval.functional import entropy
+
+    def out_of_memory(block, max_elements=1 << 22):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(entropy, "prompt_grams", out_of_memory)
+    before = host_spectra.in_flight()
+    with pytest.raises(RuntimeError, match="stand-in"):
+        PromptEntropy(spectra="host").update(_batches(2, 1)[0])
+    assert host_spectra.in_flight() == before
