@@ -151,6 +151,10 @@ class PromptEntropy(TokenMetric):
         self._settle()  # nothing left running to fold into the fresh states later
         super().reset()
 
+    def load_state_dict(self, state) -> None:
+        self._settle()  # likewise for the loaded ones
+        super().load_state_dict(state)
+
     def work_note(self, tokens: int, width: int) -> str | None:
         if self.alpha == 2 and self.variant == "paper":
             return None  # S_2 from two traces of the Gram the block already holds (collision_entropy)

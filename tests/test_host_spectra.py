@@ -143,3 +143,34 @@ def test_a_batch_that_fails_before_its_solve_gives_its_slot_back(monkeypatch):
     with pytest.raises(RuntimeError, match="stand-in"):
         PromptEntropy(spectra="host").update(_batches(2, 1)[0])
     assert host_spectra.in_flight() == before
+
+
+def test_a_nan_is_named_as_on_the_device_route(tiny_model_dir, texts, monkeypatch):
+    """A NaN hidden state checked later (as on a GPU) is still the run's error, naming its text and address, and
+    not a failed solve on the host's cores (whose batches are read only after the check)."""
+    from repgeom_eval.measurement.forward import Forward
+    from repgeom_eval.modeling.loading import load_model
+    from repgeom_eval.spec.errors import NonFiniteError
+
+    monkeypatch.setattr(Forward, "check_each_batch", False)
+    loaded = load_model(tiny_model_dir("llama"))
+    messages = []
+    for spectra in ("device", "host"):
+        calls: list[int] = []
+
+        def poison_second_batch(module, args, output):
+            calls.append(1)
+            if len(calls) == 2:
+                output = output.clone()
+                output[2, 0] = float("nan")
+            return output
+
+        handle = loaded.model.model.layers[1].register_forward_hook(poison_second_batch)
+        try:
+            with pytest.raises(NonFiniteError) as caught:
+                measure(loaded, texts[:12], layers="resid_post:[0,1]", metrics=["prompt_entropy"], batch_size=4,
+                        progress=False, metric_params={"prompt_entropy": {"spectra": spectra}})
+        finally:
+            handle.remove()
+        messages.append(str(caught.value))
+    assert "at address resid_post:1 for text id" in messages[0] and messages[1] == messages[0]

@@ -284,6 +284,10 @@ def _gram_entropies(grams: torch.Tensor, sizes: list[int], alpha: float, variant
         trace = grams.diagonal(dim1=-2, dim2=-1).sum(-1)
         ok = trace > 0
         grams = grams / torch.where(ok, trace, torch.ones_like(trace)).reshape(-1, 1, 1)
+    # A NaN hidden state would stop LAPACK ("failed to converge") before the run's own check names it: on a GPU
+    # that check reads every 64 batches (docs/how-to/large-models.md#host-synchronisations). A zero there instead
+    # leaves a wrong value that the check refuses to report, with the text and address it names.
+    grams = torch.nan_to_num(grams, nan=0.0, posinf=0.0, neginf=0.0)
     n_rows, width = grams.shape[0], grams.shape[-1]
     if real is None or 1.25 * sum(float(k) ** 3 for k in sizes) >= n_rows * float(width) ** 3:
         eig = serial_eigvalsh(grams)
