@@ -236,14 +236,11 @@ def spectrum_routes(device: str):
         return values.to(m.device, non_blocking=True)
 
     routes = {"host_cores": each(on_host)}
-    try:
+    if device.startswith("cuda") and importlib.util.find_spec("cupy"):  # CuPy's route where CuPy is installed
         import cupy
 
-        if device.startswith("cuda"):
-            routes["cupy_batched"] = each(lambda m: torch.from_dlpack(cupy.linalg.eigvalsh(cupy.from_dlpack(
-                m.contiguous()))) if m.is_cuda else torch_route(m))
-    except ImportError:
-        pass
+        routes["cupy_batched"] = each(lambda m: torch.from_dlpack(cupy.linalg.eigvalsh(cupy.from_dlpack(
+            m.contiguous()))) if m.is_cuda else torch_route(m))
     return torch_route, routes, pool
 
 
