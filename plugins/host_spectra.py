@@ -92,5 +92,5 @@ def _solve(grams: Any, alpha: float, variant: str, ready: Any) -> Any:
         with torch.inference_mode():
             return grams.entropies(alpha, variant)
     finally:
-        del grams  # the Grams leave host memory before the slot is given back
+        del grams  # this worker's reference; the executor drops its own as the task returns, just after
         _release()
