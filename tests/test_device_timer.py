@@ -74,7 +74,13 @@ def test_no_timer_on_the_cpu(tiny_model_dir):
     assert timer.seconds() == {}
 
 
-def test_a_run_reports_the_device_split(tiny_model_dir, texts, monkeypatch):
+@pytest.mark.parametrize("threads, marks", [(2, 3), (1, 2 + 2 * 3)], ids=["fed-after-the-pass", "fed-during-it"])
+def test_a_run_reports_the_device_split(tiny_model_dir, texts, monkeypatch, threads, marks):
+    # fed after the pass: start, forward, metrics; fed during it (as on a GPU): start, then each of the 3 addresses
+    # closes a forward stretch and its metric work, and the pass's tail after the last one is the forward's
+    from repgeom_eval.measurement.engine import MeasureRun
+
+    monkeypatch.setattr(MeasureRun, "_metric_threads", lambda self, host: threads)
     clock = Clock()
     model = tiny_model_dir("llama")
 
@@ -86,6 +92,6 @@ def test_a_run_reports_the_device_split(tiny_model_dir, texts, monkeypatch):
     monkeypatch.setattr(dt.DeviceTimer, "for_model", staticmethod(lambda loaded: dt.DeviceTimer(clock.new,
                                                                                                  clock.record)))
     timed = run()
-    assert len(clock.events) == 3 * 3  # three marks a batch, three batches
+    assert len(clock.events) == marks * 3  # three batches
     assert {"forward_device_s", "metrics_device_s"} <= set(timed.timings)
     assert timed.results == plain.results

@@ -151,8 +151,8 @@ def test_the_count_sees_the_checks_of_the_cpu_path(monkeypatch, loaded, texts):
     # the counter is not blind: checking each batch at once (the CPU's way) converts per batch and per address
     monkeypatch.setattr(Forward, "check_each_batch", True)
     per_batch = _per_batch(monkeypatch, loaded, texts, ["dispersion"])
-    assert ("__bool__", "measurement/forward.py", "check_finite") in per_batch, per_batch
-    assert per_batch[("__bool__", "measurement/forward.py", "check_finite")] == 3  # 3 hidden states of 2 blocks
+    assert ("__bool__", "measurement/finite.py", "check_finite") in per_batch, per_batch
+    assert per_batch[("__bool__", "measurement/finite.py", "check_finite")] == 3  # 3 hidden states of 2 blocks
 
 
 def test_state_device_cpu_moves_the_pooled_vectors_per_batch(monkeypatch, loaded, texts):

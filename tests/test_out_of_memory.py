@@ -18,23 +18,29 @@ def texts(n):
     return [" ".join(words[(i * 3 + k) % 10] for k in range(2 + i % 5)) + f" {i}" for i in range(n)]
 
 
+@pytest.mark.parametrize("threads", [1, 2], ids=["fed-during-the-pass", "fed-after-the-pass-in-threads"])
 @pytest.mark.parametrize("stage, error", [("forward pass", torch.OutOfMemoryError("CUDA out of memory. Tried to "
                                                                                   "allocate 2.00 GiB")),
                                           ("metric update", RuntimeError("DefaultCPUAllocator: can't allocate "
                                                                          "memory: you tried to allocate 1 bytes"))])
-def test_out_of_memory_is_one_line_and_the_run_resumes(tiny_model_dir, tmp_path, capsys, monkeypatch, stage, error):
+def test_out_of_memory_is_one_line_and_the_run_resumes(tiny_model_dir, tmp_path, capsys, monkeypatch, stage, error,
+                                                       threads):
+    # threads=1 feeds each address inside the forward pass (as on a GPU), 2 after it (the CPU's threads): an error in
+    # the metric update is named so on both
+    monkeypatch.setattr(engine.MeasureRun, "_metric_threads", lambda self, host: threads)
     data = tmp_path / "texts.txt"
     data.write_text("\n".join(texts(24)) + "\n")
     args = ["measure", "-m", tiny_model_dir("llama"), "-d", str(data), "--layers", "all", "--metrics", "dispersion",
             "vendi", "--shard-size", "8", "--batch-size", "4"]
     assert main(args + ["-o", str(tmp_path / "single.json")]) == 0
-    target = (forward.Forward, "texts") if stage == "forward pass" else (engine.MeasureRun, "_feed_addresses")
+    target = (forward.Forward, "texts") if stage == "forward pass" else (engine._MeasureSink, "batch")
     original = getattr(*target)
     calls = []
+    fail_at = 4 if stage == "forward pass" else 3 * 3 + 1  # the second batch of the second shard (3 addresses)
 
     def fails_on_the_fourth(*a, **k):
         calls.append(1)
-        if len(calls) == 4:  # the second batch of the second shard
+        if len(calls) == fail_at:
             raise error
         return original(*a, **k)
 

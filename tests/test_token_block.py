@@ -326,10 +326,13 @@ def test_threaded_metric_work_gives_what_one_address_at_a_time_gives(tiny_model_
 def test_third_party_metrics_keep_the_sequential_path(tiny_model_dir, texts, monkeypatch):
     from repgeom_eval.measurement import engine
 
-    seen = []
-    original = engine.MeasureRun._feed_addresses
-    monkeypatch.setattr(engine.MeasureRun, "_feed_addresses",
+    # sequential: each address fed during the pass, one after another (never the threads of _feed_addresses)
+    seen, threaded = [], []
+    original, feed = engine.MeasureRun._forward_batch, engine.MeasureRun._feed_addresses
+    monkeypatch.setattr(engine.MeasureRun, "_forward_batch",
                         lambda self, *a: (seen.append(self._feed_workers), original(self, *a))[1])
+    monkeypatch.setattr(engine.MeasureRun, "_feed_addresses",
+                        lambda self, *a: (threaded.append(1), feed(self, *a))[1])
 
     @rg.hookimpl
     def repgeom_register_metrics(registry):
@@ -345,7 +348,7 @@ def test_third_party_metrics_keep_the_sequential_path(tiny_model_dir, texts, mon
                 metrics=["padded_tokens", "dispersion"])
     finally:
         torch.set_num_threads(threads)
-    assert seen and set(seen) == {1}
+    assert seen and set(seen) == {1} and not threaded
 
 
 @pytest.mark.parametrize("kind", ["right", "left", "holes"])

@@ -99,6 +99,16 @@ class TokenBlock:
         self._norms: torch.Tensor | None = None
         self._cache: dict[object, object] = {}
 
+    def layout_only(self) -> "TokenBlock":
+        """A block with this one's mask and per-text layout and no values: what the other addresses of a batch
+        reuse (``like=``). Keeping this block itself for them would keep its hidden states and float64 copy alive
+        until the batch ends."""
+        bare = TokenBlock.__new__(TokenBlock)
+        bare.hidden = self.hidden.new_empty((0, *self.hidden.shape[1:]))
+        bare.mask, bare.n, bare._layout = self.mask, self.n, self._layout
+        bare._x64, bare._norms, bare._cache = None, None, {}
+        return bare
+
     # The per-text layout is read on the host, so on a GPU it costs a synchronisation: it is built on first use
     # (the per-text metrics), never for pooled metrics (docs/how-to/large-models.md#host-synchronisations).
     @property

@@ -30,8 +30,9 @@ from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_
 from repgeom_eval.measurement.device_timer import DeviceTimer
 from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.distributed import Distributed
-from repgeom_eval.measurement.feed import Feeder, StatsCollector
+from repgeom_eval.measurement.feed import Feeder, StatsCollector, streams_addresses
 from repgeom_eval.measurement.forward import Forward, context_length
+from repgeom_eval.measurement.memory import memory_used
 from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics, isolate_third_party
 from repgeom_eval.measurement.oom import out_of_memory
 from repgeom_eval.measurement.plan import ShardPlan, plan_shard
@@ -190,16 +191,13 @@ class MeasureRun:
 
     def _metric_threads(self, host: PluginHost) -> int:
         """How many threads the metric work of a batch may use (1: sequential; see :meth:`_feed_addresses`)."""
-        import torch
-
+        from repgeom_eval.measurement.feed import feed_threads
         from repgeom_eval.plugin_system.host import BUILTIN_DISTRIBUTION
 
         energy = energy_metric(host)
         builtin = all(spec.distribution == BUILTIN_DISTRIBUTION for spec in self.specs) and (
             energy is None or energy.__module__.startswith("repgeom_eval."))
-        if not builtin or self.loaded.device.type != "cpu":
-            return 1
-        return torch.get_num_threads()
+        return feed_threads(self.loaded.device.type, builtin)
 
     # -- plan ----------------------------------------------------------------------------------------------------------
     def _open_checkpoint(self) -> RunDir | None:
@@ -287,19 +285,34 @@ class MeasureRun:
         t0 = time.perf_counter()
         items = [sp.items[i] for i in rows]
         self.device_timer.mark(None)
+        consume, fed = None, [0.0]
+        if streams_addresses(self._feed_workers, len(self.addresses)):
+            # one address after another (GPU, one thread, third-party metric): each fed as the pass reaches it, so
+            # the pass holds one address's hidden states, not all (docs/how-to/large-models.md, "What one batch holds")
+            def consume(addr, h, mask, host_mask):
+                t = time.perf_counter()
+                self.device_timer.mark("forward")
+                with out_of_memory("metric update", self, len(rows)):
+                    sink.batch(addr, h, mask, items, host_mask)
+                self.device_timer.mark("metrics")
+                fed[0] += time.perf_counter() - t
+
         with out_of_memory("forward pass", self, len(rows)):
             batch = fwd.texts([sp.strings[i] for i in rows], self.context, self.config.padding_side,
-                              row_ids=[sp.ids[it.text] for it in items])
-        self.timer["forward"] += time.perf_counter() - t0
+                              row_ids=[sp.ids[it.text] for it in items], consume=consume)
+        self.timer["forward"] += time.perf_counter() - t0 - fed[0]
+        self.timer["metrics"] += fed[0]
         self.device_timer.mark("forward")
-        t0 = time.perf_counter()
-        with out_of_memory("metric update", self, len(rows)):
-            self._feed_addresses(batch, items, sink)
-        self.timer["metrics"] += time.perf_counter() - t0
-        self.device_timer.mark("metrics")
+        if consume is None:
+            t0 = time.perf_counter()
+            with out_of_memory("metric update", self, len(rows)):
+                self._feed_addresses(batch, items, sink)
+            self.timer["metrics"] += time.perf_counter() - t0
+            self.device_timer.mark("metrics")
 
     def _feed_addresses(self, batch: Any, items: list, sink: Any) -> None:
-        """Every address's metric work of one batch.
+        """Every address's metric work of one batch, after its pass (only where the addresses are fed in threads;
+        otherwise :meth:`_forward_batch` feeds each during the pass).
 
         On the CPU, with several intra-op threads and only built-in metrics (whose states are per address and
         touch nothing shared), the addresses are spread over that many Python threads, each running torch on one
@@ -310,10 +323,6 @@ class MeasureRun:
         thread, so that the per-batch layout the others share is built once. Third-party metrics keep the
         sequential path: nothing promises that their code may run concurrently for different addresses."""
         addresses, workers = self.addresses, self._feed_workers
-        if workers < 2 or len(addresses) < 3:
-            for addr in addresses:
-                sink.batch(addr, batch.hidden[addr], batch.mask, items, batch.host_mask)
-            return
         import torch
         from concurrent.futures import ThreadPoolExecutor
 
@@ -407,15 +416,6 @@ class MeasureRun:
         failed = {spec.name: spec.failure for spec in self.specs if spec.failure is not None}
         return MeasureResult(self.loaded.info.to_dict(), data_summary, config, rep.results, rep.diagnostics,
                              timings, rep.per_text, rep.summary, is_main=True, failed_metrics=failed)
-
-
-def memory_used(state: RunState, device: Any) -> dict[str, int]:
-    """What the run held: the bytes of its metric states (as ``--dry-run`` estimates them), and its peaks
-    (:func:`~repgeom_eval.measurement.memory.peak_memory`)."""
-    from repgeom_eval.measurement.memory import peak_memory
-
-    held = sum(m.state_bytes() for ms in state.states.values() for _, m in ms)  # in place: no copy of the states
-    return {"state_bytes": int(held), **peak_memory(device)}
 
 
 class _MeasureSink:

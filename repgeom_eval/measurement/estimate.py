@@ -296,9 +296,22 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
             where = f"{len(addresses)} address" + ("es" if len(addresses) != 1 else "")
             notes.append(f"{spec.name} at {tokens} tokens × {where}: {work}")
     batch = batch_size or run.batch_size
-    hidden = batch * tokens * width * len(addresses) * 4
-    notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} × "
-                 f"{len(addresses)} addresses in float32")
+    from repgeom_eval.measurement.feed import feed_threads, streams_addresses
+    from repgeom_eval.plugin_system.host import BUILTIN_DISTRIBUTION
+
+    builtin = all(spec.distribution == BUILTIN_DISTRIBUTION for spec, _ in pairs) and (
+        energy_cls is None or energy_cls.__module__.startswith("repgeom_eval."))
+    threads = feed_threads(device.type, builtin)
+    one = batch * tokens * width * 4
+    if streams_addresses(threads, len(addresses)):  # each address fed as the pass reaches it (MeasureRun)
+        hidden = one
+        notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} in float32, "
+                     "one address at a time (each is fed to its metrics as the forward pass reaches it)")
+    else:
+        hidden = one * len(addresses)
+        notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} × "
+                     f"{len(addresses)} addresses in float32 (on the CPU every address of a batch is held, then fed "
+                     f"in {threads} threads)")
     return MemoryEstimate(str(model), info.model_type, n_layers, width, info.dtype, device.type, len(addresses),
                           addresses, per_address, weights, hidden, notes)
 

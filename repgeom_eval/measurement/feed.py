@@ -20,6 +20,18 @@ from repgeom_eval.spec.metric import Consumes, LayerBatch, Metric
 from repgeom_eval.modeling.addresses import Address
 
 
+def feed_threads(device_type: str, builtin_only: bool) -> int:
+    """How many threads one batch's metric work may use: on the CPU, with only built-in metrics (whose states are
+    per address and touch nothing shared), one address per intra-op thread; anywhere else one."""
+    return torch.get_num_threads() if device_type == "cpu" and builtin_only else 1
+
+
+def streams_addresses(threads: int, n_addresses: int) -> bool:
+    """Whether each address is fed as the forward pass reaches it (one address's hidden states held at a time), or
+    every address after the pass, spread over ``threads`` threads (every address's held until they are fed)."""
+    return threads < 2 or n_addresses < 3
+
+
 class ViewBuffer:
     """Collects the pooled views of each text (they may arrive in different batches) until all are there."""
 
@@ -100,7 +112,8 @@ class Feeder:
             for rows in row_chunks(ho.shape[0], ho.shape[1] * ho.shape[2]):  # one block unless the batch is huge
                 block = TokenBlock(ho[rows], mo[rows], like=layouts.get(rows.start),
                                    host_mask=hm[rows] if hm is not None else None)
-                layouts.setdefault(rows.start, block)
+                if rows.start not in layouts:
+                    layouts[rows.start] = block.layout_only()  # the layout, not this address's values
                 self._feed_block(name, block, index[rows], orig[rows], metrics, energy)
         if len(views):
             self._feed_views(addr, h, mask, items, views, metrics)

@@ -20,15 +20,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from repgeom_eval.spec.errors import ModelForwardError, NonFiniteError, RepgeomError
+from repgeom_eval.spec.errors import ModelForwardError, RepgeomError
 from repgeom_eval.modeling.addresses import Address, HookPoint, resolve, resolve_request
 from repgeom_eval.modeling.probe import build_inputs
 from repgeom_eval.modeling.hooks import Capture
 from repgeom_eval.modeling.loading import LoadedModel
+from repgeom_eval.measurement.finite import DeferredChecks, check_finite, non_finite_error  # noqa: F401 (re-exported)
 
 
 def context_length(loaded: LoadedModel, max_length: int | None) -> int:
@@ -108,78 +109,34 @@ def model_inputs(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: t
                         position_ids=layout.position_ids, **extra)
 
 
-def check_finite(addr: Address | str, h: torch.Tensor, mask: torch.Tensor | None, ids: Sequence[Any],
-                 computed_in: torch.dtype | None = None) -> None:
-    """Raise :class:`NonFiniteError` naming the address and the first affected text if a real token's vector holds a
-    NaN or inf (pad positions may legitimately hold anything). ``computed_in``: the dtype the model ran in (the cause
-    named differs: an overflow in half precision, the model's own code in float32/float64)."""
-    # The common case costs one reduction with no temporary: a sum is finite only if every term is (a NaN or an inf
-    # anywhere makes it NaN or inf). A finite-valued tensor whose sum overflows, or a NaN at a pad position, falls
-    # through to the exact check below, which decides.
-    if bool(torch.isfinite(h.sum())):
-        return
-    bad = (~torch.isfinite(h)).any(-1)
-    if mask is not None:
-        bad &= mask.to(bad.device)
-    if bool(bad.any()):
-        rows = bad.any(1).nonzero().flatten().tolist()
-        raise non_finite_error(addr, ids[rows[0]], len(rows), computed_in or h.dtype)
+class Consumer(Protocol):
+    """What :meth:`Forward.texts` hands each address to, when given one: ``consume(address, hidden, mask,
+    host_mask)`` with the address's hidden states (upcast and checked like :attr:`Batch.hidden`'s), the batch's
+    mask on the model's device, and the same mask in host memory (or None). Where the pass can be streamed it runs
+    inside the pass, as the hook of that address fires (so it must not run the model itself); where each text runs
+    alone (a model whose load check refused this padding side) it runs after the pass, address after address."""
+
+    def __call__(self, address: Address, hidden: torch.Tensor, mask: torch.Tensor,
+                 host_mask: torch.Tensor | None) -> Any: ...
 
 
-def non_finite_error(addr: Address | str, text_id: Any, n_rows: int, dtype: torch.dtype) -> NonFiniteError:
-    """The error of :func:`check_finite`: the address, the first affected text, and the likely cause."""
-    if dtype in (torch.float16, torch.bfloat16):
-        cause = f"a {str(dtype).removeprefix('torch.')} overflow is the usual cause: try --dtype float32"
-    else:
-        cause = (f"in {str(dtype).removeprefix('torch.')} this is no overflow but the model's own code (some "
-                 "attention and expert kernels go wrong in float64, or with padding): try --dtype float32, "
-                 "--batch-size 1, or --model-arg attn_implementation=eager")
-    return NonFiniteError(f"NaN or inf in the hidden states at address {addr} for text id {text_id!r}"
-                          f" ({n_rows} text(s) of this batch affected); {cause}")
+class _ConsumerFailed(Exception):
+    """Carries an error of the consumer's own work out of the model's forward pass, so that it is not reported as
+    the model's."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
-class DeferredChecks:
-    """The checks of every batch's hidden states (a NaN or inf at a real token; real tokens whose vector is zero),
-    computed on the device and read on the host only every :attr:`EVERY` batches and when asked (:meth:`read_flags`), so
-    that a GPU never waits for the host in between (docs/how-to/large-models.md#host-synchronisations). On the CPU,
-    where reading costs no wait, :class:`Forward` checks every batch at once instead."""
-
-    EVERY = 64
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[Address, torch.Tensor, list[Any], torch.dtype]] = []
-        self._zeros: dict[Address, torch.Tensor] = {}
-        self._batches = 0
-
-    def add(self, addr: Address, h: torch.Tensor, real: torch.Tensor, names: list[Any], computed_in: torch.dtype):
-        # a token's sum over the width is NaN/inf exactly when its vector holds one (summed in float64, finite
-        # float32/16 values cannot overflow it)
-        bad_rows = ((~torch.isfinite(h.sum(-1, dtype=torch.float64))) & real).any(1)
-        self._pending.append((addr, bad_rows, names, computed_in))
-        zero = ((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum()
-        self._zeros[addr] = zero if addr not in self._zeros else self._zeros[addr] + zero
-
-    def batch_done(self) -> None:
-        self._batches += 1
-        if self._batches % self.EVERY == 0:
-            self.read_flags()
-
-    def read_flags(self) -> None:
-        """Raise :class:`NonFiniteError` for the first pending batch with a NaN or inf at a real token (one
-        transfer for all of them)."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        home = pending[0][1].device
-        counts = torch.stack([b.sum().to(home) for _, b, _, _ in pending]).tolist()
-        for (addr, bad, names, dtype), n_bad in zip(pending, counts):
-            if n_bad:
-                first = int(bad.nonzero().flatten()[0])
-                raise non_finite_error(addr, names[first], int(n_bad), dtype)
-
-    def zero_counts(self) -> dict[Address, int]:
-        """Real tokens whose vector is zero, per address, since the start."""
-        return {addr: int(z) for addr, z in self._zeros.items()}
+def _handed(consume: Consumer, addr: Address, h: torch.Tensor, mask: torch.Tensor,
+            host_mask: torch.Tensor | None) -> None:
+    try:
+        consume(addr, h, mask, host_mask)
+    except RepgeomError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever it is, it is the consumer's, not the model's
+        raise _ConsumerFailed(exc) from exc
 
 
 @dataclass
@@ -267,12 +224,16 @@ class Forward:
         self.deferred.read_flags()
 
     def texts(self, strings: Sequence[str], max_length: int, padding_side: str = "right",
-              row_ids: Sequence[Any] | None = None) -> Batch:
-        """Tokenize (truncating to ``max_length``, padding on ``padding_side``) and run one batch of strings."""
+              row_ids: Sequence[Any] | None = None, consume: Consumer | None = None) -> Batch:
+        """Tokenize (truncating to ``max_length``, padding on ``padding_side``) and run one batch of strings.
+
+        With ``consume``, every address's hidden states go to ``consume(address, hidden, mask, host_mask)`` instead
+        of into the returned batch (whose ``hidden`` is then empty), each as soon as the pass reaches it: the pass
+        holds one address's tensor at a time, not all of them (:class:`Consumer`)."""
         enc = self.loaded.tokenizer(list(strings), padding=True, truncation=True, max_length=max_length,
                                     padding_side=padding_side, return_tensors="pt", verbose=False)
         ids, mask = enc.pop("input_ids"), enc.pop("attention_mask")
-        return self._run(ids, mask, row_ids, **enc)
+        return self._run(ids, mask, row_ids, consume, **enc)
 
     def token_ids(self, seqs: Sequence[Sequence[int]], row_ids: Sequence[Any] | None = None) -> Batch:
         """Run one batch of token-id sequences (right-padded here)."""
@@ -284,39 +245,60 @@ class Forward:
         return self._run(ids, mask, row_ids)
 
     def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, row_ids: Sequence[Any] | None,
-             **extra: torch.Tensor) -> Batch:
-        side = padding_side_of(mask)
-        if side is not None and side not in self.loaded.layout.padding_sides:
-            captured, outputs_logits = self._rows_alone(ids, mask, extra, side)
-        else:
-            captured = self._call(model_inputs(self.loaded, ids, mask, **extra))
-            outputs_logits = None
-        # on the model's device, beside the hidden states (pooling indexes both with the same rows)
+             consume: Consumer | None = None, **extra: torch.Tensor) -> Batch:
+        # the masks first: a streamed pass hands each address over, with them, while it runs
         host_mask = (mask if mask is not None else torch.ones_like(ids)).bool()
         n_real = host_tokens(host_mask)
+        # on the model's device, beside the hidden states (pooling indexes both with the same rows)
         bool_mask = host_mask.to(self.loaded.device, non_blocking=True)
+        kept_mask = host_mask if host_mask.device.type == "cpu" else None
         names = list(row_ids) if row_ids is not None else list(range(len(ids)))
+
+        def prepare(addr: Address, h: torch.Tensor) -> torch.Tensor:
+            return self._prepare(addr, h, bool_mask, n_real, names)
+
+        side = padding_side_of(mask)
+        if side is not None and side not in self.loaded.layout.padding_sides:
+            captured, outputs_logits = self._rows_alone(ids, mask, extra, side)  # whole rows first: never streamed
+        else:
+            if consume is not None:
+                self._capture.consume = lambda addrs, h: [_handed(consume, a, prepare(a, h), bool_mask, kept_mask)
+                                                          for a in addrs]
+            try:
+                captured = self._call(model_inputs(self.loaded, ids, mask, **extra))
+            finally:
+                self._capture.consume = None
+            outputs_logits = None
         hidden = {}
         for addr in list(captured):
-            h = captured.pop(addr)  # a half-precision original is freed once upcast, not held beside every copy
-            computed_in = h.dtype
-            if h.dtype in (torch.float16, torch.bfloat16):
-                h = h.float()
-            counts = self.zero_counts.setdefault(addr, [0, 0])
-            real = bool_mask.to(h.device, non_blocking=True)
-            counts[1] += n_real if n_real is not None else int(real.sum())
-            at_once = self.check_each_batch if self.check_each_batch is not None else h.device.type == "cpu"
-            if at_once:
-                check_finite(addr, h, real, names, computed_in)
-                counts[0] += int(((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum())  # one reduction
+            h = prepare(addr, captured.pop(addr))  # a half-precision original is freed once upcast
+            if consume is not None:
+                consume(addr, h, bool_mask, kept_mask)
             else:
-                self.deferred.add(addr, h, real, names, computed_in)
-            hidden[addr] = h
+                hidden[addr] = h
         self.deferred.batch_done()
         logits = outputs_logits
         if self.need_logits and logits is None:
             logits = _logits(self._capture.outputs)
-        return Batch(ids, bool_mask, hidden, logits, host_mask if host_mask.device.type == "cpu" else None)
+        return Batch(ids, bool_mask, hidden, logits, kept_mask)
+
+    def _prepare(self, addr: Address, h: torch.Tensor, real_mask: torch.Tensor, n_real: int | None,
+                 names: list[Any]) -> torch.Tensor:
+        """One address's captured tensor as the metrics read it: upcast from half precision, checked for NaN/inf at
+        real tokens (at once on the CPU, deferred on a device) and counted for the zero-vector warning."""
+        computed_in = h.dtype
+        if h.dtype in (torch.float16, torch.bfloat16):
+            h = h.float()
+        counts = self.zero_counts.setdefault(addr, [0, 0])
+        real = real_mask.to(h.device, non_blocking=True)
+        counts[1] += n_real if n_real is not None else int(real.sum())
+        at_once = self.check_each_batch if self.check_each_batch is not None else h.device.type == "cpu"
+        if at_once:
+            check_finite(addr, h, real, names, computed_in)
+            counts[0] += int(((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum())  # one reduction
+        else:
+            self.deferred.add(addr, h, real, names, computed_in)
+        return h
 
     def _call(self, inputs: dict[str, Any]) -> dict[Address, torch.Tensor]:
         """One forward pass; a failure inside the model's own code is one line naming the model and the batch."""
@@ -324,6 +306,8 @@ class Forward:
             return self._capture.run(**inputs)
         except RepgeomError:
             raise
+        except _ConsumerFailed as failed:  # the caller's own work inside a streamed pass: its error, as it was
+            raise failed.error from None
         except Exception as exc:  # noqa: BLE001 - the model's (or transformers') code: any exception type
             info = self.loaded.info
             ids = inputs["input_ids"]

@@ -34,3 +34,10 @@ def describe(memory: dict[str, Any]) -> str:
         line += f"; GPU {human(memory['cuda_max_memory_allocated_bytes'])}" + (
             " (" + ", ".join(f"{k} {human(v)}" for k, v in per.items()) + ")" if per else "")
     return line
+
+
+def memory_used(state: Any, device: Any) -> dict[str, int]:
+    """What a run held: the bytes of its metric states (``RunState``; as ``--dry-run`` estimates them), and its
+    peaks (:func:`peak_memory`)."""
+    held = sum(m.state_bytes() for ms in state.states.values() for _, m in ms)  # in place: no copy of the states
+    return {"state_bytes": int(held), **peak_memory(device)}

@@ -13,7 +13,7 @@ cross-entropy, then read :meth:`Capture.tensors` — the hidden states of that s
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -87,10 +87,14 @@ class Capture:
         self._by_point: dict[HookPoint, list[Hashable]] = {}
         for addr, point in self.points.items():
             self._by_point.setdefault(point, []).append(addr)
-        self._captured: dict[HookPoint, torch.Tensor] = {}
+        self._captured: dict[HookPoint, torch.Tensor | None] = {}
         self._calls: dict[HookPoint, int] = {}  # calls seen per point in this forward pass (HookPoint.call)
         self._batch_shape: tuple[int, ...] = ()
         self.outputs: Any = None
+        #: when set, each captured tensor is handed to ``consume(addresses, tensor)`` as its hook fires, inside the
+        #: pass, and is not kept: the caller's work on one address runs before the next block, so a pass holds one
+        #: address's tensor rather than every address's (Forward's streamed batches)
+        self.consume: Callable[[list[Hashable], torch.Tensor], None] | None = None
 
     def __enter__(self) -> "Capture":
         modules = dict(self.model.named_modules())
@@ -141,7 +145,14 @@ class Capture:
             tensor = tensor.reshape(*self._batch_shape, tensor.shape[-1])
         if point.copy:
             tensor = tensor.clone()
-        self._captured[point] = tensor if self.keep_grad else tensor.detach()
+        tensor = tensor if self.keep_grad else tensor.detach()
+        if self.consume is not None:
+            # outside inference mode, as if it ran after the pass: states the work creates stay ordinary tensors
+            with torch.inference_mode(False):
+                self.consume(self._by_point[point], tensor)
+            self._captured[point] = None  # fired (the missing-hook check and the early stop count it), not kept
+        else:
+            self._captured[point] = tensor
         if self.stop_early and len(self._captured) == len(self._by_point):
             raise _StopForward
 
@@ -192,7 +203,8 @@ class Capture:
         self._calls = {}
         if missing:
             raise RuntimeError(f"hooks for {', '.join(missing)} never fired during the forward pass")
-        out = {addr: self._captured[point] for addr, point in self.points.items()}
+        out = {addr: self._captured[point] for addr, point in self.points.items()
+               if self._captured[point] is not None}  # a consumed tensor was handed over, not kept
         self._captured = {}
         return out
 

@@ -1,0 +1,226 @@
+"""Each address fed to its metrics as the forward pass reaches it (``Forward.texts(..., consume=...)``, used by
+``measure`` wherever the addresses are fed one after another: on a GPU, on one thread, with a third-party metric):
+the same numbers as feeding every address after the pass, one address's hidden states held at a time instead of
+every address's (docs/how-to/large-models.md#memory-before-it-starts), and the consumer's errors reported as its own.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+
+from repgeom_eval.measurement import engine
+from repgeom_eval.measurement.engine import MeasureRun, measure
+from repgeom_eval.measurement.forward import Forward
+from repgeom_eval.modeling.addresses import resolve_request
+from repgeom_eval.modeling.hooks import Capture
+from repgeom_eval.modeling.loading import load_model
+from repgeom_eval.plugin_system.host import get_host
+from repgeom_eval.spec.errors import ModelForwardError, NonFiniteError, RepgeomError
+from repgeom_eval.spec.options.model import ModelOptions
+
+METRICS = sorted(get_host().metrics.names())
+
+
+def _flat(value, path=""):
+    if isinstance(value, dict):
+        for k in sorted(value):
+            yield from _flat(value[k], f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _flat(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def _assert_same(a, b):
+    fa, fb = dict(_flat(a)), dict(_flat(b))
+    assert fa.keys() == fb.keys()
+    compared = 0
+    for k, x in fa.items():
+        y = fb[k]
+        if isinstance(x, float) and isinstance(y, float):
+            if math.isnan(x):
+                assert math.isnan(y), k
+            else:
+                assert abs(x - y) <= 1e-10 * max(1.0, abs(x)), (k, x, y)  # the threads' own rounding, no more
+            compared += 1
+        else:
+            assert x == y, (k, x, y)
+    return compared
+
+
+@pytest.mark.parametrize("kind, padding", [("llama", "right"), ("gpt2", "left"), ("gpt_neox", "right"),
+                                           ("bert", "right")])
+def test_fed_during_the_pass_equals_fed_after_it(tiny_model_dir, texts, monkeypatch, kind, padding):
+    """Every built-in metric at every address, with per-text values: the numbers of a run whose addresses are fed
+    during the pass equal those of a run that feeds them after it, in threads."""
+    model = tiny_model_dir(kind)
+    streamed = []
+    store = Capture._store
+
+    def spy(self, point, tensor):
+        streamed.append(self.consume is not None)
+        return store(self, point, tensor)
+
+    monkeypatch.setattr(Capture, "_store", spy)
+
+    def run(threads):
+        monkeypatch.setattr(MeasureRun, "_metric_threads", lambda self, host: threads)
+        streamed.clear()
+        result = measure(model, texts[:11], layers="all", metrics=METRICS, batch_size=4, padding_side=padding,
+                         per_text=True, progress=False)
+        return result, list(streamed)
+
+    after, how_after = run(2)
+    during, how_during = run(1)
+    assert how_during and all(how_during)  # every address went to its metrics from inside the pass
+    assert how_after and not any(how_after)
+    assert _assert_same(after.results, during.results) > 12 * 3
+    assert _assert_same(after.per_text, during.per_text) > 0
+    assert _assert_same(after.diagnostics, during.diagnostics) >= 0
+
+
+def _load(tiny_model_dir, dtype="bfloat16", n_layers=4):
+    return load_model(tiny_model_dir("llama", n_layers=n_layers), options=ModelOptions(dtype=dtype))
+
+
+def test_the_pass_holds_one_address_at_a_time(tiny_model_dir, texts):
+    """A bfloat16 model: each address's float32 copy reaches the consumer while the pass still runs (before the
+    last block), and the previous address's copy is gone by then."""
+    loaded = _load(tiny_model_dir)
+    plan = resolve_request("all", loaded)
+    events, alive = [], []
+    blocks = loaded.model.model.layers
+    hook = blocks[-1].register_forward_hook(lambda *a: events.append("last block ran"))
+
+    def consume(addr, h, mask, host_mask):
+        assert h.dtype == torch.float32 and mask.dtype == torch.bool and host_mask is not None
+        assert not [ref for ref in alive if ref() is not None], "an earlier address's copy is still held"
+        events.append(str(addr))
+        alive.append(weakref.ref(h))
+
+    try:
+        with Forward(loaded, plan.points) as fwd:
+            batch = fwd.texts(texts[:4], 64, consume=consume)
+            assert batch.hidden == {}  # handed over, not kept
+            assert sorted(e for e in events if e != "last block ran") == sorted(str(a) for a in plan.addresses)
+            assert events.index("resid_post:0") < events.index("last block ran")
+            # the same Forward without a consumer captures as before
+            again = fwd.texts(texts[:4], 64)
+            assert sorted(map(str, again.hidden)) == sorted(str(a) for a in plan.addresses)
+    finally:
+        hook.remove()
+
+
+@pytest.mark.filterwarnings("ignore:.*changes its hidden states")
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("rows_alone", [False, True], ids=["one-pass", "each-text-alone"])
+def test_what_the_consumer_gets_is_the_batch(tiny_model_dir, texts, padding, rows_alone, monkeypatch):
+    """The consumer receives exactly the tensors and masks the batch would hold, in one pass or, for a model whose
+    load check refused the padding side, after the texts ran one at a time."""
+    loaded = _load(tiny_model_dir)
+    if rows_alone:
+        monkeypatch.setattr(loaded.layout, "padding_sides", ("right",) if padding == "left" else ("left",))
+    plan = resolve_request("all", loaded)
+    got = {}
+    with Forward(loaded, plan.points) as fwd:
+        want = fwd.texts(texts[3:8], 64, padding)
+        fwd.texts(texts[3:8], 64, padding, consume=lambda a, h, m, hm: got.setdefault(a, (h, m, hm)))
+    assert set(got) == set(want.hidden)
+    for addr, (h, mask, host_mask) in got.items():
+        assert torch.equal(h, want.hidden[addr])
+        assert torch.equal(mask, want.mask) and torch.equal(host_mask, want.host_mask)
+
+
+def test_the_consumers_errors_stay_its_own(tiny_model_dir, texts):
+    """An error of the consumer's own code inside the pass comes out as it was raised, not as a failure of the
+    model's forward pass; a RepgeomError too; the hooks are clean afterwards."""
+    loaded = _load(tiny_model_dir)
+    plan = resolve_request("all", loaded)
+
+    def broken(addr, h, mask, host_mask):
+        raise ValueError(f"consumer broke at {addr}")
+
+    def refuses(addr, h, mask, host_mask):
+        raise RepgeomError("refused")
+
+    with Forward(loaded, plan.points) as fwd:
+        with pytest.raises(ValueError, match="consumer broke at") as caught:
+            fwd.texts(texts[:3], 64, consume=broken)
+        assert not isinstance(caught.value, ModelForwardError)
+        with pytest.raises(RepgeomError, match="^refused$"):
+            fwd.texts(texts[:3], 64, consume=refuses)
+        assert fwd._capture.consume is None
+        assert len(fwd.texts(texts[:3], 64).hidden) == len(plan.addresses)
+
+
+def test_a_nan_stops_a_streamed_run_naming_the_address(tiny_model_dir, texts, monkeypatch):
+    """A NaN hidden state reached during the pass: the run stops with the check's error (address and text), not
+    the model's."""
+    monkeypatch.setattr(MeasureRun, "_metric_threads", lambda self, host: 1)
+    loaded = _load(tiny_model_dir, dtype="float32", n_layers=2)
+    block = loaded.model.model.layers[0]
+
+    def poison(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        out[0, 0, 0] = float("nan")
+
+    hook = block.register_forward_hook(poison)
+    try:
+        with pytest.raises(NonFiniteError, match="at address resid_post:0 for text id"):
+            measure(loaded, texts[:4], layers="all", metrics=["dispersion", "prompt_entropy"], batch_size=2,
+                    progress=False)
+    finally:
+        hook.remove()
+
+
+def test_the_dry_run_counts_what_the_pass_holds(tiny_model_dir, tmp_path):
+    """--dry-run: a GPU run holds one address's hidden states at a time; the CPU's threads hold every address's."""
+    from repgeom_eval.measurement.estimate import estimate
+    from repgeom_eval.spec.options.measure import RunConfig
+
+    model = tiny_model_dir("llama")
+    run = RunConfig(layers="all", metrics=["dispersion"], max_length=64, batch_size=4)
+    gpu = estimate(model, RunConfig(layers="all", metrics=["dispersion"], max_length=64, batch_size=4, device="cuda"))
+    one = 4 * 64 * 32 * 4
+    assert gpu.batch_hidden_bytes == one
+    assert any("one address at a time" in n for n in gpu.notes)
+    torch_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cpu = estimate(model, run)
+        assert cpu.batch_hidden_bytes == one * len(cpu.addresses) and len(cpu.addresses) == 3
+        torch.set_num_threads(1)
+        assert estimate(model, run).batch_hidden_bytes == one
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+def test_engine_feeds_during_the_pass_where_it_feeds_one_address_after_another():
+    assert engine.streams_addresses(1, 30) and engine.streams_addresses(8, 2)
+    assert not engine.streams_addresses(2, 3)
+
+
+def test_a_measure_run_holds_one_address_at_a_time(tiny_model_dir, texts, monkeypatch):
+    """The engine streams a bfloat16 model's addresses one at a time: when an address reaches the metrics, nothing
+    keeps any earlier address's float32 copy alive (neither the pass nor the per-batch layout the addresses share,
+    which keeps the first address's mask and layout but not its values)."""
+    monkeypatch.setattr(MeasureRun, "_metric_threads", lambda self, host: 1)
+    loaded = _load(tiny_model_dir)
+    fed = engine._MeasureSink.batch
+    alive, calls = [], []
+
+    def watch(self, addr, h, *rest, **kw):
+        assert not [ref for ref in alive if ref() is not None], f"an earlier address is still held at {addr}"
+        calls.append(addr)
+        fed(self, addr, h, *rest, **kw)
+        alive.append(weakref.ref(h))
+
+    monkeypatch.setattr(engine._MeasureSink, "batch", watch)
+    result = measure(loaded, texts[:8], layers="all", metrics=["dispersion", "prompt_entropy", "token_dispersion",
+                                                              "curvature", "vendi"], batch_size=4, progress=False)
+    assert len(calls) == 2 * len(result.results) == 2 * 5
