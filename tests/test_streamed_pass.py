@@ -224,3 +224,15 @@ def test_a_measure_run_holds_one_address_at_a_time(tiny_model_dir, texts, monkey
     result = measure(loaded, texts[:8], layers="all", metrics=["dispersion", "prompt_entropy", "token_dispersion",
                                                               "curvature", "vendi"], batch_size=4, progress=False)
     assert len(calls) == 2 * len(result.results) == 2 * 5
+
+
+def test_the_mteb_sweeps_dry_run_counts_every_address(tiny_model_dir):
+    """The MTEB sweep holds every address of a batch (its encoder pools them after the pass): its dry run says so,
+    on a GPU too."""
+    from repgeom_eval.measurement.estimate import estimate
+    from repgeom_eval.spec.options.measure import RunConfig
+
+    run = RunConfig(layers="all", metrics=["dispersion"], max_length=64, batch_size=4, device="cuda")
+    est = estimate(tiny_model_dir("llama"), run, energy=False, streams=False)
+    assert est.batch_hidden_bytes == 4 * 64 * 32 * 4 * 3
+    assert any("every address of a batch is held" in n for n in est.notes)

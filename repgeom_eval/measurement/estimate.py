@@ -205,9 +205,11 @@ def _first(config: Any, *names: str) -> int | None:
 
 
 def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_size: int | None = None,
-             max_length: int | None = None, energy: bool = True) -> MemoryEstimate:
+             max_length: int | None = None, energy: bool = True, streams: bool | None = None) -> MemoryEstimate:
     """The memory of ``measure(model, ..., run)`` (a :class:`~repgeom_eval.spec.options.measure.RunConfig`) from the
-    model's config: no weights are read. ``energy``: count ``measure``'s per-address energy diagnostic."""
+    model's config: no weights are read. ``energy``: count ``measure``'s per-address energy diagnostic.
+    ``streams``: whether the run feeds each address during the forward pass (None: as ``measure`` would; False for
+    a caller that holds every address of a batch, as the MTEB sweep does)."""
     import torch
     from transformers import AutoConfig
 
@@ -303,15 +305,19 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
         energy_cls is None or energy_cls.__module__.startswith("repgeom_eval."))
     threads = feed_threads(device.type, builtin)
     one = batch * tokens * width * 4
-    if streams_addresses(threads, len(addresses)):  # each address fed as the pass reaches it (MeasureRun)
+    as_measure = streams is None
+    if as_measure:
+        streams = streams_addresses(threads, len(addresses))
+    if streams:  # each address fed as the pass reaches it (MeasureRun)
         hidden = one
         notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} in float32, "
                      "one address at a time (each is fed to its metrics as the forward pass reaches it)")
     else:
         hidden = one * len(addresses)
+        held = (f"on the CPU every address of a batch is held, then fed in {threads} threads"
+                if as_measure and threads > 1 else "every address of a batch is held")
         notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} × "
-                     f"{len(addresses)} addresses in float32 (on the CPU every address of a batch is held, then fed "
-                     f"in {threads} threads)")
+                     f"{len(addresses)} addresses in float32 ({held})")
     return MemoryEstimate(str(model), info.model_type, n_layers, width, info.dtype, device.type, len(addresses),
                           addresses, per_address, weights, hidden, notes)
 
