@@ -236,3 +236,25 @@ def test_the_mteb_sweeps_dry_run_counts_every_address(tiny_model_dir):
     est = estimate(tiny_model_dir("llama"), run, energy=False, streams=False)
     assert est.batch_hidden_bytes == 4 * 64 * 32 * 4 * 3
     assert any("every address of a batch is held" in n for n in est.notes)
+
+
+def test_the_dry_run_reads_the_tokenizers_context_limit(tiny_model_dir, tmp_path):
+    """The run's context is the smaller of the config's positions and the tokenizer's model_max_length
+    (context_length); the dry run reads the latter from tokenizer_config.json, without loading the tokenizer."""
+    import json
+    import shutil
+
+    from repgeom_eval.measurement.estimate import estimate
+    from repgeom_eval.spec.options.measure import RunConfig
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 48
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    run = RunConfig(layers="all", metrics=["dispersion"], batch_size=2, device="cuda")
+    assert estimate(str(model), run).batch_hidden_bytes == 2 * 48 * 32 * 4
+    config["model_max_length"] = 10**30  # transformers' "no limit"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    positions = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    assert estimate(str(model), run).batch_hidden_bytes == 2 * positions * 32 * 4

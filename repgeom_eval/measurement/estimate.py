@@ -204,6 +204,21 @@ def _first(config: Any, *names: str) -> int | None:
     return None
 
 
+def _tokenizer_limit(target: str, source: str) -> int | None:
+    """The ``model_max_length`` a local model directory's tokenizer_config.json declares (a run's context is the
+    smaller of it and the config's positions: ``context_length``), read without loading the tokenizer."""
+    import json
+    from pathlib import Path
+
+    if source != "directory":
+        return None
+    try:
+        value = json.loads((Path(target) / "tokenizer_config.json").read_text(encoding="utf-8")).get("model_max_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, (int, float)) and 0 < value < 10**8 else None
+
+
 def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_size: int | None = None,
              max_length: int | None = None, energy: bool = True, streams: bool | None = None) -> MemoryEstimate:
     """The memory of ``measure(model, ..., run)`` (a :class:`~repgeom_eval.spec.options.measure.RunConfig`) from the
@@ -259,6 +274,7 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
         return "cpu" if on_host else device.type
 
     tokens = max_length or _first(text, "max_position_embeddings", "n_positions") or 512
+    tokens = min(tokens, _tokenizer_limit(target, source) or tokens)  # the run's context is capped by both
     tokens = min(tokens, run.max_length or tokens)
 
     def memory(spec: Any, metric: Any) -> StateEstimate:
