@@ -10,7 +10,8 @@ Method: a random-init Llama built from transformers' own config class (``LlamaCo
 ``repgeom_eval.testing.make_tokenizer``), width D = 2048 by default and 2 blocks (3 hidden states, ``--layers all``), over N = D + 256 short texts (N > D,
 so every Gram is folded into its D×D form), 16 texts a batch: wide enough that the states stand well above the
 noise of the forward pass's own memory. Each case runs in a fresh subprocess that imports everything first and
-loads the model, returns the memory loading freed to the system (``malloc_trim``), resets the process's peak RSS (``/proc/self/clear_refs``), and reports how far the peak
+loads the model, touches every weight (pages of a mapped weight file count in the resident memory once read, which
+would otherwise happen during the measured run), returns the memory loading freed to the system (``malloc_trim``), resets the process's peak RSS (``/proc/self/clear_refs``), and reports how far the peak
 (``VmHWM``) rose above the resident memory during ``measure`` (one glibc arena, so that memory freed is memory
 reused). The state part of a case is that rise minus the rise of ``dispersion`` alone (whose
 states are a few D-vectors), set against the estimate's difference for the same N (``estimate().for_texts(N)``).
@@ -73,8 +74,8 @@ def texts(n: int) -> list[str]:
 
 
 def child(model: str, case: str, n: int, batch: int) -> None:
-    import torch  # noqa: F401  - imported first: the baseline holds them
-    import transformers  # noqa: F401
+    import torch
+    import transformers  # noqa: F401  - imported first: the baseline holds them
 
     from repgeom_eval.spec.options.measure import RunConfig
     from repgeom_eval.measurement.engine import measure
@@ -88,6 +89,9 @@ def child(model: str, case: str, n: int, batch: int) -> None:
     est = estimate(model, config)
     data = texts(n)
     loaded = load_model(model)
+    with torch.inference_mode():  # weights read from a mapped file are resident only once touched: touch them now,
+        for tensor in [*loaded.model.parameters(), *loaded.model.buffers()]:  # not during the measured run
+            tensor.sum()
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what loading freed goes back to the system: a base that is the model
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM: the peak below is the run's, not the load's

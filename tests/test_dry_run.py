@@ -58,7 +58,12 @@ def test_dry_run_reads_the_config_alone_at_a_real_shape(tmp_path, capsys):
     # never holds data beside them at two addresses, so it counts once for the run, as do compute's two D×D copies
     assert doc["metrics"]["effective_rank"]["fixed_bytes_per_address"] == 4097 * 4096 * 8 + 3 * 8
     assert doc["metrics"]["vendi"]["fixed_bytes_per_address"] == 0  # at the same pooling it reads effective_rank's
-    assert doc["transient_bytes"] == 3 * 4096 * 4096 * 8  # the Gram rebuilt whole, eigvalsh's copy, workspace
+    # the largest compute temporary, dataset_entropy's with global centring (its Gram, eigvalsh's copy, workspace),
+    # above the shared Gram's (the Gram rebuilt whole, eigvalsh's copy, LAPACK's workspace of 512 columns)
+    assert doc["transient_bytes"] == 3 * 4096 * 4096 * 8
+    assert main(["measure", "-m", str(tmp_path / "llama-8b"), "-d", "unread.txt", "--layers", "all", "--metrics",
+                 "vendi", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["transient_bytes"] == (2 * 4096 + 512) * 4096 * 8
     # dataset_entropy's compute gathers its vectors in text order: one more row per text, for one address at a time
     assert doc["transient_per_1000_texts_bytes"] == 1000 * 4096 * 8
     per_address = sum(m["fixed_bytes_per_address"] for m in doc["metrics"].values() if m["addresses"] == 33)

@@ -69,9 +69,10 @@ class PooledGram(Statistic):
     """
 
     name = "pooled_gram"
-    # a reader's compute: the Gram rebuilt whole, eigvalsh's copy, and the tiles and workspace between them (measured
-    # at 2.5 D², benchmarks/bench_state_memory.py)
-    compute_temporaries = (("D", "D"), ("D", "D"), ("D", "D"))
+    # a reader's compute: the Gram rebuilt whole, eigvalsh's column-major copy of it, and LAPACK's blocked workspace
+    # beside that copy, a few hundred columns of D (eigvalsh alone raised the peak by 1.06-1.23 D² at D = 2048-4096
+    # on 1-2 threads; a reader's whole compute by 2.26 D² at D = 2048, benchmarks/bench_state_memory.py)
+    compute_temporaries = (("D", "D"), ("D", "D"), ("D", 512))
 
     def __init__(self) -> None:
         super().__init__()
