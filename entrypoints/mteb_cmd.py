@@ -191,7 +191,8 @@ def _dry_run(cfg: MtebRunCommand, sweep: object) -> int:
     run = SimpleNamespace(layers=layers, metrics=tuple(sweep.metrics or ()),
                           metric_params=dict(sweep.metric_params or {}), per_text=False, pooling=None, state_device="model", batch_size=sweep.batch_size,
                           max_length=sweep.max_length, dtype=sweep.dtype, device=sweep.device)
-    est = add_kept_vectors(estimate(cfg.model, run, ModelOptions.of(cfg), energy=False, streams=False),
+    # the sweep pools each address as the pass reaches it (LayerEmbedder.embed), on any device
+    est = add_kept_vectors(estimate(cfg.model, run, ModelOptions.of(cfg), energy=False, streams=True),
                            "(task embeddings, float32)")
     est.notes.append("a task keeps its texts' embeddings at every address until mteb scores it (per 1,000 distinct "
                      "texts of the task); the geometry beside each score (dataset entropy, dispersion, effective "

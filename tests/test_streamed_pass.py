@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -226,9 +227,9 @@ def test_a_measure_run_holds_one_address_at_a_time(tiny_model_dir, texts, monkey
     assert len(calls) == 2 * len(result.results) == 2 * 5
 
 
-def test_the_mteb_sweeps_dry_run_counts_every_address(tiny_model_dir):
-    """The MTEB sweep holds every address of a batch (its encoder pools them after the pass): its dry run says so,
-    on a GPU too."""
+def test_a_caller_that_holds_every_address_says_so_in_the_dry_run(tiny_model_dir):
+    """estimate(streams=False): a caller that keeps every address of a batch (the lm-eval wrapper's passes) gets a
+    dry run that counts them all, on a GPU too."""
     from repgeom_eval.measurement.estimate import estimate
     from repgeom_eval.spec.options.measure import RunConfig
 
@@ -258,3 +259,27 @@ def test_the_dry_run_reads_the_tokenizers_context_limit(tiny_model_dir, tmp_path
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     positions = json.loads((model / "config.json").read_text())["max_position_embeddings"]
     assert estimate(str(model), run).batch_hidden_bytes == 2 * positions * 32 * 4
+
+
+def test_the_mteb_sweep_pools_each_address_during_the_pass(tiny_model_dir, texts, monkeypatch):
+    """LayerEmbedder.embed (the MTEB sweep's forward) pools each address as the pass reaches it: every capture is
+    handed over, none kept, and the embeddings are the pooled hidden states of an ordinary pass."""
+    from repgeom_eval.measurement.pooling import pool
+    from repgeom_eval.mteb_layers.embedder import LayerEmbedder
+
+    loaded = _load(tiny_model_dir)
+    embedder = LayerEmbedder(loaded, pooling="mean", normalize=False)
+    addresses = embedder.addresses("all")
+    streamed = []
+    store = Capture._store
+    monkeypatch.setattr(Capture, "_store", lambda self, p, t: (streamed.append(self.consume is not None),
+                                                              store(self, p, t))[1])
+    got = embedder.embed(texts[:6], addresses, batch_size=3, dtype=np.float64, raw=True)
+    assert streamed and all(streamed)
+    with Forward(loaded, embedder.points(addresses)) as fwd:
+        for start in (0, 3):
+            rows = sorted(range(6), key=lambda i: -len(loaded.tokenizer(texts[i])["input_ids"]))[start:start + 3]
+            batch = fwd.texts([texts[i] for i in rows], embedder.recipe.max_length, "right")
+            for addr in addresses:
+                want = pool(batch.hidden[addr].double(), batch.mask, "mean")[0].numpy()
+                np.testing.assert_allclose(got[addr][rows], want, rtol=1e-12, atol=1e-12)

@@ -223,8 +223,8 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
              max_length: int | None = None, energy: bool = True, streams: bool | None = None) -> MemoryEstimate:
     """The memory of ``measure(model, ..., run)`` (a :class:`~repgeom_eval.spec.options.measure.RunConfig`) from the
     model's config: no weights are read. ``energy``: count ``measure``'s per-address energy diagnostic.
-    ``streams``: whether the run feeds each address during the forward pass (None: as ``measure`` would; False for
-    a caller that holds every address of a batch, as the MTEB sweep does)."""
+    ``streams``: whether the run feeds each address during the forward pass (None: as ``measure`` would; True for
+    the MTEB sweep, which always does; False for a caller that holds every address of a batch)."""
     import torch
     from transformers import AutoConfig
 

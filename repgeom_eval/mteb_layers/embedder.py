@@ -143,13 +143,15 @@ class LayerEmbedder:
 
     def embed(self, texts: Sequence[str], addresses: Sequence[Address], batch_size: int = 32,
               progress: bool = False, desc: str = "forward",
-              sink: Callable[[Batch, list[str]], None] | None = None,
+              sink: Callable[[Address, torch.Tensor, torch.Tensor, list[str]], None] | None = None,
               transform: Callable[[Address, torch.Tensor], torch.Tensor] | None = None,
               raw: bool = False, dtype: Any = np.float32) -> dict[Address, np.ndarray]:
         """Embed ``texts`` at every address; one forward pass per batch, stopped after the deepest address.
 
-        ``sink(batch, strings)``, if given, also reads every batch's captured token vectors (``batch.hidden``,
-        ``batch.mask``) with the prepared strings of its rows: registered metrics are fed from this pass.
+        Each address is pooled as the forward pass reaches it (``Forward.texts(..., consume=...)``), so a batch holds
+        one address's hidden states at a time, whatever the number of addresses.
+        ``sink(address, hidden, mask, strings)``, if given, also reads each address's captured token vectors of
+        every batch, with the prepared strings of its rows: registered metrics are fed from this pass.
         ``transform(address, pooled)`` (preprocessing) maps the pooled float64 vectors before unit normalisation;
         ``raw=True`` returns the pooled vectors themselves (no transform, no normalisation); ``dtype`` is the
         returned arrays' (``np.float64`` keeps the pooled vectors exactly as computed).
@@ -174,15 +176,21 @@ class LayerEmbedder:
             for start in range(0, len(order), batch_size):
                 rows = order[start:start + batch_size]
                 strings = [texts[i] for i in rows]
-                batch = fwd.texts([runnable[i] for i in rows], self.recipe.max_length, "right", row_ids=rows)
-                if sink is not None:
-                    sink(batch, strings)
-                for addr in addresses:
-                    hidden = batch.hidden[addr]
-                    vecs = pool(hidden.double(), batch.mask.to(hidden.device), self.recipe.pooling)[0]
+                pooled: dict[Address, torch.Tensor] = {}
+
+                def consume(addr: Address, hidden: torch.Tensor, mask: torch.Tensor, host_mask: Any,
+                            strings: list[str] = strings, pooled: dict = pooled) -> None:
+                    if sink is not None:
+                        sink(addr, hidden, mask, strings)
+                    vecs = pool(hidden.double(), mask.to(hidden.device), self.recipe.pooling)[0]
                     if not raw:
                         vecs = self.finish(addr, vecs, transform)
-                    out[addr][rows] = (vecs.float() if dtype == np.float32 else vecs).cpu().numpy()
+                    # kept where it is until the pass ends: read back inside it, a GPU would wait for each address
+                    pooled[addr] = vecs.float() if dtype == np.float32 else vecs
+
+                fwd.texts([runnable[i] for i in rows], self.recipe.max_length, "right", row_ids=rows, consume=consume)
+                for addr in addresses:
+                    out[addr][rows] = pooled.pop(addr).cpu().numpy()
                 bar.update(len(rows))
         return out
 

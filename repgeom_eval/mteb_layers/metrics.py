@@ -183,28 +183,27 @@ class SweepMetrics:
         seen = split.fed.get(address, set())
         return any(split.index[t] not in seen for t in texts if t in split.index)
 
-    def sink(self, context: Context) -> Callable[[Batch, list[str]], None]:
+    def sink(self, context: Context) -> Callable[[Address, torch.Tensor, torch.Tensor, list[str]], None]:
         """The ``sink`` of :meth:`LayerEmbedder.embed`: feeds each layer's batch, each text once per layer."""
         split = self._split(context)
 
-        def feed(batch: Batch, strings: list[str]) -> None:
-            for addr, hidden in batch.hidden.items():
-                if addr not in split.bank.states or addr in split.done:
-                    continue
-                seen = split.fed.setdefault(addr, set())
-                rows, ids = [], []
-                for row, text in enumerate(strings):
-                    i = split.index.get(text)
-                    if i is not None and i not in seen:
-                        seen.add(i)
-                        rows.append(row)
-                        ids.append(i)
-                mask = batch.mask.to(hidden.device)  # the metric API's place for it (repgeom_eval.spec.metric.LayerBatch)
-                if len(rows) == len(strings):  # the usual case: no copy
-                    split.bank.update(addr, hidden, mask, ids)
-                elif rows:
-                    sel = torch.tensor(rows, dtype=torch.long, device=hidden.device)
-                    split.bank.update(addr, hidden[sel], mask[sel], ids)
+        def feed(addr: Address, hidden: torch.Tensor, batch_mask: torch.Tensor, strings: list[str]) -> None:
+            if addr not in split.bank.states or addr in split.done:
+                return
+            seen = split.fed.setdefault(addr, set())
+            rows, ids = [], []
+            for row, text in enumerate(strings):
+                i = split.index.get(text)
+                if i is not None and i not in seen:
+                    seen.add(i)
+                    rows.append(row)
+                    ids.append(i)
+            mask = batch_mask.to(hidden.device)  # the metric API's place for it (repgeom_eval.spec.metric.LayerBatch)
+            if len(rows) == len(strings):  # the usual case: no copy
+                split.bank.update(addr, hidden, mask, ids)
+            elif rows:
+                sel = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+                split.bank.update(addr, hidden[sel], mask[sel], ids)
 
         return feed
 
