@@ -202,8 +202,41 @@ def test_the_dry_run_counts_what_the_pass_holds(tiny_model_dir, tmp_path):
 
 
 def test_engine_feeds_during_the_pass_where_it_feeds_one_address_after_another():
+    from repgeom_eval.measurement.feed import THREADED_CAPTURE_BYTES
+
     assert engine.streams_addresses(1, 30) and engine.streams_addresses(8, 2)
-    assert not engine.streams_addresses(2, 3)
+    assert not engine.streams_addresses(2, 3) and not engine.streams_addresses(2, 4, THREADED_CAPTURE_BYTES // 4)
+    assert engine.streams_addresses(2, 4, THREADED_CAPTURE_BYTES // 4 + 1)  # too large a batch to hold whole
+
+
+def test_a_large_batch_on_the_cpus_threads_is_fed_during_the_pass(tiny_model_dir, texts, monkeypatch):
+    """On the CPU's threads, a batch whose addresses together would pass THREADED_CAPTURE_BYTES is fed during the
+    pass instead (memory before speed), with the same values; the dry run says the same."""
+    from repgeom_eval.measurement import feed
+    from repgeom_eval.measurement.estimate import estimate
+    from repgeom_eval.spec.options.measure import RunConfig
+
+    model = tiny_model_dir("llama")
+    monkeypatch.setattr(MeasureRun, "_metric_threads", lambda self, host: 2)
+    streamed = []
+    store = Capture._store
+    monkeypatch.setattr(Capture, "_store", lambda self, p, t: (streamed.append(self.consume is not None),
+                                                              store(self, p, t))[1])
+
+    def run():
+        streamed.clear()
+        out = measure(model, texts[:8], layers="all", metrics=["dispersion", "prompt_entropy"], batch_size=4,
+                      max_length=64, progress=False)
+        return out, set(streamed)
+
+    held, how_held = run()
+    est_held = estimate(model, RunConfig(layers="all", metrics=["dispersion"], max_length=64, batch_size=4))
+    monkeypatch.setattr(feed, "THREADED_CAPTURE_BYTES", 3 * 32 * 4)  # below 3 addresses of any batch here
+    fed, how_fed = run()
+    est_fed = estimate(model, RunConfig(layers="all", metrics=["dispersion"], max_length=64, batch_size=4))
+    assert how_held == {False} and how_fed == {True}
+    assert _assert_same(held.results, fed.results) > 0
+    assert est_held.batch_hidden_bytes == 3 * est_fed.batch_hidden_bytes == 3 * 4 * 64 * 32 * 4
 
 
 def test_a_measure_run_holds_one_address_at_a_time(tiny_model_dir, texts, monkeypatch):

@@ -30,7 +30,7 @@ from repgeom_eval.measurement.checkpoint import RunDir, file_fingerprint, model_
 from repgeom_eval.measurement.device_timer import DeviceTimer
 from repgeom_eval.spec.options.measure import RunConfig
 from repgeom_eval.measurement.distributed import Distributed
-from repgeom_eval.measurement.feed import Feeder, StatsCollector, streams_addresses
+from repgeom_eval.measurement.feed import Feeder, StatsCollector, feed_threads, streams_addresses
 from repgeom_eval.measurement.forward import Forward, context_length
 from repgeom_eval.measurement.memory import memory_used
 from repgeom_eval.measurement.metric_specs import MetricSpec, instantiate_metrics, isolate_third_party
@@ -191,7 +191,6 @@ class MeasureRun:
 
     def _metric_threads(self, host: PluginHost) -> int:
         """How many threads the metric work of a batch may use (1: sequential; see :meth:`_feed_addresses`)."""
-        from repgeom_eval.measurement.feed import feed_threads
         from repgeom_eval.plugin_system.host import BUILTIN_DISTRIBUTION
 
         energy = energy_metric(host)
@@ -286,9 +285,10 @@ class MeasureRun:
         items = [sp.items[i] for i in rows]
         self.device_timer.mark(None)
         consume, fed = None, [0.0]
-        if streams_addresses(self._feed_workers, len(self.addresses)):
-            # one address after another (GPU, one thread, third-party metric): each fed as the pass reaches it, so
-            # the pass holds one address's hidden states, not all (docs/how-to/large-models.md, "What one batch holds")
+        tokens = min(self.context, max(sp.lengths[i] for i in rows))  # the batch's padded length
+        one_address = len(rows) * tokens * (self.loaded.info.hidden_size or 0) * 4  # in float32
+        if streams_addresses(self._feed_workers, len(self.addresses), one_address):
+            # each address fed as the pass reaches it, one held at a time (docs/how-to/large-models.md#memory-before-it-starts)
             def consume(addr, h, mask, host_mask):
                 t = time.perf_counter()
                 self.device_timer.mark("forward")

@@ -26,10 +26,16 @@ def feed_threads(device_type: str, builtin_only: bool) -> int:
     return torch.get_num_threads() if device_type == "cpu" and builtin_only else 1
 
 
-def streams_addresses(threads: int, n_addresses: int) -> bool:
+#: the most a batch's captured hidden states may hold, over every address, for the CPU's threads to be fed them
+#: after the pass; a larger batch is fed during the pass, one address at a time
+THREADED_CAPTURE_BYTES = 1 << 30
+
+
+def streams_addresses(threads: int, n_addresses: int, batch_bytes: int = 0) -> bool:
     """Whether each address is fed as the forward pass reaches it (one address's hidden states held at a time), or
-    every address after the pass, spread over ``threads`` threads (every address's held until they are fed)."""
-    return threads < 2 or n_addresses < 3
+    every address after the pass, spread over ``threads`` threads (every address's held until they are fed: only
+    while that stays within :data:`THREADED_CAPTURE_BYTES`; ``batch_bytes`` is one address's float32 batch)."""
+    return threads < 2 or n_addresses < 3 or batch_bytes * n_addresses > THREADED_CAPTURE_BYTES
 
 
 class ViewBuffer:
