@@ -34,17 +34,13 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_state_memory import _kib, build  # noqa: E402  (the same model builder and peak reader)
+
 CASES = {"forward only (the model's own pass, no hooks)": 0, "during the pass (1 metric thread)": 1,
          "after the pass (2 metric threads)": 2}
 METRICS = ["dispersion", "prompt_entropy"]
 PARAMS = {"prompt_entropy": {"alpha": 2.0}}
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def texts(n: int) -> list[str]:
@@ -91,24 +87,6 @@ def child(model: str, threads: int, n: int, batch: int, tokens: int) -> None:
                       est.batch_hidden_bytes, "addresses": len(result.results)}))
 
 
-def build(path: Path, width: int, blocks: int) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from repgeom_eval.testing import make_tokenizer
-
-    tokenizer = make_tokenizer()
-    tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.model_max_length = 1024  # the test tokenizer says 128, which would cap the run's context
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=blocks,
-                         num_attention_heads=8, num_key_value_heads=8, vocab_size=len(tokenizer) + 16,
-                         max_position_embeddings=1024, torch_dtype="bfloat16")
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=1024)
@@ -124,7 +102,7 @@ def main() -> int:
         return 0
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(Path(tmp) / "m", args.width, args.blocks)
+        model = build(Path(tmp) / "m", args.width, args.blocks, positions=1024, dtype="bfloat16")
         env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # glibc: one arena, so freed memory is reused, not kept
         common = ["--texts", str(args.texts), "--batch", str(args.batch), "--tokens", str(args.tokens)]
         # a first, discarded run: the load check of a new model runs (and caches) its forward passes once

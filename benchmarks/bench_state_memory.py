@@ -127,7 +127,9 @@ def temporary_child(case: str, n: int, width: int, batch: int) -> None:
     print(json.dumps({"compute_rise_bytes": (_kib("VmHWM") - base) * 1024}))
 
 
-def build(path: Path, width: int, blocks: int) -> str:
+def build(path: Path, width: int, blocks: int, positions: int = 128, dtype: str = "float32") -> str:
+    """A random-init Llama (transformers' own config class) and the test tokenizer, saved to ``path``; the
+    tokenizer's limit follows ``positions`` (the test tokenizer's own 128 would cap a longer run's context)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -135,11 +137,12 @@ def build(path: Path, width: int, blocks: int) -> str:
 
     tokenizer = make_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.model_max_length = positions
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=blocks,
                          num_attention_heads=8, num_key_value_heads=8, vocab_size=len(tokenizer) + 16,
-                         max_position_embeddings=128)
-    LlamaForCausalLM(config).save_pretrained(path)
+                         max_position_embeddings=positions, torch_dtype=dtype)
+    LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
