@@ -55,11 +55,14 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("kind, padding", [("llama", "right"), ("gpt2", "left"), ("gpt_neox", "right"),
-                                           ("bert", "right")])
-def test_fed_during_the_pass_equals_fed_after_it(tiny_model_dir, texts, monkeypatch, kind, padding):
+                                           ("bert", "right"), ("qwen2", "left"), ("phi3", "right"),
+                                           ("olmo", "right"), ("gpt_neox_sequential", "right"),
+                                           ("xlm-roberta", "right"), ("t5", "right")])
+def test_fed_during_the_pass_equals_fed_after_it(tiny_model_dir, realistic, texts, monkeypatch, kind, padding):
     """Every built-in metric at every address, with per-text values: the numbers of a run whose addresses are fed
-    during the pass equal those of a run that feeds them after it, in threads."""
-    model = tiny_model_dir(kind)
+    during the pass equal those of a run that feeds them after it, in threads (T5: an encoder whose addresses are
+    read from its hidden_states output)."""
+    model = realistic(kind) if kind == "t5" else tiny_model_dir(kind)
     streamed = []
     store = Capture._store
 
