@@ -10,6 +10,8 @@ sweep) or from token ids (the analyses, the lm-eval extra pass):
   Capture`);
 * float16/bfloat16 activations are upcast to float32, and a NaN or inf at a real (non-pad) token is an error that
   names the address and the text (:func:`check_finite`);
+* with a consumer (``texts(..., consume=...)``), each address is handed over as the pass reaches it instead of
+  being kept, so a batch holds one address's hidden states at a time (``measure`` on a GPU, the MTEB sweep);
 * an address whose every real-token vector is zero (an all-zero or wiped checkpoint) is a warning naming the model
   and the addresses when the passes end: a zero vector is at cosine distance 1 from everything, so every
   dispersion there is exactly 1.0 (:mod:`repgeom_eval.measurement.degenerate`).
