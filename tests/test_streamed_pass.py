@@ -147,7 +147,10 @@ def test_the_consumers_errors_stay_its_own(tiny_model_dir, texts):
     plan = resolve_request("all", loaded)
 
     def broken(addr, h, mask, host_mask):
-        raise ValueError(f"consumer broke at {addr}")
+        try:
+            {}["missing"]
+        except KeyError as exc:
+            raise ValueError(f"consumer broke at {addr}") from exc
 
     def refuses(addr, h, mask, host_mask):
         raise RepgeomError("refused")
@@ -156,6 +159,7 @@ def test_the_consumers_errors_stay_its_own(tiny_model_dir, texts):
         with pytest.raises(ValueError, match="consumer broke at") as caught:
             fwd.texts(texts[:3], 64, consume=broken)
         assert not isinstance(caught.value, ModelForwardError)
+        assert isinstance(caught.value.__cause__, KeyError)  # its own cause, not the carrier through the pass
         with pytest.raises(RepgeomError, match="^refused$"):
             fwd.texts(texts[:3], 64, consume=refuses)
         assert fwd._capture.consume is None

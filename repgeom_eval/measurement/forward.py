@@ -309,7 +309,7 @@ class Forward:
         except RepgeomError:
             raise
         except _ConsumerFailed as failed:  # the caller's own work inside a streamed pass: its error, as it was
-            raise failed.error from None
+            raise failed.error from failed.error.__cause__  # its own cause kept, not this wrapper
         except Exception as exc:  # noqa: BLE001 - the model's (or transformers') code: any exception type
             info = self.loaded.info
             ids = inputs["input_ids"]
