@@ -323,7 +323,7 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
     one = batch * tokens * width * 4
     as_measure = streams is None
     if as_measure:
-        streams = streams_addresses(threads, len(addresses), batch * tokens * width * 4)
+        streams = streams_addresses(threads, len(addresses), one)
     if streams:  # each address fed as the pass reaches it (MeasureRun)
         hidden = one
         notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} in float32, "
