@@ -64,6 +64,15 @@ def flat(results: dict) -> dict[str, float]:
     return out
 
 
+def failure(exc: BaseException) -> str:
+    """The error and the last frames of its traceback: what a run on a lent machine must bring back."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{type(exc).__name__}: {exc}"[:600] + f" [at {where}]"
+
+
 def values_check(device: str, types: tuple[str, ...], n_texts: int) -> dict:
     import repgeom_eval as rg
     from repgeom_eval.testing.demo import python_doc_paragraphs
@@ -75,12 +84,17 @@ def values_check(device: str, types: tuple[str, ...], n_texts: int) -> dict:
             kind = "encoder" if model_type == "bert" else "causal"
             path = rg.save_tiny(model_type, Path(tmp) / model_type, kind=kind)
             runs = {}
-            for where, dtype in (("cpu", "float32"), (device, "float32"), (device, "bfloat16")):
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    result = rg.measure(str(path), texts, layers="all", metrics=METRICS, device=where, dtype=dtype,
-                                        max_length=64, batch_size=4, progress=False)
-                runs[(where, dtype)] = flat(result.results)
+            try:
+                for where, dtype in (("cpu", "float32"), (device, "float32"), (device, "bfloat16")):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        result = rg.measure(str(path), texts, layers="all", metrics=METRICS, device=where,
+                                            dtype=dtype, max_length=64, batch_size=4, progress=False)
+                    runs[(where, dtype)] = flat(result.results)
+            except Exception as exc:  # noqa: BLE001 - one model type's failure is a finding; the others still run
+                rows[model_type] = {"ok": False, "error": failure(exc), "at": f"{where} {dtype}"}
+                print(f"values {model_type}: FAILED at {where} {dtype}: {rows[model_type]['error']}", flush=True)
+                continue
             base = runs[("cpu", "float32")]
 
             def worst(other):
@@ -357,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # first: it is short, and it tells how long the longest context's spectra will take
         doc["eigvalsh"] = eigvalsh_timing(args.device, args.quick)
     except Exception as exc:  # noqa: BLE001 - a report, not a crash, on a machine lent for minutes
-        doc["eigvalsh"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        doc["eigvalsh"] = {"error": failure(exc)}
     save("eigvalsh")
     shape, blocks = ("quick", 2) if args.quick else ("8b", 32)
     tokens, texts, batch = (32, 6, 3) if args.quick else (512, 32, 8)
@@ -375,9 +389,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_model(model, tokenizer, texts, bar, scale):  # the built model's further rows, each saved as it finishes
         doc["scale"] = scale
-        doc["memory"] = memory_check(scale, shape, args.device, dtype, tokens, batch)
+        try:
+            doc["memory"] = memory_check(scale, shape, args.device, dtype, tokens, batch)
+        except Exception as exc:  # noqa: BLE001 - as above
+            doc["memory"] = {"error": failure(exc)}
         save("scale and memory")
-        doc["routes"] = routes_check(model, tokenizer, texts, bar, args.device, batch, tokens)
+        try:
+            doc["routes"] = routes_check(model, tokenizer, texts, bar, args.device, batch, tokens)
+        except Exception as exc:  # noqa: BLE001 - as above
+            doc["routes"] = {"error": failure(exc)}
         save("routes")
         scale["contexts"] = []
         for length in contexts:
@@ -393,14 +413,24 @@ def main(argv: list[str] | None = None) -> int:
                 save(f"context {length}")
                 continue
             one = argparse.Namespace(contexts=[length], context_texts=n_texts, context_batch=2)
-            scale["contexts"] += bench_scale.contexts(model, tokenizer, one, device)
+            try:
+                scale["contexts"] += bench_scale.contexts(model, tokenizer, one, device)
+            except Exception as exc:  # noqa: BLE001 - as above
+                scale["contexts"].append({"tokens": length, "skipped": f"failed: {failure(exc)}"})
             save(f"context {length}")
 
-    scale = bench_scale.per_shape(shape, scale_args, tokenizer, device, getattr(torch, dtype), extra=on_model)
+    try:
+        scale = bench_scale.per_shape(shape, scale_args, tokenizer, device, getattr(torch, dtype), extra=on_model)
+    except Exception as exc:  # noqa: BLE001 - as above
+        scale = {"error": failure(exc), "suites": {}}
+        doc["scale"] = doc.get("scale") or scale
+        doc["scale"]["error"] = scale["error"]
+        print(f"scale: FAILED: {scale['error']}", flush=True)
+    doc.setdefault("routes", {})
     try:
         doc["syncs"] = sync_check(args.device)
     except Exception as exc:  # noqa: BLE001 - as above
-        doc["syncs"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        doc["syncs"] = {"error": failure(exc)}
     save("syncs")
     suites = scale["suites"]
     print(json.dumps({"values_ok": doc["ok"], "wall_s": round(doc["wall_s"], 1),
@@ -410,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       for k, v in suites.items()},
                       "layerwise_by_spectrum_route_added_device": {
                           k: [v.get("added_over_forward_only"), v.get("metrics_over_forward_device")]
-                          for k, v in doc["routes"].items()},
+                          for k, v in doc["routes"].items() if isinstance(v, dict)},
                       "per_context_added_over_forward_only_alpha1_alpha2": {
                           r["tokens"]: [round(r["added_over_forward_only"], 4),
                                         round(r["prompt_entropy_alpha2"]["added_over_forward_only"], 4)]

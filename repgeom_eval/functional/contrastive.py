@@ -83,11 +83,11 @@ def infonce(a: torch.Tensor, b: torch.Tensor, tau: float = 0.1, variant: str = "
     if normalize:
         a, b = unit(a), unit(b)
     if variant == "one_directional":
-        loss = F.cross_entropy(a @ b.T / tau, torch.arange(n))
+        loss = F.cross_entropy(a @ b.T / tau, torch.arange(n, device=a.device))
     else:
         z = torch.cat([a, b])
         logits = (z @ z.T / tau).fill_diagonal_(float("-inf"))
-        target = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+        target = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(a.device)
         loss = F.cross_entropy(logits, target)
     raw = float(loss)
     bound = 1.0 - raw / math.log(n) if n > 1 else float("nan")
@@ -159,7 +159,7 @@ def lidar_from_stats(n: int | torch.Tensor, q: int, sum_mean: torch.Tensor, sum_
     between = sum_outer_mean - n * torch.outer(mu, mu)
     within = scatter - q * sum_outer_mean
     s_b = between / norm_b
-    s_w = within / norm_w + delta * torch.eye(d, dtype=torch.float64)
+    s_w = within / norm_w + delta * torch.eye(d, dtype=torch.float64, device=scatter.device)
     s_w = (s_w + s_w.T) / 2
     w, v = torch.linalg.eigh(s_w)
     inv_sqrt = (v * w.rsqrt()) @ v.T

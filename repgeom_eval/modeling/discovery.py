@@ -117,13 +117,14 @@ def _discover(model: nn.Module, table: ArchitectureSpec | None, table_name: str 
                         "experts_implementation=eager, --model-arg attn_implementation=eager, or --dtype float32")
             raise DiscoveryError(f"model type {model_type!r}: the load check's probe forward pass (random token ids, "
                                  f"text only) failed: {type(exc).__name__}: {first_line(exc)[:300]}{hint}") from None
-    hidden = hidden_states_of(out)
+    hidden = tuple(h.detach().cpu() for h in hidden_states_of(out))  # compared with the host copies (Recorded)
     _check_finite(model, model_type, hidden)
     if not hidden:
         raise DiscoveryError(f"model type {model_type!r} returns no hidden_states from its forward pass "
                              "(output_hidden_states=True), so no layer can be checked; it cannot be measured")
     lhs = getattr(out, "last_hidden_state", None)
-    if not isinstance(lhs, torch.Tensor):
+    lhs = lhs.detach().cpu() if isinstance(lhs, torch.Tensor) else None
+    if lhs is None:
         lhs = _outer_last_hidden_state(rec)
     if lhs is None:
         lhs = hidden[-1]

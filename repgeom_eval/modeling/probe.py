@@ -15,13 +15,14 @@ from repgeom_eval.modeling.hooks import HookPoint, input_tensor, output_tensor
 
 
 class Recorded:
-    """A tensor a hook would read, copied when the hook fired, with a linear fingerprint for fast matching and
-    whether the model changed the original in place afterwards."""
+    """A tensor a hook would read, copied to the host when the hook fired (so that discovery's arithmetic never mixes
+    devices: a model on a GPU, or split over several), with a linear fingerprint for fast matching and whether the
+    model changed the original in place afterwards."""
 
     __slots__ = ("t", "fp", "live", "version", "flat")
 
     def __init__(self, tensor: torch.Tensor):
-        self.t = tensor.detach().clone()
+        self.t = tensor.detach().to("cpu", copy=True)
         self.fp: torch.Tensor | None = None
         self.live, self.version = tensor, tensor._version
         self.flat = False
@@ -96,7 +97,7 @@ class Recorder:
                 pass  # no tensor output: nothing of it can be a site
             lhs = getattr(output, "last_hidden_state", None)
             if isinstance(lhs, torch.Tensor):
-                call.last_hidden_state = lhs
+                call.last_hidden_state = lhs.detach().cpu()
 
         return hook
 
