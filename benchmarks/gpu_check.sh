@@ -13,4 +13,6 @@ PYTHON=${PYTHON:-python3}
 SITE=${REPGEOM_CHECK_SITE:-/tmp/repgeom-site}
 # shellcheck disable=SC2086 # PYTHON may carry flags (the test passes -S)
 $PYTHON -m pip install -q --no-deps --no-build-isolation --no-index --no-compile --upgrade --target "$SITE" .
-PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 exec $PYTHON benchmarks/gpu_check.py "$@"
+SCRIPT=benchmarks/gpu_check.py
+if [ "${1:-}" = "--profile" ]; then SCRIPT=benchmarks/gpu_profile.py; shift; fi  # where the time goes, instead
+PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 exec $PYTHON $SCRIPT "$@"

@@ -406,7 +406,7 @@ class MeasureRun:
                    **{f"load_model_{k}": v for k, v in getattr(self.loaded, "timings", {}).items()},
                    "augment_tokenize_s": t["augment_tokenize"],
                    "preprocess_stats_s": t["preprocess_stats"], "forward_s": t["forward"], "metrics_s": t_metrics,
-                   "total_s": time.perf_counter() - t_start,
+                   "total_s": time.perf_counter() - t_start, "compute_s": t_metrics - t["metrics"],
                    "sequences_per_s": state.n_sequences / max(t["forward"] + t["metrics"], 1e-9),
                    **{f"{k}_device_s": v for k, v in self.device_timer.seconds().items()},
                    **memory_used(state, self.loaded.device)}
