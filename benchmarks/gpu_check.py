@@ -274,14 +274,15 @@ def routes_check(model, tokenizer, texts, bar, device: str, batch: int, tokens: 
         return kept[0], {**timing, "added_over_forward_only": (timing["loop_s"] - bar) / bar,
                          **bench_scale.device_ratio(timing)}
 
-    base, out["torch"] = suite()
+    on_device = {"prompt_entropy": {"spectra": "device"}}  # the routes that replace serial_eigvalsh run there
+    base, out["torch"] = suite(on_device)
     # the package's own host route (prompt_entropy's spectra: host), overlapped with the GPU, then the drop-ins
     routes = {"spectra_host": None, **routes}
     try:
         for name, route in routes.items():
             entropy.serial_eigvalsh = route or torch_route
             try:
-                result, out[name] = suite({"prompt_entropy": {"spectra": "host"}} if route is None else None)
+                result, out[name] = suite({"prompt_entropy": {"spectra": "host"}} if route is None else on_device)
             except Exception as exc:  # noqa: BLE001 - one route's failure is a finding
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 continue
@@ -325,10 +326,11 @@ def memory_check(scale: dict, shape: str, device: str, dtype: str, tokens: int, 
                                           device=device, batch_size=batch, max_length=tokens))
         on_device = sum(s.fixed_bytes for states in est.per_address.values() for s in states
                         if "cpu" not in s.device)
-        estimated = (est.weights_bytes or 0) + est.batch_hidden_bytes + on_device
+        estimated = (est.weights_bytes or 0) + est.batch_hidden_bytes + getattr(est, "working_bytes", 0) + on_device
         peak = row.get("cuda_max_memory_allocated_bytes")
         out[suite] = {"estimate_bytes": estimated, "weights_bytes": est.weights_bytes,
                       "batch_hidden_bytes": est.batch_hidden_bytes, "device_state_bytes": on_device,
+                      "working_bytes": getattr(est, "working_bytes", 0),
                       "cuda_peak_bytes": peak, "peak_over_estimate": peak / estimated if peak else None}
     return out
 

@@ -18,7 +18,8 @@ is shared by every metric of one address and batch instead:
 
 Everything stays float64 and the formulas are those of the per-text functions; only the order of some additions
 differs, so the numbers agree with the per-text computation to rounding (~1e-15 relative). Callers bound the size
-of a block with :func:`row_chunks` (the pipeline keeps a block's float64 copy to ~32 MB).
+of a block with :func:`row_chunks` (the pipeline keeps a block's float64 copy to ~32 MB on the CPU, 512 MB
+on a GPU: :func:`block_limit`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,18 @@ from collections.abc import Iterator
 
 import torch
 
-#: float64 elements of one block's copy (32 MB); :func:`row_chunks` splits a batch into blocks below it
+#: float64 elements of one block's copy on the CPU (32 MB, cache-friendly); :func:`row_chunks` splits a batch into
+#: blocks below it
 BLOCK_ELEMENTS = 1 << 22
+#: the same on a GPU (512 MB): there every operation of a block is a kernel launched from the host, so smaller blocks
+#: multiply the host's work per address (an 8B model's batch of 8 × 512 tokens would be four blocks at the CPU's limit)
+DEVICE_BLOCK_ELEMENTS = 1 << 26
+
+
+def block_limit(device: torch.device) -> int:
+    """The float64 elements of one block's copy on ``device`` (:data:`BLOCK_ELEMENTS` on the CPU, else
+    :data:`DEVICE_BLOCK_ELEMENTS`)."""
+    return BLOCK_ELEMENTS if device.type == "cpu" else DEVICE_BLOCK_ELEMENTS
 
 
 def row_chunks(n_rows: int, row_elements: int, limit: int = BLOCK_ELEMENTS) -> Iterator[slice]:
@@ -167,15 +178,14 @@ class TokenBlock:
         """[B, T, D] float64: the captured values (exact), pads finite (zeroed where they were not)."""
         if self._x64 is None:
             x = self.hidden
-            owned = x.dtype != torch.float64
-            x = x.to(torch.float64)
-            norms = torch.linalg.vector_norm(x, dim=-1)
+            # the norms read the captured values, promoted inside the reduction (no float64 copy to read back)
+            norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
             # A NaN/inf at a pad is zeroed (a real token's stays: the forward pass names it). Done without asking
-            # whether there is one, which on a GPU would wait for the device on every batch.
-            bad_pads = ~self.mask & ~torch.isfinite(norms)
-            fill = bad_pads.unsqueeze(-1)
-            x = x.masked_fill_(fill, 0.0) if owned else x.masked_fill(fill, 0.0)
-            self._x64, self._norms = x, norms.masked_fill(~self.mask, 0.0)
+            # whether there is one, which on a GPU would wait for the device on every batch; the copy and the
+            # zeroing are one pass (a float64 zero of shape [1] makes the result float64).
+            fill = (~self.mask & ~torch.isfinite(norms)).unsqueeze(-1)
+            self._x64 = torch.where(fill, x.new_zeros(1, dtype=torch.float64), x)
+            self._norms = norms.masked_fill(~self.mask, 0.0)
         return self._x64
 
     def norms(self) -> torch.Tensor:

@@ -55,6 +55,8 @@ class MemoryEstimate:
     weights_bytes: int | None
     batch_hidden_bytes: int
     notes: list[str] = field(default_factory=list)
+    #: the float64 working copies of one block of a batch at one address (functional/tokens.py), held while it is fed
+    working_bytes: int = 0
 
     def transient_for(self, n_texts: int) -> int:
         """The largest temporary of one address (a fold, a compute) over ``n_texts`` texts, held once: addresses
@@ -104,7 +106,8 @@ class MemoryEstimate:
                 "metrics": by_metric, "state_bytes": self.state_bytes, "transient_bytes": self.transient_bytes,
                 "transient_per_1000_texts_bytes": self.transient_per_1000_texts_bytes,
                 "per_1000_texts_bytes": self.per_1000_texts_bytes, "weights_bytes": self.weights_bytes,
-                "batch_hidden_bytes": self.batch_hidden_bytes, "notes": self.notes}
+                "batch_hidden_bytes": self.batch_hidden_bytes, "working_bytes": self.working_bytes,
+                "notes": self.notes}
 
 
 def _bytes(shape: tuple, width: int, itemsize: int, skip_rows: bool = False) -> int:
@@ -334,8 +337,21 @@ def estimate(model: str, run: Any, options: Any = None, host: Any = None, batch_
                 if as_measure and threads > 1 else "every address of a batch is held")
         notes.append(f"captured hidden states of one batch: {batch} texts × {tokens} tokens × {width} × "
                      f"{len(addresses)} addresses in float32 ({held})")
+    working = _working_bytes(pairs, batch, tokens, width, device)
     return MemoryEstimate(str(model), info.model_type, n_layers, width, info.dtype, device.type, len(addresses),
-                          addresses, per_address, weights, hidden, notes)
+                          addresses, per_address, weights, hidden, notes, working)
+
+
+def _working_bytes(pairs: list, batch: int, tokens: int, width: int, device: Any) -> int:
+    """The float64 copies one block of a batch is fed through (functional/tokens.py: the copy; with token metrics
+    also the centred tokens, and curvature's differences and their products), up to the block's size limit."""
+    from repgeom_eval.functional.tokens import block_limit
+    from repgeom_eval.spec.metric import Consumes
+
+    row = tokens * width
+    rows = max(1, min(batch, block_limit(device) // max(1, row)))
+    copies = 4 if any(spec.consumes == Consumes.TOKENS for spec, _ in pairs) else 1
+    return 8 * rows * row * copies
 
 
 def check_budget(est: MemoryEstimate, budget: int, n_texts: int | None, per_text_flag: str = "--per-text") -> None:
@@ -399,7 +415,8 @@ def render(est: MemoryEstimate, console: Any = None) -> None:
     console.print(table)
     console.print(f"metric states: {human(est.state_bytes)} + {human(est.per_1000_texts_bytes)} per 1,000 texts; "
                   f"weights: {human(est.weights_bytes)}; captured hidden states per batch: "
-                  f"{human(est.batch_hidden_bytes)}")
+                  f"{human(est.batch_hidden_bytes)}; float64 working copies while one is fed: "
+                  f"{human(est.working_bytes)}")
     if est.transient_bytes or est.transient_per_1000_texts_bytes:
         console.print(f"of the metric states, once for the run (one address at a time folds or computes): "
                       f"{human(est.transient_bytes)} + {human(est.transient_per_1000_texts_bytes)} per 1,000 texts")

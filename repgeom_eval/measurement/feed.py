@@ -13,7 +13,7 @@ import torch
 
 from repgeom_eval.measurement.metric_specs import MetricSpec
 from repgeom_eval.measurement.plan import Item
-from repgeom_eval.functional.tokens import TokenBlock, row_chunks
+from repgeom_eval.functional.tokens import TokenBlock, block_limit, row_chunks
 from repgeom_eval.measurement.pooling import pool64
 from repgeom_eval.measurement.preprocess import Preprocessor, VectorStats
 from repgeom_eval.spec.metric import Consumes, LayerBatch, Metric
@@ -97,7 +97,7 @@ class Feeder:
         vectors of ``prompt_entropy``). ``last``/``first`` pooling pick the vectors before converting them. A token
         metric with an ``update_tokens(index, block)`` method reads the block; any other gets the documented padded
         float64 ``LayerBatch.hidden`` (pads zero), built once per block. Batches whose float64 copy would exceed
-        :data:`~repgeom_eval.functional.tokens.BLOCK_ELEMENTS` are fed in several blocks of rows. ``host_mask``,
+        :func:`~repgeom_eval.functional.tokens.block_limit` are fed in several blocks of rows. ``host_mask``,
         the same mask in host memory when the caller has it, is where the per-text layout is read from (no wait
         for the device).
         """
@@ -115,7 +115,7 @@ class Feeder:
                 ho, mo = h[o], mask[o]
                 hm = host_mask[orig] if host_mask is not None else None
             index = text_index[orig]
-            for rows in row_chunks(ho.shape[0], ho.shape[1] * ho.shape[2]):  # one block unless the batch is huge
+            for rows in row_chunks(ho.shape[0], ho.shape[1] * ho.shape[2], block_limit(ho.device)):  # one, mostly
                 block = TokenBlock(ho[rows], mo[rows], like=layouts.get(rows.start),
                                    host_mask=hm[rows] if hm is not None else None)
                 if rows.start not in layouts:
@@ -186,7 +186,8 @@ class Feeder:
                     views: torch.Tensor, metrics: list[tuple[MetricSpec, Metric]]) -> None:
         v = views.to(h.device)
         hv, mv = h[v], mask[v]
-        blocks = [TokenBlock(hv[r], mv[r]) for r in row_chunks(hv.shape[0], hv.shape[1] * hv.shape[2])]
+        blocks = [TokenBlock(hv[r], mv[r]) for r in row_chunks(hv.shape[0], hv.shape[1] * hv.shape[2],
+                                                              block_limit(hv.device))]
         for method in self._view_poolings:
             buffer = self.buffers.setdefault((addr, method), ViewBuffer(self.n_views))
             vecs = torch.cat([pool64(b.hidden, b.mask, method, b)[0] for b in blocks])

@@ -57,11 +57,16 @@ class DeferredChecks:
         self._batches = 0
 
     def add(self, addr: Address, h: torch.Tensor, real: torch.Tensor, names: list[Any], computed_in: torch.dtype):
-        # a token's sum over the width is NaN/inf exactly when its vector holds one (summed in float64, finite
-        # float32/16 values cannot overflow it)
-        bad_rows = ((~torch.isfinite(h.sum(-1, dtype=torch.float64))) & real).any(1)
+        if h.dtype != torch.float64:
+            # one reduction for both checks: a token's float64 norm is NaN/inf exactly when its vector holds one
+            # (finite float32/16 values cannot overflow it), and zero exactly when the vector is
+            norms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float64)
+            bad_rows = (~torch.isfinite(norms) & real).any(1)
+            zero = ((norms == 0) & real).sum()
+        else:  # float64 values can overflow a norm: a sum is NaN/inf only where a value is
+            bad_rows = ((~torch.isfinite(h.sum(-1))) & real).any(1)
+            zero = ((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum()
         self._pending.append((addr, bad_rows, names, computed_in))
-        zero = ((torch.linalg.vector_norm(h, dim=-1) == 0) & real).sum()
         self._zeros[addr] = zero if addr not in self._zeros else self._zeros[addr] + zero
 
     def batch_done(self) -> None:
