@@ -9,10 +9,11 @@
    suite as it is, and with prompt_entropy at alpha 2, which needs no per-text eigendecomposition).
 3. **Peak GPU memory against the ``--dry-run`` estimate**: ``torch.cuda.max_memory_allocated`` of each run beside
    the estimate of the weights, one batch's captured hidden states and the states that live on the device.
-4. **No host synchronisation per batch**: ``torch.cuda.set_sync_debug_mode("warn")`` during ``measure --layers
-   all`` with the pooled suite (dispersion and the Gram metrics), then with the token metrics too (prompt_entropy at
-   alpha 2), then condensation (and lidar, infonce, dime where nlpaug is installed), over 2 and 6 batches; the
-   synchronisations that grow with the batches (tests/test_host_syncs.py counts the same on the CPU by call site).
+4. **No host synchronisation per batch**: every CUDA runtime call that makes the host wait (stream, device and
+   event synchronisations, blocking copies), counted by the profiler during ``measure --layers all`` over 2 and 6
+   batches of a tiny model and charged to its call site (benchmarks/gpu_profile.py), for the pooled suite, with the
+   token metrics too (prompt_entropy at alpha 2), prompt_entropy's host route, and condensation; what grows with
+   the batches is the hot loop's (tests/test_host_syncs.py counts the same on the CPU by call site).
 5. **What alpha 1 costs, by route**: a symmetric eigenvalue solve per matrix at the Gram sizes prompt_entropy
    diagonalises, by ``torch.linalg.eigvalsh`` on the device (float64, float32), CuPy's batched solver (where
    installed) and the host's cores (run first: it also predicts each context length's time, and a length that
@@ -50,7 +51,6 @@ TINY_TYPES = ("gpt2", "llama", "qwen2", "opt", "gpt_neox", "bert")
 METRICS = ["dispersion", "token_dispersion", "prompt_entropy", "dataset_entropy", "effective_rank", "curvature",
            "vendi"]
 BF16_TOLERANCE = 0.02  # docs/metrics.md#precision
-TOKEN_SUITE = ["token_dispersion", "prompt_entropy", "curvature"]
 
 
 def flat(results: dict) -> dict[str, float]:
@@ -107,47 +107,17 @@ def values_check(device: str, types: tuple[str, ...], n_texts: int) -> dict:
     return rows
 
 
-POOLED_SUITE = ["dispersion", "dataset_entropy", "effective_rank", "vendi"]
-
-
 def sync_check(device: str) -> dict:
+    """The host's waits for the device per suite, over 2 and 6 batches, counted from the profiler's CUDA runtime
+    calls and charged to their call sites (benchmarks/gpu_profile.py): none may grow with the batches."""
     if not device.startswith("cuda"):
         return {"skipped": "CUDA only (tests/test_host_syncs.py counts conversions by call site on the CPU)"}
-    import torch
+    import gpu_profile
 
-    import repgeom_eval as rg
-    from repgeom_eval.testing.demo import python_doc_paragraphs
-
-    texts = python_doc_paragraphs(24)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = rg.save_tiny("llama", Path(tmp) / "llama", kind="causal")
-        loaded = rg.load_model(str(path), device=device)
-
-        def syncs(n_batches: int, metrics: list[str]) -> int:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    result = rg.measure(loaded, texts[: 4 * n_batches], layers="all", metrics=metrics,
-                                        batch_size=4, progress=False,
-                                        metric_params={"prompt_entropy": {"alpha": 2.0}} if "prompt_entropy" in metrics
-                                        else {})
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-            messages = [str(w.message) for w in seen] + list(result.warnings)
-            return sum("synchroniz" in m for m in messages)
-
-        out = {}
-        # the pooled suite, then with the token metrics (prompt_entropy at alpha 2: no eigvalsh, which waits), then
-        # the other built-ins (the multi-view ones where nlpaug, which makes their views, is installed)
-        others = ["condensation"] + (["lidar", "infonce", "dime"] if importlib.util.find_spec("nlpaug") else [])
-        for suite, metrics in (("pooled", POOLED_SUITE), ("pooled+tokens", POOLED_SUITE + TOKEN_SUITE),
-                               ("others", others)):
-            few, many = syncs(2, metrics), syncs(6, metrics)
-            per_batch = (many - few) / 4
-            print(f"syncs ({suite}): {few} over 2 batches, {many} over 6: {per_batch:g} per batch", flush=True)
-            out[suite] = {"syncs_2_batches": few, "syncs_6_batches": many, "per_batch": per_batch,
-                          "ok": per_batch == 0}
+    out = gpu_profile.sync_sites(device)
+    for row in out.values():
+        if isinstance(row, dict) and "per_batch" in row:
+            row["ok"] = row["per_batch"] == 0
     return out
 
 

@@ -32,6 +32,10 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # last: an install
 A2 = {"prompt_entropy": {"alpha": 2.0}}
 HOST = {"prompt_entropy": {"spectra": "host"}}
 GRAMS = ["dataset_entropy", "effective_rank", "vendi"]
+SYNC_SUITES = (("pooled", ["dispersion", *GRAMS], None),
+               ("pooled+tokens", ["dispersion", *GRAMS, "token_dispersion", "prompt_entropy", "curvature"], A2),
+               ("prompt_entropy_alpha1_host", ["prompt_entropy"], HOST),
+               ("condensation", ["condensation"], None))
 CONFIGS = {  # name: (metrics, metric_params)
     "forward_hooks_only": ([], None),
     "dispersion": (["dispersion"], None),
@@ -119,12 +123,42 @@ def profile(model, tokenizer, texts, metrics, params, batch, tokens, device, out
     return {"file": out_path.name if out_path else None, "head": by_device[:3000]}
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def synchronisations(run) -> Counter:
+    """Each call of ``run()`` that makes the host wait for the device, by the innermost frames of this package
+    around it. Counted from the profiler's CUDA runtime calls (every one of them, unlike the once-per-line warnings
+    of ``torch.cuda.set_sync_debug_mode``), each charged to the innermost operation enclosing it on its thread."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        run()
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    sites: Counter = Counter()
+    for e in events:
+        if e.name not in SYNC_CALLS:
+            continue
+        owner = e.cpu_parent
+        if owner is None:  # the innermost event around it on its thread
+            start, end = e.time_range.start, e.time_range.end
+            around = [o for o in events if o is not e and o.thread == e.thread and o.time_range.start <= start
+                      and o.time_range.end >= end]
+            owner = min(around, key=lambda o: o.time_range.end - o.time_range.start) if around else None
+        frames, op = [], owner.name if owner is not None else "?"
+        while owner is not None:  # with_stack: the Python calls are events too, "path(line): function"
+            if "repgeom_eval" in owner.name or "plugins/" in owner.name:
+                frames.append(owner.name.split("/")[-1])
+            owner = owner.cpu_parent
+        sites[f"{op} at " + " <- ".join(frames[:3]) if frames else op] += 1
+    return sites
+
+
 def sync_sites(device: str) -> dict:
-    """Each synchronising call, by its innermost call site in this package, over 2 and 6 batches."""
+    """The host's waits for the device per suite over 2 and 6 batches (tiny model): what grows with the batches is
+    the hot loop's."""
     if not device.startswith("cuda"):
         return {"skipped": "CUDA only"}
-    import torch
-
     import repgeom_eval as rg
     from repgeom_eval.testing.demo import python_doc_paragraphs
 
@@ -133,38 +167,27 @@ def sync_sites(device: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = rg.save_tiny("llama", Path(tmp) / "llama", kind="causal")
         loaded = rg.load_model(str(path), device=device)
-        for suite, metrics, params in (("pooled", ["dispersion", *GRAMS], None),
-                                       ("pooled+tokens", ["dispersion", *GRAMS, "token_dispersion",
-                                                          "prompt_entropy", "curvature"], A2),
-                                       ("prompt_entropy_alpha1_host", ["prompt_entropy"], HOST),
-                                       ("condensation", ["condensation"], None)):
+        for suite, metrics, params in SYNC_SUITES:
             row = {}
             for n_batches in (2, 6):
-                sites: Counter = Counter()
-
-                def show(message, category, filename, lineno, file=None, line=None):
-                    if "synchroniz" not in str(message):
-                        return
-                    stack = [f for f in traceback.extract_stack()[:-1] if "repgeom_eval" in f.filename
-                             or "plugins" in f.filename]
-                    site = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack[-3:]))
-                    sites[site or f"{Path(filename).name}:{lineno}"] += 1
-
-                with warnings.catch_warnings():
-                    warnings.simplefilter("always")
-                    warnings.showwarning = show
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
+                def run():
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
                         rg.measure(loaded, texts[: 4 * n_batches], layers="all", metrics=metrics, batch_size=4,
                                    progress=False, metric_params=params or {})
-                    except Exception as exc:  # noqa: BLE001
-                        row["error"] = failure(exc)
-                    finally:
-                        torch.cuda.set_sync_debug_mode(0)
-                row[f"{n_batches}_batches"] = dict(sites.most_common(25))
+                try:
+                    row[f"{n_batches}_batches"] = dict(synchronisations(run).most_common(30))
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = failure(exc)
+                    break
+            if "error" not in row:
+                few, many = row["2_batches"], row["6_batches"]
+                row["per_batch"] = (sum(many.values()) - sum(few.values())) / 4
+                row["growing_sites"] = {k: (many.get(k, 0) - few.get(k, 0)) / 4 for k in set(few) | set(many)
+                                        if many.get(k, 0) != few.get(k, 0)}
+                print(f"syncs {suite}: {sum(few.values())} over 2 batches, {sum(many.values())} over 6: "
+                      f"{row['per_batch']:g} per batch; growing: {row['growing_sites']}", flush=True)
             out[suite] = row
-            print(f"syncs {suite}: {sum(row['2_batches'].values())} over 2 batches, "
-                  f"{sum(row['6_batches'].values())} over 6", flush=True)
     return out
 
 

@@ -67,7 +67,7 @@ def condensation_block(block: TokenBlock, eps: float = CONDENSATION_EPS) -> tupl
     max-eps unit vectors, Σu and Σ‖u‖², one text at a time (no [B, T, d] float64 copy)."""
     total, q = block.unit_sums(eps)
     sq = (total * total).sum(-1)
-    n = torch.tensor(block.lengths, dtype=torch.float64, device=sq.device)
+    n = torch.tensor(block.lengths, dtype=torch.float64).to(sq.device, non_blocking=True)  # a blocking copy waits
     nan = torch.full_like(sq, float("nan"))
     incl = torch.where(n >= 1, sq / (n * n).clamp(min=1), nan)
     excl = torch.where(n >= 2, (sq - q) / (n * (n - 1)).clamp(min=1), nan)
@@ -98,7 +98,7 @@ def cosine_histogram(tokens: torch.Tensor, bins: int = DEFAULT_BINS, eps: float 
     edges = histogram_edges(bins)
     u = condensation_units(tokens, eps)
     counts = torch.zeros(bins, dtype=torch.float64, device=u.device)
-    inner = edges[1:-1].to(u.device)
+    inner = edges[1:-1].to(u.device, non_blocking=True)
     for lo in range(0, u.shape[0], block):
         c = (u[lo:lo + block] @ u.T).clamp(-1.0, 1.0)
         counts += count_bins(torch.bucketize(c.flatten(), inner, right=True), bins)
@@ -131,7 +131,7 @@ def bin_index(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
     The bin is first computed arithmetically, then moved by one where that lands on the wrong side of an actual
     edge (the arithmetic is within one bin of the truth: the edges are equally spaced to rounding)."""
     bins = edges.numel() - 1
-    lower = edges.to(device=values.device, dtype=values.dtype)
+    lower = edges.to(device=values.device, dtype=values.dtype, non_blocking=True)  # a blocking copy waits on a GPU
     upper = lower.clone()
     upper[-1] = float("inf")  # the last bin also holds 1.0
     k = ((values + 1.0) * (bins / 2.0)).floor_().clamp_(0, bins - 1).long()
@@ -179,7 +179,7 @@ def cosine_histogram_block(block: TokenBlock, bins: int = DEFAULT_BINS, eps: flo
     counts += count_bins(bin_index(cos.diagonal(dim1=1, dim2=2), edges) + offsets, size)
     counts = counts.reshape(len(block), bins)
     zero_bin = _zero_bin(bins)
-    sizes = torch.tensor(block.lengths, dtype=torch.float64, device=counts.device)
+    sizes = torch.tensor(block.lengths, dtype=torch.float64).to(counts.device, non_blocking=True)  # no wait
     counts[:, zero_bin] -= width * width - sizes * sizes  # the pad entries, all exactly 0
-    rows = torch.tensor(live, device=counts.device)
+    rows = torch.tensor(live).to(counts.device, non_blocking=True)
     return out + (counts[rows] / (sizes[rows] * sizes[rows]).unsqueeze(1)).sum(0)

@@ -87,7 +87,7 @@ def infonce(a: torch.Tensor, b: torch.Tensor, tau: float = 0.1, variant: str = "
     else:
         z = torch.cat([a, b])
         logits = (z @ z.T / tau).fill_diagonal_(float("-inf"))
-        target = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(a.device)
+        target = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(a.device, non_blocking=True)
         loss = F.cross_entropy(logits, target)
     raw = float(loss)
     bound = 1.0 - raw / math.log(n) if n > 1 else float("nan")

@@ -366,7 +366,7 @@ def prompt_grams(block, max_elements: int = 1 << 22) -> PromptGrams:
     alone = [i for i, k in enumerate(block.lengths) if k >= 2 and i not in set(small)]
     k = real = spans = None
     if small:
-        g, _, _, real = block.centered_gram()
+        g, real = block.centered_gram_only()
         idx = torch.tensor(small).to(dev, non_blocking=True)
         g, real = (g, real) if len(small) == b else (g.index_select(0, idx), real.index_select(0, idx))
         w = 1.0 / g.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt().clamp(min=1e-12)  # 1/‖c_t‖, as unit() scales

@@ -235,12 +235,24 @@ class TokenBlock:
         The centred Gram is what ``prompt_entropy`` diagonalises (scaled to unit rows); the raw Gram X Xᵀ that the
         condensation histogram needs follows without a second product as G + a_i + a_j + m (adding terms of the
         raw Gram's own size, so no precision is lost; the reverse, centring a raw Gram, would cancel digits)."""
+        g, real = self.centered_gram_only()
+        if "gram_terms" not in self._cache:  # a and m only where asked (condensation): a is a pass over the block
+            c, mu = self._centered_tokens()  # the same values as G's (recomputed rather than kept alive)
+            self._cache["gram_terms"] = ((c @ mu.unsqueeze(-1)).squeeze(-1), (mu * mu).sum(-1))
+        a, m = self._cache["gram_terms"]  # type: ignore[misc]
+        return g, a, m, real
+
+    def _centered_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self.span
+        mu = self.mean()
+        return self.x64[:, lo:hi] - mu.unsqueeze(1), mu
+
+    def centered_gram_only(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(G, real)`` of :meth:`centered_gram`: what ``prompt_entropy`` needs."""
         if "gram" not in self._cache:
             lo, hi = self.span
-            real = self.mask[:, lo:hi]
-            mu = self.mean()
-            c = self.x64[:, lo:hi] - mu.unsqueeze(1)
-            self._cache["gram"] = (c @ c.transpose(1, 2), (c @ mu.unsqueeze(-1)).squeeze(-1), (mu * mu).sum(-1), real)
+            c, _ = self._centered_tokens()
+            self._cache["gram"] = (c @ c.transpose(1, 2), self.mask[:, lo:hi])
         return self._cache["gram"]  # type: ignore[return-value]
 
     def padded64(self) -> torch.Tensor:

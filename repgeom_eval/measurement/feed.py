@@ -111,7 +111,7 @@ class Feeder:
             if len(orig) == h.shape[0]:  # no augmented views in this batch: every row is an original
                 ho, mo, hm = h, mask, host_mask
             else:
-                o = orig.to(h.device)
+                o = orig.to(h.device, non_blocking=True)  # a blocking copy would wait on a GPU
                 ho, mo = h[o], mask[o]
                 hm = host_mask[orig] if host_mask is not None else None
             index = text_index[orig]
@@ -184,7 +184,7 @@ class Feeder:
 
     def _feed_views(self, addr: Address, h: torch.Tensor, mask: torch.Tensor, items: list[Item],
                     views: torch.Tensor, metrics: list[tuple[MetricSpec, Metric]]) -> None:
-        v = views.to(h.device)
+        v = views.to(h.device, non_blocking=True)
         hv, mv = h[v], mask[v]
         blocks = [TokenBlock(hv[r], mv[r]) for r in row_chunks(hv.shape[0], hv.shape[1] * hv.shape[2],
                                                               block_limit(hv.device))]
@@ -218,7 +218,7 @@ class StatsCollector:
     def feed(self, addr: Address, h: torch.Tensor, mask: torch.Tensor, items: list[Item]) -> None:
         orig, views, _ = split_rows(items)
         for kind in self.kinds:
-            rows = (views if kind.startswith("views:") else orig).to(h.device)
+            rows = (views if kind.startswith("views:") else orig).to(h.device, non_blocking=True)
             if not len(rows):
                 continue
             if kind == "tokens":

@@ -81,11 +81,11 @@ class VectorStats:
 
 
 def apply(x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    out = x.double() - params["shift"].to(x.device)
+    out = x.double() - params["shift"].to(x.device, non_blocking=True)
     if "scale" in params:
-        out = out / params["scale"].to(x.device)
+        out = out / params["scale"].to(x.device, non_blocking=True)
     if "matrix" in params:
-        out = out @ params["matrix"].to(x.device)
+        out = out @ params["matrix"].to(x.device, non_blocking=True)
     return out
 
 

@@ -198,11 +198,12 @@ class SweepMetrics:
                     seen.add(i)
                     rows.append(row)
                     ids.append(i)
-            mask = batch_mask.to(hidden.device)  # the metric API's place for it (repgeom_eval.spec.metric.LayerBatch)
+            # the metric API's place for it (repgeom_eval.spec.metric.LayerBatch); a blocking copy would wait on a GPU
+            mask = batch_mask.to(hidden.device, non_blocking=True)
             if len(rows) == len(strings):  # the usual case: no copy
                 split.bank.update(addr, hidden, mask, ids)
             elif rows:
-                sel = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+                sel = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
                 split.bank.update(addr, hidden[sel], mask[sel], ids)
 
         return feed
