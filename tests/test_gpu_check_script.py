@@ -82,17 +82,26 @@ def test_gpu_check_refuses_without_cuda_in_one_line(tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--device cpu" in proc.stderr
 
 
-def test_the_gpu_sync_stage_runs_its_suites(monkeypatch):
-    # the CUDA-only stage, run on the CPU with the sync debug mode stubbed: every suite measured, none syncing
-    import torch
-
+def test_the_gpu_sync_stage_counts_what_grows_with_the_batches(monkeypatch):
+    """The CUDA-only stage run on the CPU, where a host read of a tensor (``aten::_local_scalar_dense``: what a
+    ``bool()`` or ``.item()`` becomes) stands in for a CUDA synchronisation: the CPU path's per-batch finite check
+    reads one per address and batch, and the stage must count it, name its call site, and fail the suite."""
     import repgeom_eval as rg
+    from repgeom_eval.measurement.forward import Forward
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_check
+    import gpu_profile
 
     load = rg.load_model
-    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda *a: None)
     monkeypatch.setattr(rg, "load_model", lambda path, device=None, **kw: load(path, device="cpu", **kw))
+    monkeypatch.setattr(gpu_profile, "SYNC_CALLS", ("aten::_local_scalar_dense",))
+    monkeypatch.setattr(gpu_profile, "SYNC_SUITES", gpu_profile.SYNC_SUITES[:1])  # the pooled suite: seconds
+    monkeypatch.setattr(Forward, "check_each_batch", True)  # the CPU's at-once check
     out = gpu_check.sync_check("cuda")
-    assert set(out) == {"pooled", "pooled+tokens", "others"} and all(row["ok"] for row in out.values())
+    row = out["pooled"]
+    assert set(out) == {"pooled"} and not row["ok"] and row["per_batch"] >= 3  # 3 addresses a batch, at least
+    assert any("check_finite" in site for site in row["growing_sites"]), row["growing_sites"]
+    monkeypatch.setattr(Forward, "check_each_batch", False)  # what a GPU runs: read every 64 batches
+    row = gpu_check.sync_check("cuda")["pooled"]
+    assert not any("check_finite" in site for site in row["growing_sites"]), row["growing_sites"]

@@ -323,3 +323,37 @@ def test_the_mteb_sweep_pools_each_address_during_the_pass(tiny_model_dir, texts
             for addr in addresses:
                 want = pool(batch.hidden[addr].double(), batch.mask, "mean")[0].numpy()
                 np.testing.assert_allclose(got[addr][rows], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_one_block_per_address_equals_many_small_ones(tiny_model_dir, texts, monkeypatch, padding):
+    """Off the CPU a batch is fed as one float64 block per address (functional/tokens.py's ``block_limit``: 512 MB,
+    so that a GPU launches each operation once per address, not once per slice of rows); the numbers equal those of
+    a run cut into blocks of one text each."""
+    from repgeom_eval.functional import tokens
+    from repgeom_eval.measurement import feed
+
+    assert tokens.block_limit(torch.device("cuda")) == tokens.DEVICE_BLOCK_ELEMENTS > tokens.BLOCK_ELEMENTS
+    assert tokens.block_limit(torch.device("cpu")) == tokens.BLOCK_ELEMENTS
+    model = tiny_model_dir("llama")
+    seen = []
+    chunks = feed.row_chunks
+
+    def spy(n_rows, row_elements, limit=tokens.BLOCK_ELEMENTS):
+        out = list(chunks(n_rows, row_elements, limit))
+        seen.append(len(out))
+        return iter(out)
+
+    monkeypatch.setattr(feed, "row_chunks", spy)
+
+    def run(limit):
+        monkeypatch.setattr(feed, "block_limit", lambda device: limit)
+        seen.clear()
+        result = measure(model, texts[:11], layers="all", metrics=METRICS, batch_size=4, padding_side=padding,
+                         per_text=True, progress=False)
+        return result, set(seen)
+
+    (whole, whole_blocks), (cut, cut_blocks) = run(1 << 26), run(1)
+    assert whole_blocks == {1} and max(cut_blocks) == 4  # a batch of 4 texts: 1 block, or one block per text
+    assert _assert_same(whole.results, cut.results) > 12 * 3
+    assert _assert_same(whole.per_text, cut.per_text) > 0
