@@ -37,7 +37,6 @@ SYNC_SUITES = (("pooled", ["dispersion", *GRAMS], None),
                ("prompt_entropy_alpha1_host", ["prompt_entropy"], HOST),
                ("condensation", ["condensation"], None))
 CONFIGS = {  # name: (metrics, metric_params)
-    "forward_hooks_only": ([], None),
     "dispersion": (["dispersion"], None),
     "curvature": (["curvature"], None),
     "prompt_entropy_alpha2": (["prompt_entropy"], A2),
@@ -48,6 +47,7 @@ CONFIGS = {  # name: (metrics, metric_params)
     "vendi": (["vendi"], None),
     "three_grams": (GRAMS, None),
     "suite_alpha2": (["prompt_entropy", *GRAMS, "curvature"], A2),
+    "suite_alpha1_device": (["prompt_entropy", *GRAMS, "curvature"], None),
     "suite_alpha1_host": (["prompt_entropy", *GRAMS, "curvature"], HOST),
 }
 
@@ -63,8 +63,6 @@ def timed_measure(model, tokenizer, texts, metrics, params, batch, tokens, devic
 
     import repgeom_eval as rg
 
-    if not metrics:  # the hooks and the feeding with nothing to feed: dispersion's pooling is the least there is
-        metrics, params = ["dispersion"], None
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -196,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--no-syncs", action="store_true", help="skip the synchronisation sites (gpu_check.py counts them)")
     args = p.parse_args(argv)
     import torch
 
@@ -214,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             write_json(out_path, doc)
 
     t0 = time.perf_counter()
-    try:
-        doc["sync_sites"] = sync_sites(args.device)
-    except Exception as exc:  # noqa: BLE001
-        doc["sync_sites"] = {"error": failure(exc)}
-    save()
+    if not args.no_syncs:
+        try:
+            doc["sync_sites"] = sync_sites(args.device)
+        except Exception as exc:  # noqa: BLE001
+            doc["sync_sites"] = {"error": failure(exc)}
+        save()
     shape, blocks = ("quick", 2) if args.quick else ("8b", 32)
     tokens, batch = (32, 3) if args.quick else (512, 8)
     dtype = torch.float32 if args.quick else torch.bfloat16
