@@ -433,7 +433,7 @@ def test_registration_and_defaults():
     assert set(names) == {"prompt_entropy", "dataset_entropy", "effective_rank", "curvature", "vendi", "condensation"}
     assert DatasetEntropy.default_pooling == "mean" and EffectiveRank.default_pooling == "mean"
     assert Vendi.default_pooling == "last"
-    assert PromptEntropy().config() == {"alpha": 1.0, "variant": "paper", "per_text": False, "spectra": "device"}
+    assert PromptEntropy().config() == {"alpha": 1.0, "variant": "paper", "per_text": False, "spectra": "auto"}
     assert DatasetEntropy().config() == {"alpha": 1.0, "variant": "paper", "centering": "global", "batch_size": 2}
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 ENTROPY_VARIANTS = ("paper", "information_flow")
 #: what the entropies subtract before the Gram: the dataset mean, each prompt's mean, nothing
 ENTROPY_CENTERINGS = ("global", "batch", "none")
-#: where prompt_entropy solves its per-text spectra: beside the hidden states, or on the host's cores
-PROMPT_ENTROPY_SPECTRA = ("device", "host")
+#: where prompt_entropy solves its per-text spectra: on the host's cores when the hidden states are on a GPU (auto),
+#: beside the hidden states, or on the host's cores
+PROMPT_ENTROPY_SPECTRA = ("auto", "device", "host")
 #: curvature: the paper's or the information-flow code's conventions
 CURVATURE_VARIANTS = ("paper", "information_flow")
 #: lidar: Thilak et al.'s or the information-flow code's
