@@ -259,3 +259,29 @@ def test_the_dry_run_says_when_poolings_alone_keep_grams_apart(tmp_path):
     assert note.startswith("vendi (last pooling) and effective_rank (mean pooling) each keep a pooled_gram")
     one = estimate(str(tmp_path / "m"), RunConfig(layers="all", metrics=("effective_rank", "vendi"), pooling="mean"))
     assert not [n for n in one.notes if "each keep" in n] and one.state_bytes < apart.state_bytes
+
+
+def test_the_dry_run_states_the_float64_working_copies_of_one_block(tmp_path, capsys, monkeypatch):
+    """A batch is fed through float64 copies of one block of rows (functional/tokens.py): one copy for pooled
+    metrics, four with token metrics (the copy, the centred tokens, curvature's differences and their products),
+    one block at most the device's limit (512 MB of float64 on a GPU, 32 MB on the CPU)."""
+    import torch
+    from transformers import LlamaConfig
+
+    from repgeom_eval.functional.tokens import BLOCK_ELEMENTS, DEVICE_BLOCK_ELEMENTS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=1000, max_position_embeddings=512).save_pretrained(tmp_path / "m")
+
+    def working(metrics, device):
+        argv = ["measure", "-m", str(tmp_path / "m"), "-d", str(tmp_path / "t.txt"), "--metrics", metrics,
+                "--device", device, "--batch-size", "64", "--max-length", "512", "--dry-run", "--json"]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)["working_bytes"]
+
+    row = 512 * 256  # one text's float64 elements
+    assert working("dispersion", "cuda") == 8 * 64 * row  # 64 rows fit the GPU's block
+    assert working("dispersion,curvature", "cuda") == 4 * 8 * 64 * row
+    assert working("dispersion", "cpu") == 8 * (BLOCK_ELEMENTS // row) * row  # 32 rows a block on the CPU
+    assert DEVICE_BLOCK_ELEMENTS // row >= 64
