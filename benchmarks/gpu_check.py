@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # over the checkout's own repgeom_eval folder, which lacks them
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
+from gpu_profile import failure  # noqa: E402 - the benchmarks folder is on the path from here on
+
 NEEDED = ("torch", "transformers", "pluggy", "yaml", "rich", "tqdm", "safetensors")
 TINY_TYPES = ("gpt2", "llama", "qwen2", "opt", "gpt_neox", "bert")
 METRICS = ["dispersion", "token_dispersion", "prompt_entropy", "dataset_entropy", "effective_rank", "curvature",
@@ -62,15 +64,6 @@ def flat(results: dict) -> dict[str, float]:
             elif isinstance(value, (int, float)):
                 out[f"{addr}/{name}"] = value
     return out
-
-
-def failure(exc: BaseException) -> str:
-    """The error and the last frames of its traceback: what a run on a lent machine must bring back."""
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)[-4:]
-    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
-    return f"{type(exc).__name__}: {exc}"[:600] + f" [at {where}]"
 
 
 def values_check(device: str, types: tuple[str, ...], n_texts: int) -> dict:

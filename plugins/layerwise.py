@@ -172,7 +172,7 @@ class PromptEntropy(TokenMetric):
             return None  # S_2 from two traces of the Gram the block already holds (collision_entropy)
         m = min(tokens, width)
         where = ""
-        if self._on_host(None) or self.spectra == "auto":
+        if self.spectra in ("host", "auto"):
             from .host_spectra import workers
 
             where = (f", solved on the host's {workers()} cores (up to {2 * workers()} batches of Grams, "

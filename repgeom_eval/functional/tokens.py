@@ -73,8 +73,9 @@ class _Layout:
             mask, n = self.mask, self.n
             b, t = mask.shape
             pos = torch.arange(t, device=mask.device)
-            lo = torch.where(mask, pos, t).min(1).values if t else torch.zeros(b, dtype=torch.long, device=mask.device)
-            hi = torch.where(mask, pos, -1).max(1).values + 1 if t else torch.zeros(b, dtype=torch.long, device=mask.device)
+            empty = torch.zeros(b, dtype=torch.long, device=mask.device)
+            lo = torch.where(mask, pos, t).min(1).values if t else empty
+            hi = torch.where(mask, pos, -1).max(1).values + 1 if t else empty
             contiguous = (hi - lo == n) | (n == 0)
             rows = torch.stack([n, lo.to(n.device), hi.to(n.device), contiguous.to(n.dtype)])
             lengths, lo_, hi_, ok_ = rows.tolist() if self.host_copy else _wait_for(rows)
